@@ -1,0 +1,184 @@
+"""``CPUAdamW``: torch-compatible AdamW whose state lives in megatrain's host store."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+
+def _ref(p: torch.Tensor):
+    ref = getattr(p, "_megatrain", None)
+    if ref is None:
+        raise ValueError(
+            f"megatrain.optim.CPUAdamW: got a parameter of shape {tuple(p.shape)} that megatrain does not manage; "
+            "call megatrain.wrap(model) first and pass model.parameters() (or groups of them) to CPUAdamW")
+    return ref
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW over fp32 master weights in host memory, run by megatrain's fused CPU kernel.
+
+    The update rule is exactly ``torch.optim.AdamW`` (decoupled weight decay, bias correction,
+    a step count per parameter) [Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+    ICLR 2019]. ``exp_avg`` / ``exp_avg_sq`` are zero-copy views of the host store (fp32, CPU).
+    The update also writes the compute copy (bf16, round to nearest even; or fp32) that the
+    next forward streams to the device.
+
+    Gradients are summed over every backward since the last ``step()`` / ``zero_grad()``
+    (gradient accumulation: scale the loss by ``1 / gradient_accumulation_steps`` as with plain
+    PyTorch). With ``max_grad_norm`` the global L2 norm over all gradients is clipped exactly
+    like ``torch.nn.utils.clip_grad_norm_`` before the update (the scale is applied inside the
+    fused pass). Parameters that received no gradient (``requires_grad=False``, or unused this
+    step) are not touched, not even by weight decay.
+
+    ``step()`` returns once the updates are queued; they run on megatrain's CPU worker in forward
+    order while the next forward starts (each layer's load waits only for that layer's update).
+    ``state_dict()`` and anything reading weights wait for them.
+
+    Args:
+        params: parameters of a model wrapped by ``megatrain.wrap`` (or param-group dicts).
+        lr: learning rate (float, > 0 or 0).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: term added to the denominator, > 0 or 0.
+        weight_decay: decoupled weight decay coefficient.
+        max_grad_norm: clip the global gradient L2 norm to this value (None: no clipping).
+
+    Raises:
+        ValueError: a hyperparameter out of range, or a parameter not managed by megatrain.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None):
+        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"megatrain.optim.CPUAdamW: {name} must be a finite number >= 0, got {v!r}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"megatrain.optim.CPUAdamW: betas must be two numbers in [0, 1), got {betas!r}")
+        if max_grad_norm is not None and not (max_grad_norm > 0):
+            raise ValueError(f"megatrain.optim.CPUAdamW: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.engine = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                eng, unit, i = _ref(p)
+                if self.engine is None:
+                    self.engine = eng
+                elif eng is not self.engine:
+                    raise ValueError("megatrain.optim.CPUAdamW: parameters come from two different wrapped models")
+                self.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": eng.entry_view(unit, i, "exp_avg"),
+                    "exp_avg_sq": eng.entry_view(unit, i, "exp_avg_sq"),
+                }
+        if self.engine is None:
+            raise ValueError("megatrain.optim.CPUAdamW: got an empty parameter list")
+        self.engine.optimizer = self
+        self.last_grad_norm: Optional[float] = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget gradients accumulated since the last step (the next backward starts afresh)."""
+        self.engine.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply one AdamW update to every parameter that received a gradient.
+
+        Returns:
+            The closure's loss if a closure was given, else None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        eng = self.engine
+        eng.flush()  # every gradient landed in the fp32 accumulators
+        scale = 1.0
+        sq = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                _, unit, i = p._megatrain
+                if unit.has_grad[i]:
+                    sq += unit.grad_sq[i]
+        self.last_grad_norm = math.sqrt(sq)
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
+            scale = min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
+        plans = {}
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                _, unit, i = p._megatrain
+                if not p.requires_grad or not unit.has_grad[i]:
+                    continue
+                st = self.state[p]
+                st["step"] += 1
+                plans.setdefault(unit.index, (unit, []))[1].append(
+                    (i, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                     float(group["weight_decay"]), int(st["step"].item())))
+        for idx in sorted(plans, key=lambda k: (eng.units[k].kind != "resident", k)):
+            unit, items = plans[idx]
+            eng.submit_update(unit, _adam_work(eng, unit, items, scale))
+        eng.zero_grad()
+        return loss
+
+    def wait(self) -> None:
+        """Block until every queued update has been applied."""
+        self.engine.flush()
+
+    def state_dict(self):
+        self.wait()
+        sd = super().state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state dict produced by ``state_dict()`` (same parameter order) into the host store.
+
+        Raises:
+            ValueError: if the groups or state shapes do not match this optimizer's parameters.
+        """
+        self.wait()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"megatrain.optim.CPUAdamW.load_state_dict: {len(groups)} param groups in the state dict, "
+                             f"{len(self.param_groups)} in the optimizer")
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in groups for i in g["params"]]
+        if len(ids) != len(params):
+            raise ValueError("megatrain.optim.CPUAdamW.load_state_dict: the number of parameters does not match")
+        for pid, p in zip(ids, params):
+            st = state_dict["state"].get(pid)
+            if st is None:
+                continue
+            for k in ("exp_avg", "exp_avg_sq"):
+                if tuple(st[k].shape) != tuple(p.shape):
+                    raise ValueError(f"megatrain.optim.CPUAdamW.load_state_dict: {k} of parameter {pid} has shape "
+                                     f"{tuple(st[k].shape)}, expected {tuple(p.shape)}")
+        for pid, p in zip(ids, params):
+            st = state_dict["state"].get(pid)
+            if st is None:
+                continue
+            self.state[p]["exp_avg"].copy_(st["exp_avg"])
+            self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+            self.state[p]["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+        for g, sg in zip(self.param_groups, groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+
+
+def _adam_work(eng, unit, items, scale):
+    def work():
+        ops = torch.ops.megatrain
+        for i, lr, b1, b2, eps, wd, step in items:
+            ops.adamw_step_(
+                eng.entry_view(unit, i, "master").view(-1),
+                eng.entry_view(unit, i, "exp_avg").view(-1),
+                eng.entry_view(unit, i, "exp_avg_sq").view(-1),
+                eng.entry_view(unit, i, "grad_accum").view(-1),
+                eng.entry_view(unit, i, "compute").view(-1),
+                lr, b1, b2, eps, wd, step, scale)
+    return work

@@ -1,0 +1,450 @@
+"""The stream engine: host store, device slots, copy streams and the CPU worker.
+
+The engine owns every persistent training state of a wrapped model in a ``HostStore`` (host
+memory) and moves bytes between it and the compute device:
+
+* **H2D** — the compute copy of a unit (one decoder layer, or the resident unit that holds the
+  embedding / final norm / LM head) is copied into a *device slot* on the H2D stream; the slot's
+  ``weights_ready`` event gates the compute stream. Forward prefetches layer ``i+1`` while ``i``
+  computes, backward prefetches ``i-1``. A slot is reused only after its ``buffer_free`` event
+  (recorded on the compute stream when the layer is done with it).
+* **D2H** — weight gradients produced by a layer's backward are copied on the D2H stream into a
+  bounded pool of pinned staging buffers (``backward_done`` event gates the copy).
+* **CPU worker** — one thread that waits for each D2H copy, accumulates the gradient into the
+  store's fp32 ``grad_accum`` section (overwrite on the first micro-batch after a step), and runs
+  the fused CPU AdamW of each unit when the optimizer steps; the update also writes the new
+  compute copy. The next forward's load of unit ``i`` waits only for unit ``i``'s update.
+
+On a machine without a GPU the same engine runs with device slots in host memory and synchronous
+copies (the "CPU backend"), so every path is exercised by CPU tests.
+
+Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sections 2-4.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from .._loader import load_extension
+
+_C = load_extension()
+
+
+def _debug_races() -> bool:
+    return os.environ.get("MEGATRAIN_DEBUG_RACES", "0") not in ("", "0")
+
+
+@dataclass
+class Entry:
+    """One parameter of a unit: where it lives in the store and on which module it is bound.
+
+    Attributes:
+        name: fully qualified parameter name in the wrapped model (``model.layers.3.mlp.up_proj.weight``).
+        shape: parameter shape.
+        numel: number of elements.
+        offset: element offset inside the unit's flat sections (same in every section).
+        owners: ``(module, attribute)`` pairs that hold this parameter (more than one when tied).
+        param: the user-visible ``nn.Parameter`` (a meta placeholder for streamed layers, a real
+            device parameter for the resident unit).
+    """
+
+    name: str
+    shape: tuple
+    numel: int
+    offset: int
+    owners: list
+    param: torch.nn.Parameter
+
+
+@dataclass
+class Unit:
+    """A group of parameters streamed and updated together (one decoder layer or the resident unit)."""
+
+    index: int
+    kind: str  # "layer" or "resident"
+    entries: List[Entry]
+    numel: int
+    template: tuple
+    module: Optional[torch.nn.Module] = None
+    version: int = 0
+    update_done: threading.Event = field(default_factory=threading.Event)
+    # Written only on the worker thread: entry i received a gradient since the last step/zero_grad.
+    has_grad: List[bool] = field(default_factory=list)
+    grad_sq: List[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.update_done.set()
+        self.has_grad = [False] * len(self.entries)
+        self.grad_sq = [0.0] * len(self.entries)
+
+
+class Slot:
+    """A device buffer that holds the compute copy of one unit of a given template."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.buf = torch.empty(numel, dtype=dtype, device=device)
+        self.unit: Optional[Unit] = None
+        self.version = -1
+        self.in_use = 0
+        self.last_use = 0
+        cuda = device.type == "cuda"
+        self.weights_ready = torch.cuda.Event() if cuda else None
+        self.buffer_free = torch.cuda.Event() if cuda else None
+        self.free_recorded = False
+
+
+class _Worker:
+    """One CPU thread running gradient accumulation and Adam tasks in submission order."""
+
+    def __init__(self):
+        self._q: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="megatrain-cpu-worker", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            task = self._q.get()
+            if task is None:
+                self._q.task_done()
+                return
+            try:
+                if self._error is None:
+                    task()
+            except BaseException as e:  # re-raised on the main thread at the next sync point
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self.check()
+        self._q.put(task)
+
+    def drain(self) -> None:
+        self._q.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"megatrain CPU worker failed: {err!r}") from err
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+
+class Engine:
+    """Streams units between a ``HostStore`` and a compute device (see module docstring).
+
+    Args:
+        units: the units in forward order (layers first, resident unit last).
+        device: compute device (``cuda:N`` or ``cpu``).
+        compute_dtype: dtype of the compute copy and of the device slots
+            (``torch.bfloat16`` or ``torch.float32``).
+        num_slots: device slots per distinct layer template (>= 2 for prefetch).
+        staging_buffers: pinned staging buffers for layer gradients (bounded pool).
+
+    Raises:
+        HostMemoryError: if the host store does not fit (raised before anything is allocated).
+    """
+
+    def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
+                 num_slots: int = 2, staging_buffers: int = 4):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.units = units
+        self.layers = [u for u in units if u.kind == "layer"]
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.cuda = device.type == "cuda"
+        tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
+        self.store = _C.HostStore(tables, compute_dtype, True, self.cuda)
+        for u in units:
+            for e, (_, _, numel, off) in zip(u.entries, self.store.entries(u.index)):
+                assert e.numel == numel, (e.name, e.numel, numel)
+                e.offset = off
+            u.numel = self.store.unit_numel(u.index)
+        self.debug = _debug_races()
+        # Device slots, per layer template.
+        self.slots: dict = {}
+        for u in self.layers:
+            if u.template not in self.slots:
+                self.slots[u.template] = [Slot(u.numel, compute_dtype, device) for _ in range(num_slots)]
+        self._use_clock = 0
+        if self.cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        max_numel = max((u.numel for u in self.layers), default=0)
+        self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
+        for _ in range(staging_buffers if self.layers else 0):
+            self._staging.put(self._host_buffer(max_numel))
+        self._worker = _Worker()
+        self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
+                           grad_accum_time_s=0.0, h2d_copies=0, slot_hits=0)
+        self._timed_copies: list = []  # (kind, start_event, end_event) awaiting readout
+        self._h2d_time_s = 0.0
+        self._d2h_time_s = 0.0
+        self._stats_lock = threading.Lock()
+        self.optimizer = None
+
+    # ------------------------------------------------------------------ memory helpers
+    def _host_buffer(self, numel: int) -> torch.Tensor:
+        if self.cuda:
+            return _C.pinned_empty(numel, self.compute_dtype)
+        return torch.empty(numel, dtype=self.compute_dtype)
+
+    def section(self, unit: Unit, name: str) -> torch.Tensor:
+        """Flat zero-copy view of one store section of ``unit`` (CPU, pinned when on CUDA)."""
+        return self.store.section(unit.index, name)
+
+    def entry_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
+        """Shaped zero-copy view of entry ``i`` of ``unit`` in store section ``name``."""
+        return self.store.view(unit.index, i, name)
+
+    # ------------------------------------------------------------------ streams
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def _timed(self, kind: str, stream):
+        if not self.cuda:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self._timed_copies.append((kind, start, end))
+        return end
+
+    def wait_update(self, unit: Unit) -> None:
+        """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done."""
+        if not unit.update_done.is_set():
+            t0 = time.perf_counter()
+            while not unit.update_done.wait(timeout=1.0):
+                self._worker.check()
+            with self._stats_lock:
+                self._stats["adam_exposed_s"] += time.perf_counter() - t0
+        self._worker.check()
+
+    def copy_h2d(self, dst: torch.Tensor, unit: Unit, ready_event=None, free_event=None) -> None:
+        """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream)."""
+        self.wait_update(unit)
+        src = self.section(unit, "compute")
+        nbytes = src.numel() * src.element_size()
+        if not self.cuda:
+            dst.copy_(src)
+        else:
+            with torch.cuda.stream(self.h2d_stream):
+                if free_event is not None:
+                    self.h2d_stream.wait_event(free_event)
+                if self.debug:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms: make copy races visible
+                end = self._timed("h2d", self.h2d_stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(self.h2d_stream)
+                if ready_event is not None:
+                    ready_event.record(self.h2d_stream)
+        self._stats["h2d_bytes"] += nbytes
+        self._stats["h2d_copies"] += 1
+
+    # ------------------------------------------------------------------ slots
+    def _find_slot(self, unit: Unit) -> Optional[Slot]:
+        for s in self.slots[unit.template]:
+            if s.unit is unit and s.version == unit.version:
+                return s
+        return None
+
+    def _load(self, unit: Unit, protect: Optional[Slot] = None) -> Optional[Slot]:
+        free = [s for s in self.slots[unit.template] if s.in_use == 0 and s is not protect]
+        if not free:
+            return None
+        slot = min(free, key=lambda s: s.last_use)
+        self.copy_h2d(slot.buf, unit, slot.weights_ready, slot.buffer_free if slot.free_recorded else None)
+        slot.unit, slot.version = unit, unit.version
+        self._use_clock += 1
+        slot.last_use = self._use_clock
+        return slot
+
+    def acquire(self, unit: Unit) -> Slot:
+        """Return a slot holding ``unit``'s current weights; the compute stream waits for them."""
+        slot = self._find_slot(unit)
+        if slot is None:
+            slot = self._load(unit)
+            if slot is None:
+                raise RuntimeError(
+                    f"megatrain: no free device slot for layer unit {unit.index}; "
+                    "increase num_slots in megatrain.wrap(...)")
+        else:
+            self._stats["slot_hits"] += 1
+        if self.cuda:
+            self._compute_stream().wait_event(slot.weights_ready)
+        slot.in_use += 1
+        self._use_clock += 1
+        slot.last_use = self._use_clock
+        return slot
+
+    def prefetch(self, unit: Optional[Unit], current: Optional[Slot] = None) -> None:
+        """Start loading ``unit`` into a free slot (no-op if it is already resident or none is free)."""
+        if unit is None or self._find_slot(unit) is not None:
+            return
+        self._load(unit, protect=current)
+
+    def release(self, slot: Slot) -> None:
+        """Mark the compute stream's use of ``slot`` finished (records ``buffer_free``)."""
+        slot.in_use -= 1
+        if slot.in_use == 0:
+            if self.debug:
+                slot.buf.fill_(float("nan"))  # poison: any read of a released slot shows up as NaN
+                slot.unit, slot.version = None, -1
+            if self.cuda:
+                slot.buffer_free.record(self._compute_stream())
+                slot.free_recorded = True
+
+    def bind(self, unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> List[torch.Tensor]:
+        """Bind ``unit``'s parameters as zero-copy views of ``flat`` onto their modules.
+
+        Returns the bound tensors (leaves that require grad where ``requires_grad`` and the
+        parameter itself requires grad).
+        """
+        bound = []
+        for e in unit.entries:
+            v = flat[e.offset:e.offset + e.numel].view(e.shape)
+            if requires_grad and e.param.requires_grad:
+                v = v.detach().requires_grad_(True)
+            for mod, attr in e.owners:
+                mod._parameters[attr] = v
+            bound.append(v)
+        return bound
+
+    def unbind(self, unit: Unit) -> None:
+        """Restore the placeholder parameters (the layer owns no storage between uses)."""
+        for e in unit.entries:
+            for mod, attr in e.owners:
+                mod._parameters[attr] = e.param
+
+    # ------------------------------------------------------------------ gradients
+    def submit_grads(self, unit: Unit, grads: List[Optional[torch.Tensor]], staging: Optional[torch.Tensor] = None,
+                     on_done: Optional[Callable[[], None]] = None) -> None:
+        """Hand weight gradients of ``unit`` (device tensors, one per entry or None) to D2H + the worker.
+
+        Called on the main thread right after the gradients were produced on the compute stream.
+        The worker accumulates them into the store's fp32 ``grad_accum`` section.
+        """
+        own_staging = staging is None
+        if own_staging:
+            staging = self._staging.get()  # bounded pool: blocks when every buffer is in flight
+        ev = None
+        nbytes = 0
+        if self.cuda:
+            backward_done = torch.cuda.Event()
+            backward_done.record(self._compute_stream())
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(backward_done)
+                if self.debug:
+                    torch.cuda._sleep(2_000_000)
+                end = self._timed("d2h", self.d2h_stream)
+                for e, g in zip(unit.entries, grads):
+                    if g is not None:
+                        staging[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=True)
+                        g.record_stream(self.d2h_stream)
+                        nbytes += g.numel() * g.element_size()
+                end.record(self.d2h_stream)
+                ev = torch.cuda.Event()
+                ev.record(self.d2h_stream)
+        else:
+            for e, g in zip(unit.entries, grads):
+                if g is not None:
+                    staging[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
+                    nbytes += g.numel() * g.element_size()
+        self._stats["d2h_bytes"] += nbytes
+        present = [g is not None for g in grads]
+
+        def task():
+            if ev is not None:
+                ev.synchronize()
+            t0 = time.perf_counter()
+            for i, e in enumerate(unit.entries):
+                if not present[i]:
+                    continue
+                acc = self.entry_view(unit, i, "grad_accum").view(-1)
+                sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
+                unit.grad_sq[i] = float(sq)
+                unit.has_grad[i] = True
+            with self._stats_lock:
+                self._stats["grad_accum_time_s"] += time.perf_counter() - t0
+            if own_staging:
+                self._staging.put(staging)
+            if on_done is not None:
+                on_done()
+
+        self._worker.submit(task)
+
+    def flush(self) -> None:
+        """Wait until every submitted gradient has been accumulated and every update applied."""
+        t0 = time.perf_counter()
+        self._worker.drain()
+        with self._stats_lock:
+            self._stats["adam_exposed_s"] += time.perf_counter() - t0
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients (the next backward overwrites the accumulators)."""
+        def task():
+            for u in self.units:
+                u.has_grad = [False] * len(u.entries)
+                u.grad_sq = [0.0] * len(u.entries)
+        self._worker.submit(task)
+
+    def submit_update(self, unit: Unit, work: Callable[[], None]) -> None:
+        """Run ``work`` (the Adam update of ``unit``) on the worker; bump the unit's version after it."""
+        unit.update_done.clear()
+        unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
+
+        def task():
+            t0 = time.perf_counter()
+            try:
+                work()
+                unit.has_grad = [False] * len(unit.entries)
+                unit.grad_sq = [0.0] * len(unit.entries)
+            finally:
+                unit.update_done.set()
+                with self._stats_lock:
+                    self._stats["adam_time_s"] += time.perf_counter() - t0
+
+        self._worker.submit(task)
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict:
+        """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window."""
+        for kind, start, end in self._timed_copies:
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if kind == "h2d":
+                self._h2d_time_s += ms / 1e3
+            else:
+                self._d2h_time_s += ms / 1e3
+        self._timed_copies.clear()
+        with self._stats_lock:
+            out = dict(self._stats)
+        out.update(
+            h2d_time_s=self._h2d_time_s,
+            d2h_time_s=self._d2h_time_s,
+            host_store_bytes=int(self.store.total_bytes),
+            pinned_bytes=int(self.store.pinned_bytes),
+            bytes_per_param=float(self.store.bytes_per_param),
+            num_params=int(self.store.total_numel),
+            streamed_layers=len(self.layers),
+        )
+        return out
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+def _C_ops():
+    return torch.ops.megatrain

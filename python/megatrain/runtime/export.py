@@ -1,0 +1,78 @@
+"""Export a wrapped model's fp32 master weights as a standard Hugging Face model directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+from torch import nn
+
+
+def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict:
+    """Return ``{name: tensor}`` for every parameter of a wrapped model, from the host store.
+
+    Tensors are CPU copies in ``dtype`` (fp32: the master weights themselves, not the compute
+    copy). Tied parameters appear under every name that holds them (as ``model.state_dict()``
+    does); Hugging Face's ``save_pretrained`` drops the tied duplicates.
+
+    Raises:
+        ValueError: if ``model`` was not wrapped by ``megatrain.wrap``.
+    """
+    eng = getattr(model, "megatrain", None)
+    if eng is None:
+        raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
+    eng.flush()
+    by_id = {}
+    for u in eng.units:
+        for i, e in enumerate(u.entries):
+            by_id[id(e.param)] = (u, i)
+    sd = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        u, i = by_id[id(p)]
+        sd[name] = eng.entry_view(u, i, "master").to(dtype=dtype, copy=True)
+    for name, b in model.named_buffers():
+        sd[name] = b.detach().to("cpu", copy=True)
+    return sd
+
+
+def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Write ``config.json`` + safetensors weights that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    The directory is written under a temporary name next to ``out_dir`` and renamed into place,
+    so a crash never leaves a half-written model where the final one is expected.
+
+    Args:
+        model: a model wrapped by ``megatrain.wrap`` (a ``transformers.PreTrainedModel``).
+        out_dir: destination directory (replaced if it exists).
+        dtype: dtype of the saved weights (``torch.float32`` or ``torch.bfloat16``).
+
+    Returns:
+        ``out_dir``.
+    """
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError("megatrain.export_pretrained: the model has no save_pretrained (not a transformers model)")
+    sd = master_state_dict(model, dtype)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    try:
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        cfg_path = os.path.join(tmp, "config.json")
+        if os.path.exists(cfg_path):
+            import json
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["use_cache"] = True
+            cfg["dtype"] = str(dtype).replace("torch.", "")
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,473 @@
+"""``megatrain.wrap(model)``: turn a Hugging Face causal LM into a streamed, host-stored model.
+
+Each entry of the model's decoder ``ModuleList`` becomes a *streamed layer*: the same module
+object (so per-layer attributes such as ``layer_type``, sliding windows and ``layer_idx`` stay
+right), switched to a subclass of its own class whose ``forward`` runs the layer on weights
+streamed from host memory through a custom autograd Function. Its parameters are replaced by
+meta-device placeholders (shape and ``requires_grad`` kept, no storage); at execution they are
+bound as zero-copy views into the device slot that holds the layer. The model's own forward
+(masks, rotary embeddings, embedding scaling, logit soft-capping, MoE routing) runs unchanged.
+
+Everything else (embedding, final norm, LM head, ...) is the *resident unit*: real device
+parameters whose storage is one device buffer, loaded from the host store once per step and
+whose gradients are offloaded by post-accumulate-grad hooks (tied weights are one parameter,
+so autograd sums both contributions before the hook fires).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .engine import Engine, Entry, Unit
+
+_POLICY_RE = re.compile(r"^(recompute|block:(\d+))$")
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no repeated decoder layer list megatrain can stream."""
+
+
+def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
+    """Find the repeated decoder layer list: the largest ``ModuleList`` of same-class modules with parameters.
+
+    Returns:
+        ``(qualified_name, module_list)``.
+
+    Raises:
+        UnsupportedModelError: if there is none (names the model class and what is supported).
+    """
+    best = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        classes = {type(m) for m in mod}
+        if len(classes) != 1:
+            continue
+        if not any(True for _ in mod[0].parameters()):
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if best is None or n > best[2]:
+            best = (name, mod, n)
+    if best is None:
+        raise UnsupportedModelError(
+            f"megatrain.wrap: {type(model).__name__} has no repeated decoder layer list (an nn.ModuleList "
+            "of same-class layers with parameters, like model.layers in Llama or transformer.h in GPT-2). "
+            "Supported: Hugging Face causal LMs whose decoder layers live in one ModuleList "
+            "(Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Mixtral, GPT-2, ...).")
+    return best[0], best[1]
+
+
+def _param_owners(root: nn.Module) -> dict:
+    """Map id(parameter) -> list of (module, attribute) that hold it, under ``root``."""
+    owners: dict = {}
+    for mod in root.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, attr))
+    return owners
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for mod in module.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)
+
+
+class _StreamedLayerMixin:
+    """Forward of a streamed decoder layer (mixed into a subclass of the layer's own class)."""
+
+    _megatrain_engine: "WrappedEngine"
+    _megatrain_unit: Unit
+
+    def forward(self, *args, **kwargs):  # noqa: D401 - replaces the layer's forward
+        return self._megatrain_engine.run_layer(self, args, kwargs)
+
+
+_STREAMED_CLASSES: dict = {}
+
+
+def _streamed_class(cls: type) -> type:
+    if cls not in _STREAMED_CLASSES:
+        _STREAMED_CLASSES[cls] = type(f"Streamed{cls.__name__}", (_StreamedLayerMixin, cls),
+                                      {"_megatrain_orig_forward": cls.forward})
+    return _STREAMED_CLASSES[cls]
+
+
+class _LayerCall:
+    """Everything needed to re-run one layer call in backward (no weights, no activations but the inputs)."""
+
+    __slots__ = ("layer", "unit", "leaves", "spec", "diff_idx", "out_spec", "out_tensor_idx", "out_other",
+                 "rng", "block", "pos", "saved")
+
+    def __init__(self, layer, unit, leaves, spec, diff_idx):
+        self.layer = layer
+        self.unit = unit
+        self.leaves = leaves
+        self.spec = spec
+        self.diff_idx = diff_idx
+        self.out_spec = None
+        self.out_tensor_idx = None
+        self.out_other = None
+        self.rng = None
+        self.block = None
+        self.pos = 0
+        self.saved = None
+
+    def args_with(self, diff_inputs):
+        leaves = list(self.leaves)
+        for i, t in zip(self.diff_idx, diff_inputs):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.spec)
+
+
+class _Block:
+    """Layers ``[start, start+K)`` of one forward under the ``block:K`` policy: only the first input is kept."""
+
+    def __init__(self):
+        self.calls: List[_LayerCall] = []
+        self.first_inputs = None  # detached diff inputs of the first layer (kept alive by the block)
+        self.inputs: dict = {}  # position -> detached diff inputs, filled by recomputation in backward
+
+
+def _rng_state(device: torch.device):
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, cuda
+
+
+class _LayerFunction(torch.autograd.Function):
+    """One decoder layer: forward on streamed weights without a graph, backward by recomputation."""
+
+    @staticmethod
+    def forward(ctx, eng, call, dummy, *diff_inputs):
+        ctx.eng = eng
+        ctx.call = call
+        call.rng = _rng_state(eng.device)
+        out = eng.execute(call, diff_inputs, grad=False)
+        leaves, spec = tree_flatten(out)
+        call.out_spec = spec
+        call.out_tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        outs = tuple(leaves[i] for i in call.out_tensor_idx)
+        non_diff = [o for o in outs if not o.is_floating_point()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        call.out_other = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        if call.block is None or call.pos == 0:
+            ctx.save_for_backward(*diff_inputs)
+            ctx.saves_inputs = True
+        else:
+            ctx.saves_inputs = False
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        eng, call = ctx.eng, ctx.call
+        if ctx.saves_inputs:
+            inputs = ctx.saved_tensors
+        else:
+            inputs = eng.block_input(call)
+        grads = eng.backward_layer(call, inputs, grad_outs)
+        return (None, None, None) + tuple(grads)
+
+
+class WrappedEngine(Engine):
+    """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
+
+    def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
+                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int):
+        m = _POLICY_RE.match(activation_policy)
+        if m is None:
+            raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute' or 'block:K' (K >= 1), "
+                             f"got {activation_policy!r}")
+        self.block_k = int(m.group(2)) if m.group(2) else 1
+        if self.block_k < 1:
+            raise ValueError(f"megatrain.wrap: block:K needs K >= 1, got {activation_policy!r}")
+        self.activation_policy = activation_policy
+        self.model = model
+        owners = _param_owners(model)
+        layer_param_ids = set()
+        units: List[Unit] = []
+        for li, layer in enumerate(layers):
+            entries, rel = [], []
+            for name, p in layer.named_parameters():
+                layer_param_ids.add(id(p))
+                entries.append(Entry(f"{layers_name}.{li}.{name}", tuple(p.shape), p.numel(), 0,
+                                     owners[id(p)], p))
+                rel.append((name, tuple(p.shape)))
+            template = (type(layer), tuple(rel))
+            units.append(Unit(li, "layer", entries, 0, template, module=layer))
+        res_entries = []
+        for name, p in model.named_parameters():
+            if id(p) in layer_param_ids:
+                continue
+            for mod, _ in owners[id(p)]:
+                if any(mod is l or any(mod is s for s in l.modules()) for l in layers):
+                    raise UnsupportedModelError(
+                        f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
+                        "megatrain streams each decoder layer on its own and cannot share its weights")
+            res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p))
+        self.resident = Unit(len(units), "resident", res_entries, 0, ("resident",)) if res_entries else None
+        if self.resident is not None:
+            units.append(self.resident)
+        super().__init__(units, device, compute_dtype, num_slots=num_slots)
+
+        # Initialise the store from the model's weights: master (fp32) and compute copy.
+        with torch.no_grad():
+            for u in self.units:
+                for i, e in enumerate(u.entries):
+                    src = e.param.detach()
+                    self.entry_view(u, i, "master").copy_(src)
+                    self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
+                    self.entry_view(u, i, "exp_avg").zero_()
+                    self.entry_view(u, i, "exp_avg_sq").zero_()
+
+        # Streamed layers: placeholders + streamed class.
+        for u in self.layers:
+            layer = u.module
+            for e in u.entries:
+                ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
+                                  requires_grad=e.param.requires_grad)
+                e.param = ph
+                for mod, attr in e.owners:
+                    mod._parameters[attr] = ph
+                ph._megatrain = (self, u, u.entries.index(e))
+            _move_buffers(layer, device)
+            layer.__class__ = _streamed_class(type(layer))
+            layer._megatrain_engine = self
+            layer._megatrain_unit = u
+
+        # Resident unit: real device parameters viewing one device buffer.
+        if self.resident is not None:
+            self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
+            self.resident_loaded_version = -1
+            self.resident_staging = self._host_buffer(self.resident.numel)
+            self._resident_consumed = {}
+            for i, e in enumerate(self.resident.entries):
+                e.param.data = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
+                e.param._megatrain = (self, self.resident, i)
+                if e.param.requires_grad:
+                    e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
+        _move_buffers(model, device)
+        self.load_resident()
+        self._pending_block: Optional[_Block] = None
+        self._last_call: Optional[_LayerCall] = None
+        self._dummy = torch.empty(0, requires_grad=True)
+        model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
+
+    # ------------------------------------------------------------------ resident unit
+    def load_resident(self) -> None:
+        """Bring the resident unit's device buffer up to date with the host store (if it changed)."""
+        u = self.resident
+        if u is None:
+            return
+        self.wait_update(u)
+        if self.resident_loaded_version == u.version:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event()
+            self.copy_h2d(self.resident_buf, u, ready_event=ev)
+            self._compute_stream().wait_event(ev)
+        else:
+            self.copy_h2d(self.resident_buf, u)
+        self.resident_loaded_version = u.version
+
+    def _make_resident_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            p.grad = None
+            grads = [None] * len(self.resident.entries)
+            grads[i] = g
+            prev = self._resident_consumed.get(i)
+            if prev is not None:
+                prev.wait()  # the worker still reads this entry's staging region from the last backward
+            done = __import__("threading").Event()
+            self._resident_consumed[i] = done
+            self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
+        return hook
+
+    def begin_forward(self) -> None:
+        self._pending_block = None
+        self._last_call = None
+        self.load_resident()
+
+    # ------------------------------------------------------------------ layer execution
+    def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
+        j = unit.index + step
+        return self.layers[j] if 0 <= j < len(self.layers) else None
+
+    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1):
+        """Run ``call``'s layer once on streamed weights. Returns its output (and bound leaves if grad)."""
+        unit = call.unit
+        slot = self.acquire(unit)
+        try:
+            self.prefetch(self._neighbour(unit, prefetch_step), current=slot)
+            bound = self.bind(unit, slot.buf, requires_grad=grad)
+            try:
+                args, kwargs = call.args_with(diff_inputs)
+                out = call.layer._megatrain_orig_forward(*args, **kwargs)
+            finally:
+                self.unbind(unit)
+        except BaseException:
+            self.release(slot)
+            raise
+        if grad:
+            return out, bound, slot
+        self.release(slot)
+        return out
+
+    def run_layer(self, layer, args, kwargs):
+        unit = layer._megatrain_unit
+        leaves, spec = tree_flatten((args, kwargs))
+        any_param_grad = any(e.param.requires_grad for e in unit.entries)
+        diff_idx = [i for i, x in enumerate(leaves)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+        if not torch.is_grad_enabled() or not (diff_idx or any_param_grad):
+            call = _LayerCall(layer, unit, leaves, spec, [])
+            with torch.no_grad():
+                return self.execute(call, [], grad=False)
+        diff = [leaves[i] for i in diff_idx]
+        stored = list(leaves)
+        for i in diff_idx:
+            stored[i] = None
+        call = _LayerCall(layer, unit, stored, spec, diff_idx)
+        self._assign_block(call, diff)
+        outs = _LayerFunction.apply(self, call, self._dummy, *diff)
+        out_leaves = list(call.out_other)
+        for i, o in zip(call.out_tensor_idx, outs):
+            out_leaves[i] = o
+        self._last_call = call
+        call.saved = outs
+        return tree_unflatten(out_leaves, call.out_spec)
+
+    def _assign_block(self, call: _LayerCall, diff) -> None:
+        """Place ``call`` in the current block (block:K) if its inputs are exactly the last layer's outputs."""
+        if self.block_k == 1:
+            return
+        prev = self._last_call
+        chained = (prev is not None and prev.block is self._pending_block and self._pending_block is not None
+                   and len(self._pending_block.calls) < self.block_k and prev.saved is not None
+                   and len(diff) == len(prev.saved) and all(a is b for a, b in zip(diff, prev.saved)))
+        if not chained:
+            self._pending_block = _Block()
+        blk = self._pending_block
+        call.block = blk
+        call.pos = len(blk.calls)
+        blk.calls.append(call)
+        if call.pos == 0:
+            blk.first_inputs = tuple(x.detach() for x in diff)
+
+    def block_input(self, call: _LayerCall):
+        """Inputs of a non-first layer of a block: recompute the block prefix from its first input."""
+        blk = call.block
+        if call.pos not in blk.inputs:
+            x = blk.first_inputs
+            with torch.no_grad():
+                for pos in range(0, call.pos):
+                    c = blk.calls[pos]
+                    cpu_rng, cuda_rng = c.rng
+                    with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+                        torch.set_rng_state(cpu_rng)
+                        if cuda_rng is not None:
+                            torch.cuda.set_rng_state(cuda_rng, self.device)
+                        out = self.execute(c, x, grad=False)
+                    leaves, _ = tree_flatten(out)
+                    x = tuple(leaves[i].detach() for i in c.out_tensor_idx)
+                    blk.inputs[pos + 1] = x
+        return blk.inputs.pop(call.pos)
+
+    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
+        """Recompute ``call`` with grad on re-streamed weights; send weight grads D2H; return input grads."""
+        unit = call.unit
+        detached = [x.detach().requires_grad_(True) for x in inputs]  # every diff input required grad in forward
+        cpu_rng, cuda_rng = call.rng
+        with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            with torch.enable_grad():
+                out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1)
+        try:
+            leaves, _ = tree_flatten(out)
+            outs, gos = [], []
+            for i, go in zip(call.out_tensor_idx, grad_outs):
+                o = leaves[i]
+                if go is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                    outs.append(o)
+                    gos.append(go)
+            want_in = [x for x in detached if x.requires_grad]
+            want_w = [(k, b) for k, b in enumerate(bound) if b.requires_grad]
+            targets = want_in + [b for _, b in want_w]
+            if outs and targets:
+                grads = torch.autograd.grad(outs, targets, gos, allow_unused=True)
+            else:
+                grads = [None] * len(targets)
+        finally:
+            self.release(slot)
+        in_grads = iter(grads[:len(want_in)])
+        result = [next(in_grads) if x.requires_grad else None for x in detached]
+        wgrads: List[Optional[torch.Tensor]] = [None] * len(unit.entries)
+        for (k, _), g in zip(want_w, grads[len(want_in):]):
+            wgrads[k] = g
+        if any(g is not None for g in wgrads):
+            self.submit_grads(unit, wgrads)
+        if call.block is not None and call.pos == 0:
+            call.block.first_inputs = None
+        return result
+
+
+def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
+         activation_policy: str = "recompute", num_slots: int = 2) -> nn.Module:
+    """Move a causal LM's training state into host memory and stream its decoder layers.
+
+    Args:
+        model: a Hugging Face causal LM (or any module with one ``nn.ModuleList`` of same-class
+            decoder layers), with its weights on the CPU (any float dtype; fp32 recommended: the
+            fp32 master weights are initialised from them).
+        device: compute device. Default: ``cuda`` when available, else ``cpu``.
+        compute_dtype: dtype of the streamed compute copy and of all activations:
+            ``torch.bfloat16`` (default on CUDA) or ``torch.float32`` (default on CPU; exact parity).
+        activation_policy: ``"recompute"`` (save each layer input, recompute the layer in backward)
+            or ``"block:K"`` (save every K-th layer input, recompute the block).
+        num_slots: device slots per layer shape (>= 2 lets forward prefetch layer ``i+1``).
+
+    Returns:
+        The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
+        optimizer (``megatrain.optim.CPUAdamW(model.parameters(), ...)``) afterwards.
+
+    Raises:
+        UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
+        ValueError: bad ``activation_policy`` / ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
+        HostMemoryError: the host store does not fit in host memory (nothing is allocated).
+    """
+    if getattr(model, "megatrain", None) is not None:
+        raise ValueError("megatrain.wrap: this model is already wrapped")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"megatrain.wrap: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError("megatrain.wrap: disable the model's gradient checkpointing first "
+                         "(megatrain recomputes layers itself; see activation_policy)")
+    if not isinstance(activation_policy, str) or _POLICY_RE.match(activation_policy) is None:
+        raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute' or 'block:K', got {activation_policy!r}")
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
+    layers_name, layers = find_decoder_layers(model)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "use_cache"):
+        cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
+    engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots)
+    object.__setattr__(model, "megatrain", engine)
+    return model

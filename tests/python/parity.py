@@ -1,0 +1,96 @@
+"""Shared helpers for parity tests: train a model the plain PyTorch way and with megatrain, side by side."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+import megatrain
+
+
+@dataclass
+class RunResult:
+    losses: List[float] = field(default_factory=list)
+    params: dict = field(default_factory=dict)  # name -> fp32 CPU tensor after training
+    grad_norms: List[float] = field(default_factory=list)
+
+
+def make_batches(vocab: int, steps: int, micro_batches: int, batch: int, seq: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(micro_batches)] for _ in range(steps)]
+
+
+def param_groups(model, mode: str, lr: float, wd: float):
+    """``mode`` 'one': one group; 'two': decay / no-decay groups with different lr (norms and biases in the second)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if mode == "one":
+        return [{"params": [p for _, p in named]}]
+    decay = [p for n, p in named if p.ndim >= 2]
+    no_decay = [p for n, p in named if p.ndim < 2]
+    return [{"params": decay, "weight_decay": wd, "lr": lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": lr * 0.5}]
+
+
+def train_reference(model, batches, *, lr, wd, betas, max_grad_norm, groups, device="cpu", autocast=None):
+    model = model.to(device)
+    opt = torch.optim.AdamW(param_groups(model, groups, lr, wd), lr=lr, betas=betas, weight_decay=wd,
+                            eps=1e-8, foreach=False)
+    res = RunResult()
+    for micro in batches:
+        total = 0.0
+        for x in micro:
+            x = x.to(device)
+            with torch.autocast(device_type="cuda", dtype=autocast) if autocast else _null():
+                loss = model(input_ids=x, labels=x).loss / len(micro)
+            loss.backward()
+            total += loss.item()
+        if max_grad_norm is not None:
+            res.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        opt.step()
+        opt.zero_grad()
+        res.losses.append(total)
+    res.params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return res
+
+
+def train_megatrain(model, batches, *, lr, wd, betas, max_grad_norm, groups, device="cpu",
+                    compute_dtype=torch.float32, activation_policy="recompute"):
+    model = megatrain.wrap(model, device=device, compute_dtype=compute_dtype, activation_policy=activation_policy)
+    opt = megatrain.optim.CPUAdamW(param_groups(model, groups, lr, wd), lr=lr, betas=betas, weight_decay=wd,
+                                   eps=1e-8, max_grad_norm=max_grad_norm)
+    res = RunResult()
+    for micro in batches:
+        total = 0.0
+        for x in micro:
+            x = x.to(device)
+            loss = model(input_ids=x, labels=x).loss / len(micro)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        if max_grad_norm is not None:
+            res.grad_norms.append(opt.last_grad_norm)
+        res.losses.append(total)
+    res.params = megatrain.master_state_dict(model)
+    return res, model, opt
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rtol: float, name: str, atol: float = 0.0):
+    """Per element: |a - b| <= rtol * |b| + atol (atol defaults to rtol * max|b| * 1e-3 for exact zeros)."""
+    a, b = a.double(), b.double()
+    if atol == 0.0:
+        atol = rtol * float(b.abs().max()) * 1e-2 + 1e-12
+    err = (a - b).abs() - (rtol * b.abs() + atol)
+    worst = float(err.max())
+    assert worst <= 0, f"{name}: max excess {worst:.3e} (max |a-b| {float((a-b).abs().max()):.3e})"
