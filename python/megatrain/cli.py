@@ -1,0 +1,173 @@
+"""The ``megatrain`` command line.
+
+    megatrain train                                  # the built-in default (stdlib, tiny Llama)
+    megatrain train --config examples/configs/llama_small.yaml --steps 500
+    megatrain train --model ./my-hf-model --data ./corpus --tokenizer ./my-hf-model --seq-len 1024
+    megatrain train --set train.warmup_steps=50 --set model.num_layers=8
+    python -m megatrain train --print-config         # the resolved configuration, as YAML
+
+Precedence: preset < --config file < explicit flags < --set. Bad input (unknown key, missing data,
+non-numeric value, sequence length above the model's limit, ...) prints one line
+``megatrain: error: ...`` to stderr and exits with status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+EXIT_USAGE = 2
+
+# flag -> (section, key); values go through the same conversion and checks as the YAML file.
+FLAG_KEYS = {
+    "data": ("data", "path"),
+    "tokenizer": ("data", "tokenizer"),
+    "steps": ("train", "steps"),
+    "lr": ("train", "lr"),
+    "seq_len": ("data", "seq_len"),
+    "micro_batch_size": ("train", "micro_batch_size"),
+    "gradient_accumulation_steps": ("train", "gradient_accumulation_steps"),
+    "seed": ("train", "seed"),
+    "out": ("log", "out"),
+    "device": ("runtime", "device"),
+    "compute_dtype": ("runtime", "compute_dtype"),
+    "activation_policy": ("runtime", "activation_policy"),
+    "eval_every": ("eval", "every"),
+    "log_every": ("log", "every"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        _fail(f"{message} (see `{self.prog} --help`)")
+
+
+def _fail(message: str):
+    sys.stderr.write(f"megatrain: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(EXIT_USAGE)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatrain", description="megatrain: train LLMs with host-resident fp32 state.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    tr = sub.add_parser(
+        "train",
+        help="train a causal LM (default: a tiny Llama on the Python stdlib sources)",
+        description="Train a Hugging Face causal LM with megatrain. Without --config: the built-in default.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Precedence: --preset < --config < flags < --set. Keys: megatrain train --print-config.",
+    )
+    tr.add_argument("--config", "-c", help="YAML config file (sections model, data, train, runtime, eval, log)")
+    tr.add_argument("--preset", default="default", help="built-in starting point: default | gpu (default: default)")
+    tr.add_argument(
+        "--model",
+        help="a local HF model directory (model.path) or an architecture name such as llama (model.arch)",
+    )
+    tr.add_argument("--data", help="text/JSONL file, directory, or 'stdlib' (data.path)")
+    tr.add_argument("--tokenizer", help="local tokenizer directory, or 'byte' (data.tokenizer)")
+    tr.add_argument("--steps", help="optimizer steps (train.steps)")
+    tr.add_argument("--lr", help="peak learning rate (train.lr)")
+    tr.add_argument("--seq-len", help="tokens per sequence (data.seq_len)")
+    tr.add_argument("--micro-batch-size", help="sequences per micro batch (train.micro_batch_size)")
+    tr.add_argument("--gradient-accumulation-steps", help="micro batches per step (train.gradient_accumulation_steps)")
+    tr.add_argument("--seed", help="seed for init, data split and order (train.seed)")
+    tr.add_argument("--out", "-o", help="output directory (log.out; default runs/<timestamp>)")
+    tr.add_argument("--device", help="auto | cpu | cuda | cuda:N (runtime.device)")
+    tr.add_argument("--compute-dtype", help="auto | bf16 | fp32 (runtime.compute_dtype)")
+    tr.add_argument("--activation-policy", help="recompute | block:K (runtime.activation_policy)")
+    tr.add_argument("--eval-every", help="steps between held-out evaluations (eval.every)")
+    tr.add_argument("--log-every", help="steps between log lines (log.every)")
+    tr.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set train.warmup_steps=50 (repeatable)",
+    )
+    tr.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    sub.add_parser("info", help="build and runtime information (megatrain.info)", add_help=True)
+    return parser
+
+
+def _overrides(args) -> list:
+    from megatrain.train.config import UsageError, parse_override
+
+    out = []
+    if args.model is not None:
+        looks_like_path = os.sep in args.model or args.model.startswith(".") or os.path.exists(args.model)
+        if looks_like_path:
+            out.append(("model", "path", args.model))
+        else:
+            out.append(("model", "arch", args.model))
+    for dest, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out.append((section, key, value))
+    if args.no_progress:
+        out.append(("log", "progress", False))
+    for text in args.overrides:
+        out.append(parse_override(text))
+    if any(not isinstance(o, tuple) or len(o) != 3 for o in out):  # pragma: no cover - our invariant
+        raise UsageError("internal: bad override")
+    return out
+
+
+def cmd_train(args) -> int:
+    from megatrain.train.config import UsageError, build_config, to_yaml
+
+    try:
+        cfg = build_config(args.config, preset=args.preset, overrides=_overrides(args))
+        if args.print_config:
+            sys.stdout.write(to_yaml(cfg))
+            return 0
+        from megatrain.train import trainer
+
+        plan = trainer.prepare(cfg)
+        summary = trainer.run(cfg, plan)
+    except UsageError as exc:
+        _fail(str(exc).replace("\n", " "))
+    except KeyboardInterrupt:
+        sys.stderr.write("megatrain: interrupted; metrics so far are in the output directory, no model was saved\n")
+        return 130
+    from megatrain.train.metrics import summary_table
+
+    print(summary_table(trainer.summary_rows(summary)))
+    return 0
+
+
+def cmd_info(args) -> int:
+    try:
+        from megatrain import info
+    except ImportError as exc:
+        _fail(f"megatrain.info is not available ({exc})")
+    if hasattr(info, "main"):
+        return int(info.main() or 0)
+    print(info)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``megatrain`` console script; returns the exit status."""
+    parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        parser.print_help()
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return cmd_train(args)
+    if args.command == "info":
+        return cmd_info(args)
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""Configuration of the command-line trainer (``megatrain train``).
+
+A configuration is a YAML mapping with six sections (``model``, ``data``, ``train``, ``runtime``,
+``eval``, ``log``). Every key has a default (see :mod:`megatrain.train.defaults`), so an empty file
+— or no file — is the built-in default run. Unknown sections or keys are errors, and values are
+converted and checked here, at the boundary, so that a bad value is reported as one line naming the
+key, the rule, and what was found ("train.lr must be a number, got 'abc'") before anything is loaded
+or written.
+
+Example::
+
+    model: {arch: llama, hidden_size: 256, num_layers: 4}
+    data: {path: ./corpus, seq_len: 512}
+    train: {steps: 1000, lr: 3.0e-4}
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class UsageError(ValueError):
+    """A problem the user must fix (bad config value, missing file, ...).
+
+    The CLI prints ``megatrain: error: <message>`` as one line and exits with status 2; the message
+    therefore says what is wrong and what to change, on one line.
+    """
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train.
+
+    Either ``path`` (a local Hugging Face model directory: config.json + weights, loaded with
+    ``AutoModelForCausalLM.from_pretrained``) or ``arch`` plus sizes (a transformers ``model_type``
+    such as ``llama``, ``qwen2``, ``mistral``; built with random weights from ``seed``).
+    """
+
+    path: Optional[str] = None
+    arch: str = "llama"
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = 2
+    intermediate_size: Optional[int] = 704
+    vocab_size: Optional[int] = None  # None: the tokenizer's, rounded up to pad_vocab_to_multiple_of
+    pad_vocab_to_multiple_of: int = 64
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)  # more keyword arguments for the config class
+
+
+@dataclass
+class DataConfig:
+    """Training text: a file, a directory (recursive, sorted), or ``stdlib``.
+
+    ``stdlib`` is the Python standard library's own ``*.py`` sources (site-packages excluded), the
+    corpus of the built-in default run. ``.jsonl`` files hold one document per line in
+    ``text_field``; any other file is one document.
+    """
+
+    path: str = "stdlib"
+    include: list = field(default_factory=lambda: ["*.txt", "*.md", "*.jsonl"])
+    text_field: str = "text"
+    tokenizer: Optional[str] = None  # None or "byte": 256 bytes + EOS; else a local tokenizer dir
+    seq_len: int = 256
+    eval_fraction: float = 0.05
+    max_documents: Optional[int] = None  # cap after the seeded shuffle (quick runs on big corpora)
+
+
+@dataclass
+class TrainSection:
+    """Optimization: steps, batch, AdamW, LR schedule."""
+
+    steps: int = 200
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    lr: float = 3.0e-3
+    lr_schedule: str = "cosine"  # cosine | linear | constant (all after linear warmup)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine, linear)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1.0e-8
+    max_grad_norm: Optional[float] = 1.0  # None or 0: no clipping
+    seed: int = 0
+
+
+@dataclass
+class RuntimeConfig:
+    """Where and how the model runs (arguments of ``megatrain.wrap``)."""
+
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
+    activation_policy: str = "recompute"  # recompute | block:K
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss: every ``every`` steps (and at step 0 and at the end) on ``batches`` batches."""
+
+    every: int = 50
+    batches: int = 8
+    batch_size: Optional[int] = None  # None: train.micro_batch_size
+
+
+@dataclass
+class LogConfig:
+    """Where results go and how progress is shown."""
+
+    out: Optional[str] = None  # None: runs/<YYYYmmdd-HHMMSS>
+    every: int = 10
+    progress: bool = True  # tqdm progress bar
+    tensorboard: bool = True
+    peak_tflops: Optional[float] = None  # MFU denominator; None: measured bf16/fp32 matmul on CUDA
+    overwrite: bool = False  # allow a non-empty existing out directory
+    save_model: bool = True
+
+
+@dataclass
+class Config:
+    """The whole trainer configuration (one attribute per YAML section)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainSection,
+    "runtime": RuntimeConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+}
+
+
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Converts ``value`` (from YAML or a command-line string) to ``tp`` or raises UsageError."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
+            return None
+        return _coerce(key, value, args[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.strip().lower() in ("true", "yes", "on", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise UsageError(f"{key} must be true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise UsageError(f"{key} must be an integer, got {_describe(value)}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.strip().replace("_", ""))
+            except ValueError:
+                number = None
+            if number is not None and math.isfinite(number) and number.is_integer():
+                return int(number)
+        raise UsageError(f"{key} must be an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise UsageError(f"{key} must be a number, got {_describe(value)}")
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())  # YAML 1.1 reads "3e-4" as a string
+            except ValueError:
+                raise UsageError(f"{key} must be a number, got {_describe(value)}") from None
+        else:
+            raise UsageError(f"{key} must be a number, got {_describe(value)}")
+        if not math.isfinite(number):
+            raise UsageError(f"{key} must be a finite number, got {_describe(value)}")
+        return number
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UsageError(f"{key} must be a string, got {_describe(value)}")
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value]
+        raise UsageError(f"{key} must be a list, got {_describe(value)}")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise UsageError(f"{key} must be a mapping, got {_describe(value)}")
+    raise TypeError(f"unsupported config type {tp} for {key}")  # our own invariant
+
+
+def _all_keys() -> dict:
+    """Maps every bare key name to the sections that have it (for ``--set lr=...``)."""
+    out: dict = {}
+    for section, cls in _SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, []).append(section)
+    return out
+
+
+def resolve_key(key: str) -> tuple:
+    """Turns ``"train.lr"`` or an unambiguous bare ``"lr"`` into ``("train", "lr")``."""
+    key = key.strip().replace("-", "_")
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section not in _SECTION_CLASSES:
+            raise UsageError(
+                f"unknown config section {section!r} in {key!r}; sections are: {', '.join(_SECTION_CLASSES)}"
+            )
+        names = [f.name for f in dataclasses.fields(_SECTION_CLASSES[section])]
+        if name not in names:
+            raise UsageError(f"unknown config key {key!r}; {section} keys are: {', '.join(names)}")
+        return section, name
+    owners = _all_keys().get(key)
+    if not owners:
+        raise UsageError(f"unknown config key {key!r}; use section.key, e.g. train.lr (see `megatrain train --print-config`)")
+    if len(owners) > 1:
+        raise UsageError(f"config key {key!r} is ambiguous; write one of: {', '.join(s + '.' + key for s in owners)}")
+    return owners[0], key
+
+
+def merge(base: dict, overrides: dict, where: str) -> dict:
+    """Deep-merges a user mapping into ``base`` (a ``Config.to_dict()``), rejecting unknown keys."""
+    if overrides is None:
+        return base
+    if not isinstance(overrides, dict):
+        raise UsageError(f"{where} must be a mapping of sections ({', '.join(_SECTION_CLASSES)}), got {_describe(overrides)}")
+    out = copy.deepcopy(base)
+    for section, values in overrides.items():
+        if section not in _SECTION_CLASSES:
+            raise UsageError(
+                f"unknown config section {section!r} in {where}; sections are: {', '.join(_SECTION_CLASSES)}"
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise UsageError(f"config section {section!r} in {where} must be a mapping, got {_describe(values)}")
+        for name, value in values.items():
+            resolve_key(f"{section}.{name}")  # raises on unknown keys
+            out[section][name] = value
+    return out
+
+
+def from_dict(raw: dict) -> Config:
+    """Builds a checked :class:`Config` from a fully merged mapping."""
+    sections = {}
+    for section, cls in _SECTION_CLASSES.items():
+        types = _field_types(cls)
+        values = raw.get(section, {})
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in values:
+                kwargs[f.name] = _coerce(f"{section}.{f.name}", values[f.name], types[f.name])
+        sections[section] = cls(**kwargs)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UsageError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks value ranges and choices (no file system access; see trainer.prepare for that)."""
+    m, d, t, r, e, lg = cfg.model, cfg.data, cfg.train, cfg.runtime, cfg.eval, cfg.log
+    for key, value in [
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_layers", m.num_layers),
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.intermediate_size", m.intermediate_size),
+        ("model.vocab_size", m.vocab_size),
+        ("model.pad_vocab_to_multiple_of", m.pad_vocab_to_multiple_of),
+        ("model.max_position_embeddings", m.max_position_embeddings),
+        ("data.seq_len", d.seq_len),
+        ("data.max_documents", d.max_documents),
+        ("train.steps", t.steps),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
+        ("train.lr", t.lr),
+        ("train.eps", t.eps),
+        ("eval.every", e.every),
+        ("eval.batches", e.batches),
+        ("eval.batch_size", e.batch_size),
+        ("log.every", lg.every),
+        ("log.peak_tflops", lg.peak_tflops),
+    ]:
+        _positive(key, value)
+    for key, value in [
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.weight_decay", t.weight_decay),
+        ("train.max_grad_norm", t.max_grad_norm),
+    ]:
+        _positive(key, value, allow_zero=True)
+    if m.path is None and m.num_heads and m.hidden_size % m.num_heads:
+        raise UsageError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.path is None and m.num_kv_heads and m.num_heads % m.num_kv_heads:
+        raise UsageError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+    if m.path is None and d.seq_len > m.max_position_embeddings:
+        raise UsageError(
+            f"data.seq_len ({d.seq_len}) is above the model's limit max_position_embeddings "
+            f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings"
+        )
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise UsageError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {d.eval_fraction}")
+    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
+        raise UsageError(f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise UsageError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.lr_schedule not in ("cosine", "linear", "constant"):
+        raise UsageError(f"train.lr_schedule must be cosine, linear or constant, got {t.lr_schedule!r}")
+    if t.warmup_steps > t.steps:
+        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must not exceed train.steps ({t.steps})")
+    if r.compute_dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32"):
+        raise UsageError(f"runtime.compute_dtype must be auto, bf16 or fp32, got {r.compute_dtype!r}")
+    if not (r.device in ("auto", "cpu", "cuda") or (r.device.startswith("cuda:") and r.device[5:].isdigit())):
+        raise UsageError(f"runtime.device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
+    policy = r.activation_policy
+    if not (policy == "recompute" or (policy.startswith("block:") and policy[6:].isdigit() and int(policy[6:]) > 0)):
+        raise UsageError(f"runtime.activation_policy must be recompute or block:K (K > 0), got {policy!r}")
+
+
+def load_yaml(path: str) -> dict:
+    """Reads a YAML config file; a missing or malformed file is a UsageError."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise UsageError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UsageError(f"config file {path!r} is not valid YAML{where}; fix its syntax") from None
+    return raw or {}
+
+
+def parse_override(text: str) -> tuple:
+    """Parses one ``--set section.key=value`` (value read as YAML: numbers, lists, null)."""
+    import yaml
+
+    if "=" not in text:
+        raise UsageError(f"--set expects key=value (e.g. train.lr=1e-3), got {text!r}")
+    key, value = text.split("=", 1)
+    section, name = resolve_key(key)
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return section, name, parsed
+
+
+def build_config(
+    config_path: Optional[str] = None,
+    preset: str = "default",
+    overrides: Optional[list] = None,
+) -> Config:
+    """Preset defaults <- YAML file <- overrides (``[(section, key, value), ...]``), checked.
+
+    Raises:
+        UsageError: unknown section/key, a value of the wrong type or out of range.
+    """
+    from megatrain.train.defaults import preset_dict
+
+    raw = preset_dict(preset)
+    if config_path is not None:
+        raw = merge(raw, load_yaml(config_path), where=repr(config_path))
+    for section, name, value in overrides or []:
+        raw[section][name] = value
+    return from_dict(raw)
+
+
+def to_yaml(cfg: Config) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,319 @@
+"""Text data for causal-LM training: read, tokenize, split, pack.
+
+Pipeline (all deterministic given the seed):
+
+1. Documents: each ``.jsonl`` line's ``text_field`` is one document; any other file is one document.
+   A directory is searched recursively, files in sorted path order.
+2. Split: documents are shuffled with ``numpy.random.default_rng(seed)``; the last
+   ``eval_fraction`` of them (at least one) are held out. With a single document the tail
+   ``eval_fraction`` of its tokens is held out instead.
+3. Tokenize each document and append the end-of-text token (EOS) after it.
+4. Pack: each split's token stream is cut into rows of exactly ``seq_len`` tokens (the remainder is
+   dropped): no padding, so every token of a batch is a training token. ``labels = input_ids``
+   (the model shifts them).
+5. Training order: an endless sequence of epochs, epoch ``e`` visiting the training rows in the
+   order ``default_rng([seed, e]).permutation``; micro batches are consecutive runs of that order.
+
+The byte tokenizer (no tokenizer given) maps UTF-8 bytes to ids 0..255 and EOS to 256.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from megatrain.train.config import DataConfig, UsageError
+
+STDLIB = "stdlib"
+EOS_TEXT = "<|endoftext|>"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOS = 256 (vocab 257)."""
+
+    kind = "byte"
+    vocab_size = 257
+    eos_token_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """Returns the ids of ``text``'s UTF-8 bytes, shape [len(bytes)], int32."""
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def to_hf(self):
+        """The same tokenizer as a ``transformers.PreTrainedTokenizerFast`` (for saving).
+
+        A byte-level BPE with no merges whose vocabulary maps the GPT-2 byte-to-unicode character of
+        byte b to id b, so ``AutoTokenizer.from_pretrained(out_dir)`` reproduces :meth:`encode`.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        byte_to_char = _bytes_to_unicode()
+        vocab = {byte_to_char[b]: b for b in range(256)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([EOS_TEXT])  # gets id 256
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT, bos_token=EOS_TEXT)
+
+    def save(self, out_dir: str) -> None:
+        """Writes HF tokenizer files (when ``tokenizers`` is installed) and megatrain_tokenizer.json."""
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "megatrain_tokenizer.json"), "w") as f:
+            json.dump({"type": "byte", "vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id}, f)
+        try:
+            self.to_hf().save_pretrained(out_dir)
+        except ImportError:  # pragma: no cover - tokenizers ships with transformers
+            pass
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+class HFTokenizer:
+    """A local tokenizer directory loaded with ``transformers.AutoTokenizer`` (no downloads)."""
+
+    kind = "hf"
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise UsageError(f"data.tokenizer {path!r} is not a directory; give a local tokenizer directory or 'byte'")
+        try:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure is a user-side problem here
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"cannot load tokenizer from {path!r} ({msg}); give a directory with tokenizer files") from None
+        if self.tok.eos_token_id is None:
+            raise UsageError(f"tokenizer in {path!r} has no eos_token; set one in its tokenizer_config.json")
+        self.path = path
+        self.eos_token_id = int(self.tok.eos_token_id)
+        self.vocab_size = len(self.tok)
+
+    def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+        out = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        return [np.asarray(ids, dtype=np.int32) for ids in out]
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+    def save(self, out_dir: str) -> None:
+        self.tok.save_pretrained(out_dir)
+
+
+def load_tokenizer(spec: Optional[str]):
+    """``None``/``"byte"`` -> :class:`ByteTokenizer`; a directory -> :class:`HFTokenizer`."""
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)
+
+
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def find_files(path: str, include: Sequence[str]) -> List[str]:
+    """Files of ``path`` (a file, a directory searched recursively, or ``stdlib``), sorted.
+
+    Raises:
+        UsageError: the path does not exist or holds no matching file.
+    """
+    if path == STDLIB:
+        root, patterns, skip = stdlib_dir(), ["*.py"], {"site-packages", "dist-packages", "__pycache__"}
+    else:
+        root, patterns, skip = path, list(include), {"__pycache__", ".git"}
+        if not os.path.exists(path):
+            raise UsageError(f"data path {path!r} does not exist; pass a text/JSONL file or a directory with --data")
+        if os.path.isfile(path):
+            return [path]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        for name in filenames:
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
+                files.append(os.path.join(dirpath, name))
+    files.sort()
+    if not files:
+        raise UsageError(
+            f"data path {path!r} has no files matching {', '.join(patterns)}; add text files or set data.include"
+        )
+    return files
+
+
+def read_documents(files: Sequence[str], text_field: str = "text") -> List[str]:
+    """Reads documents (non-empty strings) from ``files``.
+
+    Raises:
+        UsageError: a JSONL line is not JSON or lacks ``text_field``; a file cannot be read.
+    """
+    docs: List[str] = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if path.endswith(".jsonl"):
+                    for lineno, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError:
+                            raise UsageError(f"{path}:{lineno} is not valid JSON; each JSONL line must be an object") from None
+                        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                            raise UsageError(
+                                f"{path}:{lineno} has no string field {text_field!r}; set data.text_field"
+                            )
+                        if record[text_field]:
+                            docs.append(record[text_field])
+                else:
+                    text = f.read()
+                    if text:
+                        docs.append(text)
+        except OSError as exc:
+            raise UsageError(f"cannot read data file {path!r} ({exc.strerror}); check its permissions") from None
+    return docs
+
+
+def pack(token_docs: Sequence[np.ndarray], eos_token_id: int, seq_len: int) -> np.ndarray:
+    """Concatenates documents, each followed by EOS, into rows of ``seq_len`` tokens.
+
+    Args:
+        token_docs: per document, token ids, shape [n_i], integer.
+        eos_token_id: appended after every document.
+        seq_len: row length.
+
+    Returns:
+        int32 array [num_rows, seq_len], ``num_rows = total_tokens // seq_len`` (tail dropped).
+    """
+    if not token_docs:
+        return np.zeros((0, seq_len), dtype=np.int32)
+    eos = np.asarray([eos_token_id], dtype=np.int32)
+    parts = []
+    for doc in token_docs:
+        parts.append(np.asarray(doc, dtype=np.int32))
+        parts.append(eos)
+    stream = np.concatenate(parts)
+    rows = len(stream) // seq_len
+    return stream[: rows * seq_len].reshape(rows, seq_len)
+
+
+@dataclass
+class TextData:
+    """Packed training and held-out rows plus the tokenizer that made them."""
+
+    train: np.ndarray  # [num_train_rows, seq_len] int32
+    eval: np.ndarray  # [num_eval_rows, seq_len] int32
+    tokenizer: object
+    num_files: int
+    num_documents: int
+    num_eval_documents: int
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.train.shape[1])
+
+    def max_token_id(self) -> int:
+        return int(max(self.train.max(initial=0), self.eval.max(initial=0)))
+
+    def train_batches(self, batch_size: int, seed: int, start: int = 0) -> Iterator:
+        """Endless micro batches of training rows, as int64 torch tensors [batch_size, seq_len].
+
+        Args:
+            start: number of micro batches to skip (to resume).
+        """
+        import torch
+
+        n = len(self.train)
+        position = start * batch_size
+        epoch, offset = divmod(position, n)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        while True:
+            rows = []
+            while len(rows) < batch_size:
+                if offset == n:
+                    epoch, offset = epoch + 1, 0
+                    order = np.random.default_rng([seed, epoch]).permutation(n)
+                take = min(batch_size - len(rows), n - offset)
+                rows.extend(order[offset : offset + take].tolist())
+                offset += take
+            yield torch.from_numpy(self.train[rows]).long()
+
+    def eval_batches(self, batch_size: int, num_batches: int) -> List:
+        """The fixed held-out batches: the first ``num_batches * batch_size`` eval rows in order.
+
+        The last batch may be smaller; weight batch losses by their token counts.
+        """
+        import torch
+
+        rows = self.eval[: batch_size * num_batches]
+        return [torch.from_numpy(rows[i : i + batch_size]).long() for i in range(0, len(rows), batch_size)]
+
+
+def load_text_data(cfg: DataConfig, seed: int, tokenizer=None) -> TextData:
+    """Reads, splits, tokenizes and packs ``cfg.path`` (see the module docstring).
+
+    Raises:
+        UsageError: missing/empty path, unreadable files, or too little text for one training row
+            and one held-out row of ``cfg.seq_len`` tokens.
+    """
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+    files = find_files(cfg.path, cfg.include)
+    docs = read_documents(files, cfg.text_field)
+    if not docs:
+        raise UsageError(f"data path {cfg.path!r} holds no text (all files are empty); point --data at text")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(docs))
+    if cfg.max_documents is not None:
+        order = order[: cfg.max_documents]
+    docs = [docs[i] for i in order]
+    if len(docs) >= 2:
+        num_eval = min(len(docs) - 1, max(1, int(round(cfg.eval_fraction * len(docs)))))
+        train_tokens = tokenizer.encode_batch(docs[: len(docs) - num_eval])
+        eval_tokens = tokenizer.encode_batch(docs[len(docs) - num_eval :])
+    else:
+        num_eval = 0
+        tokens = tokenizer.encode(docs[0])
+        cut = len(tokens) - int(round(cfg.eval_fraction * len(tokens)))
+        train_tokens, eval_tokens = [tokens[:cut]], [tokens[cut:]]
+    train = pack(train_tokens, tokenizer.eos_token_id, cfg.seq_len)
+    held_out = pack(eval_tokens, tokenizer.eos_token_id, cfg.seq_len)
+    if len(train) == 0 or len(held_out) == 0:
+        total = sum(len(t) + 1 for t in train_tokens) + sum(len(t) + 1 for t in eval_tokens)
+        raise UsageError(
+            f"data path {cfg.path!r} has {total} tokens, too few for one training and one held-out row of "
+            f"data.seq_len={cfg.seq_len} (held out: data.eval_fraction={cfg.eval_fraction}); add text or lower data.seq_len"
+        )
+    return TextData(
+        train=train,
+        eval=held_out,
+        tokenizer=tokenizer,
+        num_files=len(files),
+        num_documents=len(docs),
+        num_eval_documents=num_eval,
+    )

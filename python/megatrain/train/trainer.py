@@ -1,0 +1,514 @@
+"""The training loop behind ``megatrain train``.
+
+:func:`prepare` checks everything that can be wrong with the user's input — config values, model
+directory, data, sequence length vs the model's limit, output directory — and loads the data,
+without writing anything. :func:`run` then creates the output directory and trains:
+
+    out/config.yaml      the resolved configuration
+    out/metrics.jsonl    one JSON record per log line / eval (see docs/metrics.md)
+    out/tensorboard/     the same scalars for TensorBoard
+    out/summary.json     final numbers, incl. final_eval_loss
+    out/model/           HF-format model (megatrain.export_pretrained) + tokenizer files; written to
+                         a temporary directory and renamed, so it is complete or absent
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from megatrain.train.config import Config, UsageError, to_yaml
+from megatrain.train import data as data_mod
+from megatrain.train import metrics as metrics_mod
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass
+class Plan:
+    """Everything :func:`run` needs, checked by :func:`prepare`."""
+
+    cfg: Config
+    data: data_mod.TextData
+    model_config: object  # transformers.PretrainedConfig
+    device: object  # torch.device
+    compute_dtype: object  # torch.dtype
+    out_dir: str
+
+
+def resolve_device(spec: str):
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"runtime.device is {spec!r} but no CUDA GPU is available; use runtime.device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"runtime.device is {spec!r} but only {torch.cuda.device_count()} GPU(s) exist")
+    return device
+
+
+def resolve_dtype(spec: str, device):
+    import torch
+
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if spec in ("bf16", "bfloat16") else torch.float32
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
+    """The HF config of the model to train (from ``model.path`` or built from ``model.arch``).
+
+    Raises:
+        UsageError: missing directory / config.json / weights, unknown architecture, bad sizes.
+    """
+    from transformers import AutoConfig
+
+    m = cfg.model
+    if m.path is not None:
+        if not os.path.isdir(m.path):
+            raise UsageError(f"model path {m.path!r} is not a directory; give a local Hugging Face model directory")
+        if not os.path.isfile(os.path.join(m.path, "config.json")):
+            raise UsageError(f"model directory {m.path!r} has no config.json; save the model with save_pretrained")
+        if not any(glob.glob(os.path.join(m.path, p)) for p in WEIGHT_PATTERNS):
+            raise UsageError(
+                f"model directory {m.path!r} has no weights (*.safetensors or pytorch_model.bin); "
+                "save the model with save_pretrained or build one from model.arch"
+            )
+        try:
+            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise UsageError(f"cannot read the config of model {m.path!r} ({_first_line(exc)})") from None
+    else:
+        vocab = m.vocab_size
+        if vocab is None:
+            mult = m.pad_vocab_to_multiple_of
+            vocab = int(math.ceil(vocab_size / mult) * mult)
+        kwargs = dict(
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            vocab_size=vocab,
+            max_position_embeddings=m.max_position_embeddings,
+            tie_word_embeddings=m.tie_word_embeddings,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+        )
+        if m.num_kv_heads is not None:
+            kwargs["num_key_value_heads"] = m.num_kv_heads
+        if m.intermediate_size is not None:
+            kwargs["intermediate_size"] = m.intermediate_size
+        kwargs.update(m.extra)
+        try:
+            config = AutoConfig.for_model(m.arch, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise UsageError(
+                f"cannot build a {m.arch!r} model config ({_first_line(exc)}); "
+                "model.arch must be a transformers model_type such as llama, qwen2, mistral"
+            ) from None
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise UsageError(
+            f"model type {config.model_type!r} has no causal-LM class in transformers; use a decoder model such as llama"
+        )
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and cfg.data.seq_len > limit:
+        raise UsageError(
+            f"data.seq_len ({cfg.data.seq_len}) is above the model's limit max_position_embeddings ({limit}); "
+            "lower --seq-len"
+        )
+    model_vocab = getattr(config, "vocab_size", None)
+    if model_vocab is not None and vocab_size > model_vocab:
+        raise UsageError(
+            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {model_vocab}; "
+            "use the model's own tokenizer (data.tokenizer) or a larger model.vocab_size"
+        )
+    return config
+
+
+def default_out_dir() -> str:
+    return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def prepare(cfg: Config) -> Plan:
+    """Checks the user's input and loads the data; writes nothing.
+
+    Raises:
+        UsageError: anything the user must fix, with a one-line message.
+    """
+    out_dir = cfg.log.out or default_out_dir()
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise UsageError(f"output path {out_dir!r} exists and is not a directory; choose another --out")
+        if os.listdir(out_dir) and not cfg.log.overwrite:
+            raise UsageError(
+                f"output directory {out_dir!r} is not empty; choose another --out or pass --set log.overwrite=true"
+            )
+    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
+    # The model config is cheap to check and catches a bad model before reading a big corpus.
+    model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
+    device = resolve_device(cfg.runtime.device)
+    text = data_mod.load_text_data(cfg.data, cfg.train.seed, tokenizer)
+    if text.max_token_id() >= model_config.vocab_size:
+        raise UsageError(
+            f"the data has token id {text.max_token_id()} but the model's vocab_size is {model_config.vocab_size}; "
+            "use the model's tokenizer"
+        )
+    return Plan(
+        cfg=cfg,
+        data=text,
+        model_config=model_config,
+        device=device,
+        compute_dtype=resolve_dtype(cfg.runtime.compute_dtype, device),
+        out_dir=out_dir,
+    )
+
+
+def build_model(plan: Plan):
+    """The fp32 CPU model: ``from_pretrained(model.path)`` or random init from the seed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(plan.cfg.train.seed)
+    if plan.cfg.model.path is not None:
+        try:
+            return AutoModelForCausalLM.from_pretrained(plan.cfg.model.path, dtype=torch.float32, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise UsageError(f"cannot load model {plan.cfg.model.path!r} ({_first_line(exc)})") from None
+    return AutoModelForCausalLM.from_config(plan.model_config, dtype=torch.float32)
+
+
+def lr_lambda(cfg: Config):
+    """Multiplier of train.lr at scheduler step s: linear warmup, then cosine/linear/constant."""
+    t = cfg.train
+
+    def fn(step: int) -> float:
+        if t.warmup_steps > 0 and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        if t.lr_schedule == "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            decay = 1.0 - progress
+        return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * decay
+
+    return fn
+
+
+def param_groups(model, weight_decay: float) -> list:
+    """AdamW groups: weight decay on matrices, none on biases and norm weights (1-D)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def evaluate(model, batches, device) -> float:
+    """Mean next-token cross-entropy over ``batches`` (token-weighted), under no_grad.
+
+    Args:
+        batches: int64 tensors [B, S] (CPU); labels = inputs.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x in batches:
+            x = x.to(device)
+            loss = model(input_ids=x, labels=x).loss
+            n = x.shape[0] * (x.shape[1] - 1)
+            total += float(loss.float().item()) * n
+            count += n
+    model.train(was_training)
+    return total / count
+
+
+def save_model(model, tokenizer, out_dir: str, plan: Plan) -> str:
+    """Exports HF weights + tokenizer to ``out_dir/model`` via a temporary directory and a rename."""
+    import torch
+
+    import megatrain
+
+    final = os.path.join(out_dir, "model")
+    tmp = os.path.join(out_dir, ".model.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        megatrain.export_pretrained(model, tmp, dtype=torch.float32)
+        tokenizer.save(tmp)
+        with open(os.path.join(tmp, "megatrain_train.json"), "w") as f:
+            json.dump(
+                {"seq_len": plan.cfg.data.seq_len, "eos_token_id": tokenizer.eos_token_id, "tokenizer": tokenizer.kind}, f
+            )
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+class _NullBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def _echo(text: str, bar) -> None:
+    try:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text)
+    except ImportError:  # pragma: no cover
+        print(text)
+
+
+def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
+    """Trains per ``cfg`` and returns the summary (also written to ``out/summary.json``).
+
+    Raises:
+        UsageError: bad input (before anything is written).
+    """
+    import torch
+
+    import megatrain
+
+    plan = plan or prepare(cfg)
+    t, d = cfg.train, plan.data
+    device = plan.device
+    say = echo or (lambda s: _echo(s, None))
+
+    model = build_model(plan)
+    params = metrics_mod.count_params(model)
+    flops = metrics_mod.flops_per_token(model.config, params, d.seq_len, cfg.runtime.activation_policy)
+    peak = cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
+    peak_source = "config" if peak else None
+    if peak is None and device.type == "cuda":
+        try:
+            peak = metrics_mod.measure_peak_flops(device, plan.compute_dtype)
+            peak_source = "measured matmul"
+        except Exception:  # noqa: BLE001
+            peak, peak_source = metrics_mod.H200_BF16_PEAK_FLOPS, "H200 bf16 default"
+
+    # Everything is checked; only now does anything get written.
+    out_dir = plan.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+
+    model = megatrain.wrap(
+        model, device=device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy
+    )
+    engine = getattr(model, "megatrain", None)
+    optimizer = megatrain.optim.CPUAdamW(
+        param_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm or None,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * d.seq_len
+    eval_bs = cfg.eval.batch_size or t.micro_batch_size
+    eval_batches = d.eval_batches(eval_bs, cfg.eval.batches)
+    batches = d.train_batches(t.micro_batch_size, t.seed)
+
+    say(
+        f"megatrain train: {params['total'] / 1e6:.2f}M params ({model.config.model_type}, "
+        f"{model.config.num_hidden_layers} layers) on {device} in {str(plan.compute_dtype).replace('torch.', '')}, "
+        f"{d.num_documents} documents ({d.num_eval_documents} held out) -> {len(d.train)} train / "
+        f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tokens_per_step} tokens/step; out {out_dir}"
+    )
+
+    sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard)
+    stats = metrics_mod.StatsWindow(engine)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    evals = []
+    windows = []
+    status = "failed"
+    summary: dict = {}
+    bar = _NullBar()
+    start_time = time.perf_counter()
+    try:
+        loss0 = evaluate(model, eval_batches, device)
+        evals.append({"step": 0, "eval_loss": loss0})
+        sink.write({"step": 0, "eval_loss": loss0}, prefix="eval")
+        say(f"step 0 | eval loss {loss0:.4f}")
+        if cfg.log.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        model.train()
+        window_start = time.perf_counter()
+        window_steps, window_loss, train_time = 0, 0.0, 0.0
+        last_loss = float("nan")
+        stats.step(0.0)  # reset the counters after the initial eval
+        for step in range(1, t.steps + 1):
+            step_loss = 0.0
+            for _ in range(t.gradient_accumulation_steps):
+                x = next(batches).to(device, non_blocking=True)
+                loss = model(input_ids=x, labels=x).loss / t.gradient_accumulation_steps
+                loss.backward()
+                step_loss += loss.detach().float()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            last_loss = float(step_loss)  # syncs: the step's work is done when this returns
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr")
+            window_steps += 1
+            window_loss += last_loss
+            now = time.perf_counter()
+            rate = window_steps * tokens_per_step / max(now - window_start, 1e-12)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}")
+
+            if step % cfg.log.every == 0 or step == t.steps:
+                wall = now - window_start
+                train_time += wall
+                step_s = wall / window_steps
+                tok_s = window_steps * tokens_per_step / wall
+                rec = {
+                    "step": step,
+                    "loss": window_loss / window_steps,
+                    "lr": scheduler.get_last_lr()[0],
+                    "step_time_s": step_s,
+                    "tokens_per_s": tok_s,
+                    "tokens": step * tokens_per_step,
+                    "model_tflops": flops.model * tok_s / 1e12,
+                    "dense_tflops": flops.dense * tok_s / 1e12,
+                    "attention_tflops": flops.attention * tok_s / 1e12,
+                    "recompute_tflops": flops.recompute * tok_s / 1e12,
+                    "mfu": (flops.model * tok_s / peak) if peak else None,
+                    "hfu": ((flops.model + flops.recompute) * tok_s / peak) if peak else None,
+                    "host_rss_bytes": metrics_mod.host_rss_bytes(),
+                    "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                }
+                rec.update(stats.step(wall))
+                sink.write(rec)
+                windows.append(rec)
+                say(metrics_mod.log_line(rec))
+                window_steps, window_loss = 0, 0.0
+                window_start = time.perf_counter()
+
+            if step % cfg.eval.every == 0 or step == t.steps:
+                eval_start = time.perf_counter()
+                ev = evaluate(model, eval_batches, device)
+                evals.append({"step": step, "eval_loss": ev})
+                sink.write({"step": step, "eval_loss": ev}, prefix="eval")
+                say(f"step {step} | eval loss {ev:.4f}")
+                window_start += time.perf_counter() - eval_start  # eval time is not training time
+                stats.last = stats._read() if window_steps == 0 else stats.last
+        bar.close()
+        bar = _NullBar()
+        status = "completed"
+        model_dir = None
+        if cfg.log.save_model:
+            model_dir = save_model(model, d.tokenizer, out_dir, plan)
+        # Steady state: every log window but the first (warm-up, first-touch page faults), if any.
+        steady = windows[1:] or windows
+        steady_tokens = sum(w["tokens_per_s"] * w["step_time_s"] for w in steady)
+        steady_time = sum(w["step_time_s"] for w in steady)
+        tok_s = steady_tokens / steady_time if steady_time else None
+        summary = {
+            "status": status,
+            "steps": t.steps,
+            "tokens": t.steps * tokens_per_step,
+            "tokens_per_step": tokens_per_step,
+            "initial_eval_loss": evals[0]["eval_loss"],
+            "final_eval_loss": evals[-1]["eval_loss"],
+            "final_train_loss": windows[-1]["loss"] if windows else None,
+            "eval_history": evals,
+            "eval_batches": len(eval_batches),
+            "eval_batch_size": eval_bs,
+            "train_time_s": train_time,
+            "wall_time_s": time.perf_counter() - start_time,
+            "tokens_per_s": tok_s,
+            "step_time_s": (steady_time / len(steady)) if steady else None,
+            "model_tflops": flops.model * tok_s / 1e12 if tok_s else None,
+            "recompute_tflops": flops.recompute * tok_s / 1e12 if tok_s else None,
+            "mfu": flops.model * tok_s / peak if (peak and tok_s) else None,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "peak_source": peak_source,
+            "model_flops_per_token": flops.model,
+            "recompute_flops_per_token": flops.recompute,
+            "params": params,
+            "device": str(device),
+            "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
+            "activation_policy": cfg.runtime.activation_policy,
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "host_rss_bytes": metrics_mod.host_rss_bytes(),
+            "engine_stats": stats._read(),
+            "model_dir": model_dir,
+            "out_dir": out_dir,
+        }
+        return summary
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        bar.close()
+        sink.close()
+        if not summary:
+            summary = {"status": status, "eval_history": evals, "out_dir": out_dir}
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=metrics_mod._json_default)
+
+
+def summary_rows(summary: dict) -> list:
+    """Rows of the end-of-run table."""
+    f = metrics_mod.fmt
+    b = metrics_mod.fmt_bytes
+    stats = summary.get("engine_stats") or {}
+    rows = [
+        ("parameters", f"{summary['params']['total'] / 1e6:.2f} M"),
+        ("device / dtype", f"{summary['device']} / {summary['compute_dtype']}"),
+        ("steps x tokens/step", f"{summary['steps']} x {summary['tokens_per_step']}"),
+        ("eval loss: initial -> final", f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}"),
+        ("final train loss", f(summary.get("final_train_loss"), ".4f")),
+        ("step time", f"{summary['step_time_s'] * 1e3:.1f} ms" if summary.get("step_time_s") else "n/a"),
+        ("tokens/s", f(summary.get("tokens_per_s"), ".0f")),
+        ("model TFLOP/s (+ recompute)", f"{f(summary.get('model_tflops'))} (+{f(summary.get('recompute_tflops'))})"),
+        ("MFU", f"{summary['mfu'] * 100:.1f}% of {summary['peak_tflops']:.0f} TFLOP/s" if summary.get("mfu") else "n/a"),
+        ("GPU peak memory", b(summary.get("gpu_peak_bytes")) if summary.get("gpu_peak_bytes") is not None else "n/a"),
+        ("host RSS", b(summary.get("host_rss_bytes"))),
+    ]
+    if "pinned_bytes" in stats:
+        rows.append(("pinned host memory", b(stats["pinned_bytes"])))
+    if "bytes_per_param" in stats:
+        rows.append(("host bytes/param", f(stats["bytes_per_param"], ".2f")))
+    rows.append(("wall time", f"{summary['wall_time_s']:.1f} s"))
+    rows.append(("model saved to", summary.get("model_dir") or "(not saved)"))
+    return rows
