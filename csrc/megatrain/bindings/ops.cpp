@@ -1,0 +1,143 @@
+// TORCH_LIBRARY(megatrain) CPU ops over the torch-free CPU Adam kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "megatrain/common/cpu_features.h"
+#include "megatrain/cpu_adam/adam_kernels.h"
+
+namespace megatrain {
+namespace bindings {
+namespace {
+
+using cpu_adam::GradDtype;
+using cpu_adam::OutDtype;
+
+// Work is split into fixed chunks (a multiple of 64 elements, so every chunk but the last starts
+// on a 64-element boundary) independent of the thread count: results are deterministic.
+constexpr int64_t kChunkNumel = 64 * 1024;
+
+void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name,
+                    " must be contiguous (in-place ops never work on a hidden copy), got sizes ",
+                    t.sizes(), " and strides ", t.strides());
+}
+
+void check_fp32_state(const at::Tensor& t, const char* op, const char* name, int64_t numel) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name,
+                   " must be a contiguous float32 CPU tensor, got dtype ", t.scalar_type());
+  check_cpu_contiguous(t, op, name);
+  TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", name, " must have ", numel,
+                    " elements (the numel of the first tensor), got ", t.numel());
+}
+
+GradDtype grad_dtype_of(const at::Tensor& grad, const char* op, int64_t numel) {
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, op,
+                   ": grad must be a contiguous float32 or bfloat16 CPU tensor, got dtype ",
+                   grad.scalar_type());
+  check_cpu_contiguous(grad, op, "grad");
+  TORCH_CHECK_VALUE(grad.numel() == numel, op, ": grad must have ", numel,
+                    " elements (the numel of the first tensor), got ", grad.numel());
+  return grad.scalar_type() == at::kFloat ? GradDtype::kFloat32 : GradDtype::kBFloat16;
+}
+
+void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const at::Tensor& grad,
+                    const std::optional<at::Tensor>& compute_out, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, int64_t step,
+                    double grad_scale) {
+  constexpr const char* op = "megatrain::adamw_step_";
+  const int64_t n = master.numel();
+  check_fp32_state(master, op, "master", n);
+  check_fp32_state(exp_avg, op, "exp_avg", n);
+  check_fp32_state(exp_avg_sq, op, "exp_avg_sq", n);
+  const GradDtype gdt = grad_dtype_of(grad, op, n);
+  OutDtype odt = OutDtype::kNone;
+  void* out_ptr = nullptr;
+  if (compute_out.has_value()) {
+    const at::Tensor& out = *compute_out;
+    TORCH_CHECK_TYPE(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, op,
+                     ": compute_out must be a contiguous bfloat16 or float32 CPU tensor, got dtype ",
+                     out.scalar_type());
+    check_cpu_contiguous(out, op, "compute_out");
+    TORCH_CHECK_VALUE(out.numel() == n, op, ": compute_out must have ", n,
+                      " elements (the numel of master), got ", out.numel());
+    odt = out.scalar_type() == at::kFloat ? OutDtype::kFloat32 : OutDtype::kBFloat16;
+    out_ptr = out.data_ptr();
+  }
+  TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1 (the step count after this update), got ",
+                    step);
+  TORCH_CHECK_VALUE(lr >= 0.0, op, ": lr must be >= 0, got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, op,
+                    ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK_VALUE(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  if (n == 0) return;
+
+  cpu_adam::AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.grad_scale = static_cast<float>(grad_scale);
+  const cpu_adam::AdamConstants c = cpu_adam::make_adam_constants(h);
+  cpu_adam::AdamArgs a;
+  a.master = master.data_ptr<float>();
+  a.exp_avg = exp_avg.data_ptr<float>();
+  a.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  a.grad = grad.data_ptr();
+  a.grad_dtype = gdt;
+  a.compute_out = out_ptr;
+  a.out_dtype = odt;
+  const common::CpuIsa isa = common::active_isa();
+  const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ci = c0; ci < c1; ++ci) {
+      cpu_adam::adamw_range(a, c, ci * kChunkNumel, std::min(n, (ci + 1) * kChunkNumel), isa);
+    }
+  });
+}
+
+at::Tensor grad_accumulate_cpu(const at::Tensor& accum, const at::Tensor& grad, bool overwrite) {
+  constexpr const char* op = "megatrain::grad_accumulate_";
+  const int64_t n = accum.numel();
+  check_fp32_state(accum, op, "accum", n);
+  const GradDtype gdt = grad_dtype_of(grad, op, n);
+  const common::CpuIsa isa = common::active_isa();
+  const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  float* acc = accum.data_ptr<float>();
+  const void* g = grad.data_ptr();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ci = c0; ci < c1; ++ci) {
+      partial[ci] = cpu_adam::grad_accumulate_range(acc, g, gdt, overwrite, ci * kChunkNumel,
+                                                    std::min(n, (ci + 1) * kChunkNumel), isa);
+    }
+  });
+  double sumsq = 0.0;
+  for (double p : partial) sumsq += p;  // fixed order: deterministic for any thread count
+  return at::scalar_tensor(sumsq, at::TensorOptions().dtype(at::kDouble));
+}
+
+}  // namespace
+}  // namespace bindings
+}  // namespace megatrain
+
+TORCH_LIBRARY(megatrain, m) {
+  m.def(
+      "adamw_step_(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
+      "Tensor(d!)? compute_out, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, int step, float grad_scale) -> ()");
+  m.def("grad_accumulate_(Tensor(a!) accum, Tensor grad, bool overwrite) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(megatrain, CPU, m) {
+  m.impl("adamw_step_", &megatrain::bindings::adamw_step_cpu);
+  m.impl("grad_accumulate_", &megatrain::bindings::grad_accumulate_cpu);
+}

@@ -1,0 +1,69 @@
+// Scalar per-element AdamW math, shared by the scalar kernel and the vector kernels' tails.
+// Compiled with -ffp-contract=off everywhere so no FMA changes the rounding between variants.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "megatrain/cpu_adam/adam_kernels.h"
+
+namespace megatrain {
+namespace cpu_adam {
+namespace detail {
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Same rounding as c10::detail::round_to_nearest_even (what tensor.to(torch.bfloat16) does).
+inline uint16_t float_to_bf16_rne(float f) {
+  if (std::isnan(f)) return UINT16_C(0x7FC0);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  u += UINT32_C(0x7FFF) + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load_grad(const void* grad, GradDtype dt, int64_t i) {
+  return dt == GradDtype::kFloat32 ? static_cast<const float*>(grad)[i]
+                                   : bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
+}
+
+inline void adamw_one(const AdamArgs& a, const AdamConstants& c, int64_t i) {
+  const float g = load_grad(a.grad, a.grad_dtype, i) * c.grad_scale;
+  float p = a.master[i] * c.decay;
+  float m = a.exp_avg[i];
+  // torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
+  if (c.lerp_low) {
+    m = m + c.lerp_weight * (g - m);
+  } else {
+    m = g - (g - m) * (1.0f - c.lerp_weight);
+  }
+  float v = a.exp_avg_sq[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  p = p - (c.step_size * m) / denom;
+  a.master[i] = p;
+  a.exp_avg[i] = m;
+  a.exp_avg_sq[i] = v;
+  if (a.out_dtype == OutDtype::kBFloat16) {
+    static_cast<uint16_t*>(a.compute_out)[i] = float_to_bf16_rne(p);
+  } else if (a.out_dtype == OutDtype::kFloat32) {
+    static_cast<float*>(a.compute_out)[i] = p;
+  }
+}
+
+inline float accumulate_one(float* accum, const void* grad, GradDtype dt, bool overwrite,
+                            int64_t i) {
+  const float g = load_grad(grad, dt, i);
+  const float r = overwrite ? g : accum[i] + g;
+  accum[i] = r;
+  return r;
+}
+
+}  // namespace detail
+}  // namespace cpu_adam
+}  // namespace megatrain

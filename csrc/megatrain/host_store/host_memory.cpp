@@ -1,0 +1,170 @@
+#include "megatrain/host_store/host_memory.h"
+
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace megatrain {
+namespace host_store {
+namespace {
+
+std::optional<std::string> read_first_line(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return std::nullopt;
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+std::optional<int64_t> read_int_file(const std::string& path) {
+  auto line = read_first_line(path);
+  if (!line || line->empty() || *line == "max") return std::nullopt;
+  try {
+    return static_cast<int64_t>(std::stoll(*line));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// Relative cgroup path of this process for the v2 unified hierarchy ("0::/path"), or
+// for the v1 memory controller ("N:memory:/path").
+std::string cgroup_relative_path(bool v2) {
+  std::ifstream f("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(f, line)) {
+    const auto c1 = line.find(':');
+    const auto c2 = line.find(':', c1 + 1);
+    if (c1 == std::string::npos || c2 == std::string::npos) continue;
+    const std::string controllers = line.substr(c1 + 1, c2 - c1 - 1);
+    const std::string path = line.substr(c2 + 1);
+    if (v2 && line.compare(0, 3, "0::") == 0) return path;
+    if (!v2) {
+      std::stringstream ss(controllers);
+      std::string c;
+      while (std::getline(ss, c, ',')) {
+        if (c == "memory") return path;
+      }
+    }
+  }
+  return "/";
+}
+
+std::string human_gib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+[[noreturn]] void fail(const std::string& what, int64_t needed, int64_t available,
+                       const std::string& limit, const std::string& advice) {
+  std::ostringstream os;
+  os << "megatrain " << what << ": needs " << needed << " bytes (" << human_gib(needed)
+     << ") of host memory but only " << available << " bytes (" << human_gib(available)
+     << ") are available under the " << limit << ". " << advice
+     << " Nothing was allocated.";
+  throw HostMemoryError(os.str(), needed, available, limit);
+}
+
+}  // namespace
+
+MemoryAvailability query_memory_availability() {
+  MemoryAvailability m;
+  {
+    std::ifstream f("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    std::string unit;
+    while (f >> key >> kib) {
+      std::getline(f, unit);
+      if (key == "MemAvailable:") {
+        m.mem_available_bytes = kib * 1024;
+        break;
+      }
+    }
+  }
+  // cgroup v2: walk from our cgroup up to the root; the tightest ancestor limit applies.
+  if (read_first_line("/sys/fs/cgroup/cgroup.controllers")) {
+    std::string rel = cgroup_relative_path(true);
+    for (;;) {
+      const std::string dir = "/sys/fs/cgroup" + (rel == "/" ? std::string() : rel);
+      auto limit = read_int_file(dir + "/memory.max");
+      if (limit) {
+        auto usage = read_int_file(dir + "/memory.current");
+        const int64_t remaining = *limit - usage.value_or(0);
+        const bool tighter = !m.cgroup_limit_bytes ||
+                             remaining < *m.cgroup_limit_bytes - m.cgroup_usage_bytes.value_or(0);
+        if (tighter) {
+          m.cgroup_limit_bytes = limit;
+          m.cgroup_usage_bytes = usage;
+          m.cgroup_path = dir + "/memory.max";
+        }
+      }
+      if (rel == "/" || rel.empty()) break;
+      const auto slash = rel.find_last_of('/');
+      rel = slash == 0 ? "/" : rel.substr(0, slash);
+    }
+  } else {
+    // cgroup v1: an "unlimited" limit reads as a huge page-rounded number.
+    const std::string rel = cgroup_relative_path(false);
+    for (const std::string& dir : {"/sys/fs/cgroup/memory" + (rel == "/" ? std::string() : rel),
+                                   std::string("/sys/fs/cgroup/memory")}) {
+      auto limit = read_int_file(dir + "/memory.limit_in_bytes");
+      if (limit && *limit < (int64_t{1} << 60)) {
+        m.cgroup_limit_bytes = limit;
+        m.cgroup_usage_bytes = read_int_file(dir + "/memory.usage_in_bytes");
+        m.cgroup_path = dir + "/memory.limit_in_bytes";
+        break;
+      }
+    }
+  }
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    m.memlock_bytes = static_cast<int64_t>(rl.rlim_cur);
+  }
+  return m;
+}
+
+bool host_memory_check_disabled() {
+  const char* env = std::getenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK");
+  return env != nullptr && std::string(env) == "1";
+}
+
+void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit_bytes,
+                       const std::string& what) {
+  if (memory_limit_bytes >= 0 && needed_bytes > memory_limit_bytes) {
+    fail(what, needed_bytes, memory_limit_bytes, "memory_limit_bytes override",
+         "Raise memory_limit_bytes, or pass -1 to check against the system limits instead.");
+  }
+  if (host_memory_check_disabled()) return;
+  const MemoryAvailability m = query_memory_availability();
+  if (memory_limit_bytes < 0) {
+    if (m.mem_available_bytes >= 0 && needed_bytes > m.mem_available_bytes) {
+      fail(what, needed_bytes, m.mem_available_bytes, "MemAvailable limit (/proc/meminfo)",
+           "Free host memory, train a smaller model, or disable gradient accumulation "
+           "(it adds 4 bytes/param); if this VM grows its RAM lazily, set "
+           "MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1.");
+    }
+    if (m.cgroup_limit_bytes) {
+      const int64_t remaining = *m.cgroup_limit_bytes - m.cgroup_usage_bytes.value_or(0);
+      if (needed_bytes > remaining) {
+        fail(what, needed_bytes, remaining,
+             "cgroup memory limit (" + m.cgroup_path + " = " +
+                 std::to_string(*m.cgroup_limit_bytes) + " bytes, minus current usage)",
+             "Raise the container's memory limit (e.g. docker --memory, Kubernetes "
+             "resources.limits.memory, systemd MemoryMax) or train a smaller model.");
+      }
+    }
+  }
+  if (will_pin && m.memlock_bytes && needed_bytes > *m.memlock_bytes) {
+    fail(what, needed_bytes, *m.memlock_bytes, "locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)",
+         "Raise it (ulimit -l unlimited, docker --ulimit memlock=-1, systemd "
+         "LimitMEMLOCK=infinity) or create the store with pin=False (H2D copies then run at "
+         "pageable speed).");
+  }
+}
+
+}  // namespace host_store
+}  // namespace megatrain

@@ -1,0 +1,233 @@
+#include "megatrain/host_store/host_store.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "megatrain/common/cuda_utils.h"
+
+namespace megatrain {
+namespace host_store {
+namespace {
+
+std::atomic<int64_t> g_allocation_count{0};
+
+int64_t checked_add(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) throw std::invalid_argument("host store size overflows int64");
+  return r;
+}
+
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw std::invalid_argument("host store size overflows int64");
+  return r;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return checked_mul((checked_add(x, m - 1)) / m, m); }
+
+int64_t page_size() {
+  static const int64_t p = sysconf(_SC_PAGESIZE);
+  return p;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// PinnedBuffer
+
+PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
+                           const std::string& what)
+    : bytes_(bytes) {
+  if (bytes < 0) throw std::invalid_argument(what + ": negative size " + std::to_string(bytes));
+  mapped_ = round_up(bytes, page_size());
+  const bool will_pin = pin && common::cuda_device_present();
+  check_host_budget(mapped_, will_pin, memory_limit_bytes, what);
+  if (mapped_ == 0) return;
+  void* p = mmap(nullptr, static_cast<size_t>(mapped_), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    throw HostMemoryError("megatrain " + what + ": mmap of " + std::to_string(mapped_) +
+                              " bytes failed: " + std::strerror(err) +
+                              ". Free host memory or reduce the model size.",
+                          mapped_, -1, "mmap");
+  }
+#ifdef MADV_HUGEPAGE
+  // Fewer page faults when the arena is first touched / registered; a hint only.
+  if (mapped_ >= (int64_t{2} << 20)) madvise(p, static_cast<size_t>(mapped_), MADV_HUGEPAGE);
+#endif
+  if (will_pin) {
+    try {
+      pinned_ = common::cuda_host_register(p, static_cast<size_t>(mapped_));
+    } catch (...) {
+      munmap(p, static_cast<size_t>(mapped_));
+      throw;
+    }
+  }
+  data_ = p;
+  g_allocation_count.fetch_add(1);
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ == nullptr) return;
+  if (pinned_) {
+    const std::string err = common::cuda_host_unregister(data_);
+    if (!err.empty()) std::fprintf(stderr, "megatrain warning: PinnedBuffer: %s\n", err.c_str());
+  }
+  if (munmap(data_, static_cast<size_t>(mapped_)) != 0) {
+    std::fprintf(stderr, "megatrain warning: PinnedBuffer: munmap failed: %s\n",
+                 std::strerror(errno));
+  }
+}
+
+int64_t PinnedBuffer::allocation_count() { return g_allocation_count.load(); }
+
+// ---------------------------------------------------------------------------------------------
+// HostStore
+
+const char* section_name(Section s) {
+  switch (s) {
+    case Section::kCompute:
+      return "compute";
+    case Section::kMaster:
+      return "master";
+    case Section::kExpAvg:
+      return "exp_avg";
+    case Section::kExpAvgSq:
+      return "exp_avg_sq";
+    case Section::kGradAccum:
+      return "grad_accum";
+  }
+  return "unknown";
+}
+
+Section parse_section(const std::string& name) {
+  for (int i = 0; i < kNumSections; ++i) {
+    if (name == section_name(static_cast<Section>(i))) return static_cast<Section>(i);
+  }
+  throw std::invalid_argument("unknown host store section '" + name +
+                              "', expected one of compute, master, exp_avg, exp_avg_sq, grad_accum");
+}
+
+std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& units,
+                                                   const HostStoreOptions& options,
+                                                   int64_t* total_bytes, int64_t* total_numel) {
+  std::vector<UnitLayout> layouts;
+  layouts.reserve(units.size());
+  int64_t cursor = 0;
+  int64_t params = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    UnitLayout L;
+    int64_t off = 0;
+    for (const TensorSpec& t : units[u]) {
+      int64_t numel = 1;
+      for (int64_t d : t.shape) {
+        if (d < 0) {
+          throw std::invalid_argument("host store unit " + std::to_string(u) + " tensor '" +
+                                      t.name + "' has a negative dimension " + std::to_string(d));
+        }
+        numel = checked_mul(numel, d);
+      }
+      L.entries.push_back(Entry{t.name, t.shape, numel, off});
+      off = checked_add(off, round_up(numel, kAlignElements));
+      params = checked_add(params, numel);
+    }
+    L.numel = off;
+    L.base_bytes = cursor;
+    int64_t rel = 0;
+    for (int s = 0; s < kNumSections; ++s) {
+      const Section sec = static_cast<Section>(s);
+      int64_t bytes = 0;
+      if (sec != Section::kGradAccum || options.with_grad_accum) {
+        const int64_t esize =
+            (sec == Section::kCompute && options.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
+        bytes = round_up(checked_mul(L.numel, esize), kSectionAlignBytes);
+      }
+      L.section_offset_bytes[s] = rel;
+      L.section_bytes[s] = bytes;
+      rel = checked_add(rel, bytes);
+    }
+    cursor = checked_add(cursor, rel);
+    layouts.push_back(std::move(L));
+  }
+  *total_bytes = cursor;
+  *total_numel = params;
+  return layouts;
+}
+
+int64_t HostStore::bytes_required(const std::vector<UnitSpec>& units,
+                                  const HostStoreOptions& options) {
+  int64_t total = 0, numel = 0;
+  plan(units, options, &total, &numel);
+  return total;
+}
+
+HostStore::HostStore(std::vector<UnitSpec> units, HostStoreOptions options) : options_(options) {
+  units_ = plan(units, options_, &total_bytes_, &total_numel_);
+  // PinnedBuffer runs the budget check before mapping anything.
+  arena_ = std::make_unique<PinnedBuffer>(total_bytes_, options_.pin, options_.memory_limit_bytes,
+                                          "HostStore");
+}
+
+HostStore::~HostStore() = default;
+
+void HostStore::check_unit(int64_t u) const {
+  if (u < 0 || u >= num_units()) {
+    throw std::out_of_range("host store unit index " + std::to_string(u) + " out of range [0, " +
+                            std::to_string(num_units()) + ")");
+  }
+}
+
+int64_t HostStore::unit_numel(int64_t u) const {
+  check_unit(u);
+  return units_[u].numel;
+}
+
+const std::vector<Entry>& HostStore::entries(int64_t u) const {
+  check_unit(u);
+  return units_[u].entries;
+}
+
+bool HostStore::has_section(Section s) const {
+  return s != Section::kGradAccum || options_.with_grad_accum;
+}
+
+int64_t HostStore::element_size(Section s) const {
+  return (s == Section::kCompute && options_.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
+}
+
+void* HostStore::section_data(int64_t u, Section s) const {
+  check_unit(u);
+  if (!has_section(s)) {
+    throw std::invalid_argument(
+        "host store has no grad_accum section (it was created with with_grad_accum=False)");
+  }
+  const UnitLayout& L = units_[u];
+  char* base = static_cast<char*>(arena_->data());
+  if (base == nullptr) return nullptr;  // empty store
+  return base + L.base_bytes + L.section_offset_bytes[static_cast<int>(s)];
+}
+
+int64_t HostStore::unit_section_bytes(int64_t u, Section s) const {
+  check_unit(u);
+  return units_[u].section_bytes[static_cast<int>(s)];
+}
+
+int64_t HostStore::section_bytes(Section s) const {
+  int64_t total = 0;
+  for (const UnitLayout& L : units_) total += L.section_bytes[static_cast<int>(s)];
+  return total;
+}
+
+double HostStore::bytes_per_param() const {
+  return total_numel_ == 0 ? 0.0
+                           : static_cast<double>(total_bytes_) / static_cast<double>(total_numel_);
+}
+
+}  // namespace host_store
+}  // namespace megatrain

@@ -1,0 +1,144 @@
+// Host-resident training state: one page-aligned arena holding, per unit (a decoder layer or a
+// resident group), one contiguous block of sections
+//   [compute (bf16|fp32)] [master fp32] [exp_avg fp32] [exp_avg_sq fp32] [grad_accum fp32]?
+// ("layer-contiguous tiling", DESIGN.md section 1). Torch-free.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megatrain/host_store/host_memory.h"
+
+namespace megatrain {
+namespace host_store {
+
+/// \brief Page-aligned host allocation of a fixed size, page-locked once (cudaHostRegister) when
+/// requested, built with CUDA and a device is present. Zero-filled (fresh anonymous mapping).
+class PinnedBuffer {
+ public:
+  /// \param[in] bytes size in bytes (rounded up to whole pages internally).
+  /// \param[in] pin page-lock for DMA if CUDA is compiled in and a device is visible.
+  /// \param[in] memory_limit_bytes budget override (see check_host_budget), -1 for system limits.
+  /// \param[in] what name used in error messages.
+  /// \throws HostMemoryError if the budget check or the mapping fails (nothing stays allocated);
+  ///         std::runtime_error if page-locking fails.
+  PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes = -1,
+               const std::string& what = "pinned buffer");
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  void* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }          ///< requested size
+  int64_t mapped_bytes() const { return mapped_; }  ///< page-rounded size actually mapped
+  bool is_pinned() const { return pinned_; }
+
+  /// \brief Number of successful mappings made by PinnedBuffer in this process (tests use it to
+  /// prove a failed budget check allocated nothing).
+  static int64_t allocation_count();
+
+ private:
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+  int64_t mapped_ = 0;
+  bool pinned_ = false;
+};
+
+/// \brief One tensor of a unit: name and shape.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+using UnitSpec = std::vector<TensorSpec>;
+
+enum class ComputeDtype { kBFloat16, kFloat32 };
+
+enum class Section { kCompute = 0, kMaster = 1, kExpAvg = 2, kExpAvgSq = 3, kGradAccum = 4 };
+constexpr int kNumSections = 5;
+
+/// \brief "compute", "master", "exp_avg", "exp_avg_sq", "grad_accum".
+const char* section_name(Section s);
+/// \throws std::invalid_argument for an unknown name.
+Section parse_section(const std::string& name);
+
+struct HostStoreOptions {
+  ComputeDtype compute_dtype = ComputeDtype::kBFloat16;
+  bool with_grad_accum = false;  ///< add the fp32 gradient accumulator section
+  bool pin = false;              ///< page-lock the whole arena (one registration)
+  int64_t memory_limit_bytes = -1;  ///< budget override; -1: MemAvailable / cgroup / memlock
+};
+
+/// \brief A tensor's place in its unit: same element offset in every section.
+struct Entry {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel;
+  int64_t offset;  ///< element offset inside each section of the unit, a multiple of 64
+};
+
+class HostStore : public std::enable_shared_from_this<HostStore> {
+ public:
+  static constexpr int64_t kAlignElements = 64;
+  static constexpr int64_t kSectionAlignBytes = 4096;
+
+  /// \brief Plans the layout, checks the host budget, then maps (and optionally pins) one arena.
+  /// \throws std::invalid_argument for negative dimensions or sizes that overflow int64.
+  /// \throws HostMemoryError if the arena does not fit (nothing allocated).
+  HostStore(std::vector<UnitSpec> units, HostStoreOptions options);
+  ~HostStore();
+  HostStore(const HostStore&) = delete;
+  HostStore& operator=(const HostStore&) = delete;
+
+  /// \brief Arena bytes the given units and options need (what the budget check compares).
+  static int64_t bytes_required(const std::vector<UnitSpec>& units, const HostStoreOptions& options);
+
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  /// \brief Padded flat length (elements) of every section of unit u.
+  int64_t unit_numel(int64_t u) const;
+  const std::vector<Entry>& entries(int64_t u) const;
+  bool has_section(Section s) const;
+  /// \brief Start of section s of unit u (4 KiB aligned).
+  /// \throws std::out_of_range for a bad unit; std::invalid_argument for an absent section.
+  void* section_data(int64_t u, Section s) const;
+  /// \brief Bytes per element of section s (2 for a bf16 compute section, else 4).
+  int64_t element_size(Section s) const;
+  /// \brief Bytes of section s in unit u including its padding up to 4 KiB.
+  int64_t unit_section_bytes(int64_t u, Section s) const;
+  /// \brief Bytes of section s summed over all units (0 when absent).
+  int64_t section_bytes(Section s) const;
+  int64_t total_bytes() const { return total_bytes_; }
+  int64_t pinned_bytes() const { return is_pinned() ? total_bytes_ : 0; }
+  bool is_pinned() const { return arena_ && arena_->is_pinned(); }
+  /// \brief Unpadded parameter count summed over all entries.
+  int64_t total_numel() const { return total_numel_; }
+  /// \brief total_bytes / total_numel (0 when there are no parameters).
+  double bytes_per_param() const;
+  const HostStoreOptions& options() const { return options_; }
+  void* arena_data() const { return arena_ ? arena_->data() : nullptr; }
+
+ private:
+  struct UnitLayout {
+    std::vector<Entry> entries;
+    int64_t numel = 0;
+    int64_t base_bytes = 0;  ///< byte offset of the unit block in the arena
+    std::array<int64_t, kNumSections> section_offset_bytes{};  ///< relative to base
+    std::array<int64_t, kNumSections> section_bytes{};
+  };
+  static std::vector<UnitLayout> plan(const std::vector<UnitSpec>& units,
+                                      const HostStoreOptions& options, int64_t* total_bytes,
+                                      int64_t* total_numel);
+  void check_unit(int64_t u) const;
+
+  HostStoreOptions options_;
+  std::vector<UnitLayout> units_;
+  int64_t total_bytes_ = 0;
+  int64_t total_numel_ = 0;
+  std::unique_ptr<PinnedBuffer> arena_;
+};
+
+}  // namespace host_store
+}  // namespace megatrain
