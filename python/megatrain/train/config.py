@@ -83,7 +83,7 @@ class TrainSection:
     gradient_accumulation_steps: int = 1
     lr: float = 3.0e-3
     lr_schedule: str = "cosine"  # cosine | linear | constant (all after linear warmup)
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # capped at steps
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine, linear)
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -346,8 +346,6 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if t.lr_schedule not in ("cosine", "linear", "constant"):
         raise UsageError(f"train.lr_schedule must be cosine, linear or constant, got {t.lr_schedule!r}")
-    if t.warmup_steps > t.steps:
-        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) must not exceed train.steps ({t.steps})")
     if r.compute_dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32"):
         raise UsageError(f"runtime.compute_dtype must be auto, bf16 or fp32, got {r.compute_dtype!r}")
     if not (r.device in ("auto", "cpu", "cuda") or (r.device.startswith("cuda:") and r.device[5:].isdigit())):

@@ -67,7 +67,10 @@ class ByteTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([EOS_TEXT])  # gets id 256
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT, bos_token=EOS_TEXT)
+        # split_special_tokens: a literal "<|endoftext|>" in text stays bytes, as in encode().
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=EOS_TEXT, bos_token=EOS_TEXT, split_special_tokens=True
+        )
 
     def save(self, out_dir: str) -> None:
         """Writes HF tokenizer files (when ``tokenizers`` is installed) and megatrain_tokenizer.json."""

@@ -198,12 +198,14 @@ def lr_lambda(cfg: Config):
     """Multiplier of train.lr at scheduler step s: linear warmup, then cosine/linear/constant."""
     t = cfg.train
 
+    warmup = min(t.warmup_steps, t.steps)
+
     def fn(step: int) -> float:
-        if t.warmup_steps > 0 and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
         if t.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        progress = min(1.0, (step - warmup) / max(1, t.steps - warmup))
         if t.lr_schedule == "cosine":
             decay = 0.5 * (1.0 + math.cos(math.pi * progress))
         else:

@@ -1,0 +1,129 @@
+"""megatrain.train.config: defaults, YAML/flag conversion, unknown keys, range checks, LR schedule."""
+
+import math
+import os
+import sys
+import types
+
+import pytest
+
+_PY = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+
+
+def _import_train_package():
+    """Imports megatrain.train; if the compiled extension is not built yet, imports the pure-Python
+    trainer modules without megatrain/__init__ (they do not need the extension)."""
+    if _PY not in sys.path:
+        sys.path.insert(0, os.path.abspath(_PY))
+    try:
+        import megatrain  # noqa: F401
+    except ImportError:
+        for name in [n for n in sys.modules if n == "megatrain" or n.startswith("megatrain.")]:
+            del sys.modules[name]
+        stub = types.ModuleType("megatrain")
+        stub.__path__ = [os.path.abspath(os.path.join(_PY, "megatrain"))]
+        sys.modules["megatrain"] = stub
+    import megatrain.train.config as config
+
+    return config
+
+
+config = _import_train_package()
+UsageError = config.UsageError
+
+
+def test_default_config_is_the_documented_default():
+    cfg = config.build_config()
+    assert cfg.data.path == "stdlib" and cfg.data.tokenizer is None
+    assert cfg.model.arch == "llama" and cfg.model.path is None
+    assert cfg.runtime.compute_dtype == "auto" and cfg.runtime.activation_policy == "recompute"
+    assert cfg.data.seq_len <= cfg.model.max_position_embeddings
+
+
+def test_yaml_file_then_overrides_take_precedence(tmp_path):
+    path = tmp_path / "c.yaml"
+    # YAML 1.1 reads 3e-4 (no dot) as a string; the trainer must still take it as a number.
+    path.write_text("train:\n  lr: 3e-4\n  steps: 7\nmodel:\n  num_layers: 3\n")
+    cfg = config.build_config(str(path), overrides=[("train", "steps", "11")])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.train.steps == 11
+    assert cfg.model.num_layers == 3
+
+
+def test_gpu_preset_differs_from_default():
+    assert config.build_config(preset="gpu").model.num_layers > config.build_config().model.num_layers
+    with pytest.raises(UsageError, match="unknown preset"):
+        config.build_config(preset="huge")
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("train:\n  learning_rate: 1.0\n", "unknown config key 'train.learning_rate'"),
+        ("optimizer:\n  lr: 1.0\n", "unknown config section 'optimizer'"),
+        ("train:\n  lr: abc\n", "train.lr must be a number, got 'abc'"),
+        ("train:\n  steps: 1.5\n", "train.steps must be an integer"),
+        ("train:\n  steps: 0\n", "train.steps must be > 0"),
+        ("train: [1, 2]\n", "must be a mapping"),
+        ("data:\n  eval_fraction: 1.0\n", "data.eval_fraction must be between 0 and 1"),
+        ("data:\n  seq_len: 4096\n", "above the model's limit max_position_embeddings"),
+        ("runtime:\n  activation_policy: block:0\n", "activation_policy must be recompute or block:K"),
+        ("runtime:\n  compute_dtype: fp16\n", "compute_dtype must be auto, bf16 or fp32"),
+        ("model:\n  hidden_size: 100\n  num_heads: 3\n", "divisible by model.num_heads"),
+        ("train:\n  warmup_steps: -1\n", "train.warmup_steps must be >= 0"),
+        ("log:\n  progress: maybe\n", "log.progress must be true or false"),
+        ("train:\n  lr: .nan\n", "train.lr must be a finite number"),
+        ("train:\n  lr: [\n", "is not valid YAML"),
+    ],
+)
+def test_bad_config_file_is_one_line_usage_error(tmp_path, yaml_text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(UsageError) as info:
+        config.build_config(str(path))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_set_override_accepts_dotted_and_unambiguous_bare_keys():
+    section, key, value = config.parse_override("train.lr=1e-3")
+    assert (section, key) == ("train", "lr")
+    assert config.build_config(overrides=[(section, key, value)]).train.lr == 1e-3
+    assert config.parse_override("warmup_steps=5") == ("train", "warmup_steps", 5)
+    assert config.parse_override("data.max_documents=null") == ("data", "max_documents", None)
+    with pytest.raises(UsageError, match="ambiguous"):
+        config.parse_override("every=5")  # eval.every and log.every
+    with pytest.raises(UsageError, match="unknown config key 'train.nope'"):
+        config.parse_override("train.nope=1")
+    with pytest.raises(UsageError, match="key=value"):
+        config.parse_override("train.lr")
+
+
+def test_missing_config_file_is_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        config.build_config(str(tmp_path / "nope.yaml"))
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_to_min_ratio():
+    from megatrain.train.trainer import lr_lambda
+
+    cfg = config.build_config(
+        overrides=[("train", "steps", 100), ("train", "warmup_steps", 10), ("train", "min_lr_ratio", 0.1)]
+    )
+    f = lr_lambda(cfg)
+    assert f(0) == pytest.approx(0.1)  # first step runs at lr / warmup_steps, never at 0
+    assert f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(100) == pytest.approx(0.1)
+    cfg.train.lr_schedule = "linear"
+    assert lr_lambda(cfg)(55) == pytest.approx(0.1 + 0.9 * 0.5)
+    cfg.train.lr_schedule = "constant"
+    assert lr_lambda(cfg)(99) == 1.0
+
+
+def test_print_config_round_trips_through_yaml(tmp_path):
+    cfg = config.build_config(overrides=[("model", "num_layers", 3), ("train", "lr", "2e-3")])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config.to_yaml(cfg))
+    assert config.build_config(str(path)) == cfg
