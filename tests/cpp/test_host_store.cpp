@@ -1,0 +1,214 @@
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "megatrain/host_store/host_memory.h"
+#include "megatrain/host_store/host_store.h"
+
+namespace hs = megatrain::host_store;
+
+namespace {
+
+std::vector<hs::UnitSpec> odd_units() {
+  // Shapes chosen so numels are not multiples of 64 and sections are not multiples of 4 KiB.
+  return {
+      {{"q_proj.weight", {33, 17}}, {"q_proj.bias", {33}}, {"norm.weight", {5}}},
+      {{"embed.weight", {101, 3}}},
+      {},
+      {{"scalar", {}}, {"w", {1000, 3}}, {"empty", {0, 4}}},
+  };
+}
+
+int64_t vm_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  while (f >> key) {
+    if (key == "VmRSS:") {
+      int64_t kib;
+      f >> kib;
+      return kib * 1024;
+    }
+    std::getline(f, key);
+  }
+  return -1;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+const hs::Section kAll[] = {hs::Section::kCompute, hs::Section::kMaster, hs::Section::kExpAvg,
+                            hs::Section::kExpAvgSq, hs::Section::kGradAccum};
+
+}  // namespace
+
+TEST(HostStore, EverySectionIs4KiBAlignedAndEveryEntryOffsetIs64Elements) {
+  for (auto dtype : {hs::ComputeDtype::kBFloat16, hs::ComputeDtype::kFloat32}) {
+    hs::HostStoreOptions o;
+    o.compute_dtype = dtype;
+    o.with_grad_accum = true;
+    hs::HostStore store(odd_units(), o);
+    ASSERT_EQ(reinterpret_cast<uintptr_t>(store.arena_data()) % 4096, 0u);
+    for (int64_t u = 0; u < store.num_units(); ++u) {
+      for (hs::Section s : kAll) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(store.section_data(u, s)) % 4096, 0u)
+            << "unit " << u << " section " << hs::section_name(s);
+      }
+      for (const hs::Entry& e : store.entries(u)) EXPECT_EQ(e.offset % 64, 0) << e.name;
+    }
+  }
+}
+
+TEST(HostStore, SectionsOfAUnitAreOneContiguousBlockInOrder) {
+  hs::HostStoreOptions o;
+  o.with_grad_accum = true;
+  hs::HostStore store(odd_units(), o);
+  const char* expected = static_cast<const char*>(store.arena_data());
+  for (int64_t u = 0; u < store.num_units(); ++u) {
+    for (hs::Section s : kAll) {
+      EXPECT_EQ(static_cast<const char*>(store.section_data(u, s)), expected)
+          << "unit " << u << " section " << hs::section_name(s);
+      expected += store.unit_section_bytes(u, s);
+    }
+  }
+  EXPECT_EQ(expected, static_cast<const char*>(store.arena_data()) + store.total_bytes());
+}
+
+TEST(HostStore, EntryViewAliasesArenaWriteThroughOneReadThroughAnother) {
+  hs::HostStoreOptions o;
+  o.compute_dtype = hs::ComputeDtype::kBFloat16;
+  hs::HostStore store(odd_units(), o);
+  const hs::Entry& e = store.entries(3)[1];  // "w"
+  float* master = static_cast<float*>(store.section_data(3, hs::Section::kMaster)) + e.offset;
+  master[0] = 1.5f;
+  master[e.numel - 1] = -2.25f;
+  // Same bytes reached from the arena base with the layout arithmetic.
+  int64_t unit_base = 0;
+  for (int64_t u = 0; u < 3; ++u) {
+    for (hs::Section s : kAll) unit_base += store.unit_section_bytes(u, s);
+  }
+  const char* arena = static_cast<const char*>(store.arena_data());
+  const float* again = reinterpret_cast<const float*>(
+      arena + unit_base + store.unit_section_bytes(3, hs::Section::kCompute)) + e.offset;
+  EXPECT_EQ(again[0], 1.5f);
+  EXPECT_EQ(again[e.numel - 1], -2.25f);
+  uint16_t* compute = static_cast<uint16_t*>(store.section_data(3, hs::Section::kCompute)) + e.offset;
+  compute[3] = 0x3F80;
+  EXPECT_EQ(reinterpret_cast<const uint16_t*>(arena + unit_base)[e.offset + 3], 0x3F80);
+}
+
+TEST(HostStore, PaddingAndFreshSectionsAreZero) {
+  hs::HostStoreOptions o;
+  o.with_grad_accum = true;
+  hs::HostStore store(odd_units(), o);
+  const unsigned char* p = static_cast<const unsigned char*>(store.arena_data());
+  for (int64_t i = 0; i < store.total_bytes(); ++i) ASSERT_EQ(p[i], 0) << "byte " << i;
+}
+
+TEST(HostStore, AccountingEqualsLayoutArithmetic) {
+  hs::HostStoreOptions o;
+  o.compute_dtype = hs::ComputeDtype::kBFloat16;
+  o.with_grad_accum = false;
+  hs::HostStore store(odd_units(), o);
+  // Unit numels: round64(561)+round64(33)+round64(5) = 576+64+64; round64(303) = 320; 0;
+  // round64(1)+round64(3000)+round64(0) = 64+3008+0.
+  const int64_t numel[] = {704, 320, 0, 3072};
+  int64_t total = 0, compute = 0, master = 0;
+  for (int u = 0; u < 4; ++u) {
+    EXPECT_EQ(store.unit_numel(u), numel[u]);
+    compute += round_up(numel[u] * 2, 4096);
+    master += round_up(numel[u] * 4, 4096);
+  }
+  total = compute + 3 * master;
+  EXPECT_EQ(store.section_bytes(hs::Section::kCompute), compute);
+  EXPECT_EQ(store.section_bytes(hs::Section::kMaster), master);
+  EXPECT_EQ(store.section_bytes(hs::Section::kExpAvgSq), master);
+  EXPECT_EQ(store.section_bytes(hs::Section::kGradAccum), 0);
+  EXPECT_EQ(store.total_bytes(), total);
+  EXPECT_EQ(store.total_numel(), 561 + 33 + 5 + 303 + 1 + 3000 + 0);
+  EXPECT_DOUBLE_EQ(store.bytes_per_param(), static_cast<double>(total) / store.total_numel());
+  EXPECT_EQ(hs::HostStore::bytes_required(odd_units(), o), total);
+  EXPECT_FALSE(store.is_pinned());  // pin=false
+  EXPECT_EQ(store.pinned_bytes(), 0);
+}
+
+TEST(HostStore, LargeUnitsApproachFourteenBytesPerParamWithoutAccumulation) {
+  hs::HostStoreOptions o;
+  std::vector<hs::UnitSpec> units = {{{"w", {1024, 1024}}}, {{"w", {1024, 1024}}}};
+  EXPECT_DOUBLE_EQ(hs::HostStore::bytes_required(units, o) / (2.0 * 1024 * 1024), 14.0);
+  o.with_grad_accum = true;
+  EXPECT_DOUBLE_EQ(hs::HostStore::bytes_required(units, o) / (2.0 * 1024 * 1024), 18.0);
+}
+
+TEST(HostStore, MemoryLimitOverrideTooSmallThrowsBudgetErrorWithNothingAllocated) {
+  hs::HostStoreOptions o;
+  o.memory_limit_bytes = 4096;
+  const int64_t allocs = hs::PinnedBuffer::allocation_count();
+  try {
+    hs::HostStore store(odd_units(), o);
+    FAIL() << "expected HostMemoryError";
+  } catch (const hs::HostMemoryError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(e.available_bytes(), 4096);
+    EXPECT_EQ(e.needed_bytes(), hs::HostStore::bytes_required(odd_units(), o));
+    EXPECT_NE(msg.find(std::to_string(e.needed_bytes()) + " bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("4096 bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("memory_limit_bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Nothing was allocated"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(hs::PinnedBuffer::allocation_count(), allocs);
+}
+
+TEST(HostStore, OnePebibyteUnitThrowsBudgetErrorWithoutTouchingMemory) {
+  if (hs::host_memory_check_disabled()) GTEST_SKIP() << "MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1";
+  hs::HostStoreOptions o;
+  const int64_t allocs = hs::PinnedBuffer::allocation_count();
+  const int64_t rss = vm_rss_bytes();
+  // 2^48 fp32 elements per section: far beyond any MemAvailable.
+  std::vector<hs::UnitSpec> units = {{{"huge", {int64_t{1} << 24, int64_t{1} << 24}}}};
+  EXPECT_THROW(hs::HostStore store(units, o), hs::HostMemoryError);
+  EXPECT_EQ(hs::PinnedBuffer::allocation_count(), allocs);
+  EXPECT_LT(vm_rss_bytes() - rss, int64_t{16} << 20);
+}
+
+TEST(HostStore, NegativeDimensionAndOverflowAreRejected) {
+  hs::HostStoreOptions o;
+  EXPECT_THROW(hs::HostStore({{{"w", {4, -1}}}}, o), std::invalid_argument);
+  EXPECT_THROW(hs::HostStore::bytes_required({{{"w", {int64_t{1} << 40, int64_t{1} << 40}}}}, o),
+               std::invalid_argument);
+}
+
+TEST(HostStore, GradAccumSectionAbsentUnlessRequested) {
+  hs::HostStoreOptions o;
+  hs::HostStore store(odd_units(), o);
+  EXPECT_FALSE(store.has_section(hs::Section::kGradAccum));
+  EXPECT_THROW(store.section_data(0, hs::Section::kGradAccum), std::invalid_argument);
+  EXPECT_THROW(store.section_data(4, hs::Section::kMaster), std::out_of_range);
+}
+
+TEST(HostStore, SectionNamesParseAndUnknownNameIsRejected) {
+  for (hs::Section s : kAll) EXPECT_EQ(hs::parse_section(hs::section_name(s)), s);
+  EXPECT_THROW(hs::parse_section("momentum"), std::invalid_argument);
+}
+
+TEST(PinnedBuffer, PageAlignedZeroFilledAndUnpinnedWithoutCuda) {
+  hs::PinnedBuffer buf(10000, /*pin=*/true);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % 4096, 0u);
+  EXPECT_EQ(buf.bytes(), 10000);
+  EXPECT_EQ(buf.mapped_bytes(), 12288);
+  const unsigned char* p = static_cast<const unsigned char*>(buf.data());
+  for (int i = 0; i < 10000; ++i) ASSERT_EQ(p[i], 0);
+#ifndef MEGATRAIN_WITH_CUDA
+  EXPECT_FALSE(buf.is_pinned());
+#endif
+}
+
+TEST(HostMemory, AvailabilityIsReadFromProcMeminfo) {
+  const hs::MemoryAvailability m = hs::query_memory_availability();
+  EXPECT_GT(m.mem_available_bytes, 0);
+  if (m.cgroup_limit_bytes) {
+    EXPECT_GT(*m.cgroup_limit_bytes, 0);
+  }
+}
