@@ -435,10 +435,10 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
                 stats.last = stats._read() if window_steps == 0 else stats.last
         bar.close()
         bar = _NullBar()
-        status = "completed"
         model_dir = None
         if cfg.log.save_model:
             model_dir = save_model(model, d.tokenizer, out_dir, plan)
+        status = "completed"
         # Steady state: every log window but the first (warm-up, first-touch page faults), if any.
         steady = windows[1:] or windows
         steady_tokens = sum(w["tokens_per_s"] * w["step_time_s"] for w in steady)

@@ -1,0 +1,218 @@
+"""`megatrain train`: bad input -> one-line error and exit 2 with nothing written; a short CPU run of
+the default recipe learns; the saved model reloads with plain transformers to the same eval loss."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+_PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+if _PY not in sys.path:
+    sys.path.insert(0, _PY)
+
+megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
+from megatrain.cli import main  # noqa: E402
+from megatrain.train import trainer  # noqa: E402
+from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train.data import load_text_data  # noqa: E402
+
+# A tiny variant of the default recipe (Llama on the stdlib sources, byte tokenizer), small enough
+# to train in seconds on 2 CPU cores.
+TINY = [
+    "--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.num_heads=2",
+    "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=192",
+    "--set", "data.max_documents=200", "--set", "eval.batches=4", "--set", "train.warmup_steps=5",
+    "--seq-len", "128", "--no-progress",
+]  # fmt: skip
+
+
+def _run_main(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_usage_error(code, err, out_dir, fragment):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("megatrain: error: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert not os.path.exists(out_dir), "nothing may be written on bad input"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A saved 2-layer Llama with max_position_embeddings=64 and byte vocabulary."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=320, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def _no_weights_dir(tmp_path):
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return ["--model", str(tmp_path / "noweights")]
+
+
+def _empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    return ["--data", str(tmp_path / "empty")]
+
+
+def _unknown_key_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  learnig_rate: 0.1\n")
+    return ["--config", str(tmp_path / "c.yaml")]
+
+
+def _empty_file(tmp_path):
+    (tmp_path / "e.txt").write_text("")
+    return ["--data", str(tmp_path / "e.txt")]
+
+
+@pytest.mark.parametrize(
+    "make_args, fragment",
+    [
+        (lambda p, m: ["--data", str(p / "missing")], "data path"),
+        (lambda p, m: _empty_dir(p), "has no files matching"),
+        (lambda p, m: _empty_file(p), "holds no text"),
+        (lambda p, m: _unknown_key_file(p), "unknown config key 'train.learnig_rate'"),
+        (lambda p, m: ["--set", "train.learnig_rate=0.1"], "unknown config key 'train.learnig_rate'"),
+        (lambda p, m: ["--seq-len", "4096"], "above the model's limit max_position_embeddings (1024)"),
+        (lambda p, m: ["--model", str(m), "--seq-len", "128"], "above the model's limit max_position_embeddings (64)"),
+        (lambda p, m: _no_weights_dir(p), "has no weights"),
+        (lambda p, m: ["--model", str(p / "nodir")], "is not a directory"),
+        (lambda p, m: ["--lr", "abc"], "train.lr must be a number, got 'abc'"),
+        (lambda p, m: ["--steps", "ten"], "train.steps must be an integer"),
+        (lambda p, m: ["--model", "nosucharch"], "model_type"),
+        (lambda p, m: ["--config", str(p / "nope.yaml")], "does not exist"),
+        (lambda p, m: ["--bogus-flag"], "unrecognized arguments"),
+    ],
+    ids=[
+        "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
+        "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
+        "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
+        "unknown_flag",
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):
+    out_dir = tmp_path / "out"
+    code, _, err = _run_main(["train", "--out", str(out_dir), *make_args(tmp_path, tiny_model_dir)], capsys)
+    _assert_usage_error(code, err, out_dir, fragment)
+
+
+def test_non_empty_out_dir_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+    code, _, err = _run_main(["train", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "is not empty" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def _subprocess(args, cwd):
+    env = dict(os.environ, PYTHONPATH=_PY + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "megatrain", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def test_python_dash_m_bad_lr_has_no_traceback(tmp_path):
+    proc = _subprocess(["train", "--lr", "abc", "--out", str(tmp_path / "out")], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["megatrain: error: train.lr must be a number, got 'abc'"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_print_config_shows_resolved_values(tmp_path, capsys):
+    code, out, _ = _run_main(["train", "--print-config", "--lr", "2e-3", "--model", "qwen2"], capsys)
+    assert code == 0
+    assert "lr: 0.002" in out and "arch: qwen2" in out and "path: stdlib" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """40 steps of the tiny default recipe (2048 tokens/step as 2 micro batches of 8 x 128)."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    argv = ["train", "--out", str(out), "--steps", "40", "--lr", "1e-2", "--micro-batch-size", "8",
+            "--gradient-accumulation-steps", "2", "--eval-every", "20", "--log-every", "10",
+            "--compute-dtype", "fp32", "--device", "cpu", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_tiny_default_run_learns_beyond_byte_frequencies(tiny_run):
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    cfg = build_config(str(tiny_run / "config.yaml"))
+    data = load_text_data(cfg.data, cfg.train.seed)
+    # Baselines on the same held-out batches: a random init predicts ~uniformly over the padded
+    # vocabulary (ln 320 = 5.77 nats); the best context-free predictor, the training set's byte
+    # frequencies, scores ~3.05 nats on these batches. Beating that by 0.1 nats means the model
+    # uses context; the fp32 run reaches ~2.8 after 40 steps, a wrong loop (no update, wrong
+    # labels, leaked held-out rows excluded) stays near 5.8 or cannot get below the unigram.
+    counts = np.bincount(data.train.ravel(), minlength=320).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    held = torch.cat(data.eval_batches(cfg.eval.batch_size or cfg.train.micro_batch_size, cfg.eval.batches))
+    unigram = -logp[held[:, 1:].numpy()].mean()
+    assert summary["initial_eval_loss"] > math.log(320) - 0.3
+    assert summary["final_eval_loss"] < unigram - 0.1, (summary["final_eval_loss"], unigram)
+    history = [e["eval_loss"] for e in summary["eval_history"]]
+    assert [e["step"] for e in summary["eval_history"]] == [0, 20, 40]
+    assert history[2] < history[1] < history[0]
+
+
+def test_outputs_metrics_jsonl_and_tensorboard(tiny_run):
+    records = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    for key in ("loss", "lr", "step_time_s", "tokens_per_s", "model_tflops", "recompute_tflops", "host_rss_bytes"):
+        assert all(isinstance(r[key], (int, float)) and r[key] > 0 for r in train), key
+    assert all(r["mfu"] is None for r in train)  # CPU: no peak, MFU n/a
+    assert train[-1]["tokens"] == 40 * 2048
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 20, 40]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tiny_run / "tensorboard"))
+
+
+def test_saved_model_reloads_with_plain_transformers_to_same_eval_loss(tiny_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    cfg = build_config(str(tiny_run / "config.yaml"))
+    data = load_text_data(cfg.data, cfg.train.seed)
+    batches = data.eval_batches(summary["eval_batch_size"], summary["eval_batches"])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_run / "model"), dtype=torch.float32)
+    loss = trainer.evaluate(model, batches, torch.device("cpu"))
+    assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-4)
+    assert not (tiny_run / ".model.partial").exists()
+    tok = AutoTokenizer.from_pretrained(str(tiny_run / "model"))
+    text = "def f(x):\n    return x\n"
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode())
+    assert tok.eos_token_id == 256
+
+
+def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
+    def broken_export(model, out_dir, dtype=None):
+        os.makedirs(out_dir, exist_ok=True)
+        (open(os.path.join(out_dir, "model.safetensors"), "w")).write("half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(megatrain, "export_pretrained", broken_export)
+    out = tmp_path / "out"
+    argv = ["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--set", "eval.batches=1",
+            "--device", "cpu", *TINY]  # fmt: skip
+    with pytest.raises(OSError, match="disk full"):
+        main(argv)
+    assert sorted(os.listdir(out)) == ["config.yaml", "metrics.jsonl", "summary.json", "tensorboard"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
