@@ -127,3 +127,15 @@ def test_print_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(config.to_yaml(cfg))
     assert config.build_config(str(path)) == cfg
+
+
+def test_example_configs_parse_and_default_yaml_is_the_default():
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
+    names = sorted(n for n in os.listdir(root) if n.endswith(".yaml"))
+    assert "default.yaml" in names
+    for name in names:
+        config.build_config(os.path.join(root, name))
+    assert config.build_config(os.path.join(root, "default.yaml")) == config.build_config()
+    gpu = config.build_config(os.path.join(root, "gpu_llama_100m.yaml"))
+    preset = config.build_config(preset="gpu")
+    assert (gpu.model, gpu.data, gpu.train) == (preset.model, preset.data, preset.train)
