@@ -1,0 +1,487 @@
+"""Checkpoint / resume for wrapped models: every fp32 training state, streamed unit by unit.
+
+A checkpoint is a directory::
+
+    manifest.json            format, model layout, sha256 + size of every other file (written last)
+    unit-00000.safetensors   one file per unit (decoder layer / resident unit), fp32 tensors
+    ...                      "master.<name>", "exp_avg.<name>", "exp_avg_sq.<name>" for each parameter
+    state.json               optimizer hyperparameters (param groups by parameter name), per-parameter
+                             Adam steps, max_grad_norm, RNG states, the caller's ``extra`` dict
+    scheduler.pt             ``lr_scheduler.state_dict()`` (only when a scheduler is given)
+
+Unit files are standard safetensors files (``safetensors.safe_open`` reads them), written here
+straight from the host store's memory (no staging copy: extra host memory is a few KiB, not a
+unit) and read back straight into it (``readinto`` on the store's views). The directory is built
+under a temporary name next to the destination and renamed into place only once complete, so a
+crash mid-save leaves the previous checkpoint intact. Loading first verifies every file's size
+and sha256 against the manifest (and refuses with :class:`CheckpointError` naming the file),
+then writes the store.
+
+Tied parameters are one host-store entry, saved once under the first name that holds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+FORMAT = "megatrain-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.json"
+SCHEDULER = "scheduler.pt"
+SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+_CHUNK = 16 << 20
+# Test hook: seconds to sleep after each unit file (lets a test kill a process mid-save).
+_DELAY_ENV = "MEGATRAIN_CHECKPOINT_TEST_DELAY_S"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted, or does not match the model."""
+
+
+# ---------------------------------------------------------------------------- helpers
+def _engine(model):
+    eng = getattr(model, "megatrain", None)
+    if eng is None:
+        raise ValueError("megatrain checkpoint: the model is not wrapped by megatrain.wrap")
+    return eng
+
+
+def _buffer(t: torch.Tensor):
+    """Writable zero-copy memoryview of a contiguous CPU tensor's bytes."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("megatrain checkpoint: expected a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    def __init__(self, path: str):
+        self.path = path
+        self.f = open(path, "wb")
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, data) -> None:
+        self.h.update(data)
+        self.f.write(data)
+        self.n += len(data)
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"sha256": self.h.hexdigest(), "bytes": self.n}
+
+
+def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None) -> dict:
+    """Write ``[(key, contiguous CPU fp32 tensor)]`` as a safetensors file without copying the data.
+
+    Returns ``{"sha256": ..., "bytes": ...}`` of the file.
+    """
+    header = {}
+    off = 0
+    for key, t in tensors:
+        if t.dtype != torch.float32:
+            raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
+        n = t.numel() * 4
+        header[key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    w = _HashingWriter(path)
+    try:
+        w.write(struct.pack("<Q", len(hb)))
+        w.write(hb)
+        for _, t in tensors:
+            w.write(_buffer(t))
+        return w.close()
+    except BaseException:
+        w.f.close()
+        raise
+
+
+def _read_header(f, path: str) -> tuple:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated (no safetensors header)")
+    (n,) = struct.unpack("<Q", raw)
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as e:
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} has a malformed safetensors header: {e}") from None
+    return header, 8 + n
+
+
+def _write_json(path: str, obj) -> dict:
+    w = _HashingWriter(path)
+    w.write(json.dumps(obj, indent=1).encode())
+    return w.close()
+
+
+def _file_digest(path: str) -> dict:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            n += len(b)
+    return {"sha256": h.hexdigest(), "bytes": n}
+
+
+def _param_name(p) -> str:
+    _, unit, i = p._megatrain
+    return unit.entries[i].name
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+# ---------------------------------------------------------------------------- RNG
+def _rng_state() -> dict:
+    st = {"python": _jsonable(list(random.getstate())), "torch": torch.get_rng_state().tolist()}
+    try:
+        import numpy as np
+        s = np.random.get_state()
+        st["numpy"] = [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = [t.tolist() for t in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    v, state, gauss = st["python"]
+    random.setstate((v, tuple(state), gauss))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "numpy" in st:
+        try:
+            import numpy as np
+            name, keys, pos, has_gauss, cached = st["numpy"]
+            np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+    if "cuda" in st and torch.cuda.is_available():
+        states = [torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: Optional[dict] = None) -> str:
+    """Save every training state of a wrapped model to ``directory`` (replaced atomically).
+
+    Saved: fp32 master weights, Adam ``exp_avg`` / ``exp_avg_sq``, per-parameter step counts,
+    the optimizer's param groups (lr, betas, eps, weight_decay, anything a scheduler added) and
+    ``max_grad_norm``, ``lr_scheduler.state_dict()``, RNG states (Python, NumPy, torch CPU,
+    CUDA when initialised) and ``extra`` (a JSON-serialisable dict: data position, epoch, ...).
+
+    Units are written one file at a time straight from host memory (no second copy of the
+    model). The checkpoint is assembled in a temporary directory next to ``directory`` and
+    renamed into place when complete: a crash leaves any previous checkpoint there intact.
+
+    Args:
+        directory: destination directory.
+        model: a model wrapped by ``megatrain.wrap``.
+        optimizer: its ``megatrain.optim.CPUAdamW`` (None: weights only, no optimizer state).
+        lr_scheduler: an object with ``state_dict()`` (e.g. a ``torch.optim.lr_scheduler``), or None.
+        extra: JSON-serialisable dict returned by :func:`load_checkpoint`.
+
+    Returns:
+        ``directory`` (absolute).
+    """
+    eng = _engine(model)
+    if optimizer is not None:
+        optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "engine") else optimizer
+        if getattr(optimizer, "engine", None) is not eng:
+            raise ValueError("megatrain.save_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
+    try:
+        extra_json = json.loads(json.dumps(extra if extra is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
+    eng.flush()  # queued Adam updates and gradient accumulation are done
+
+    directory = os.path.abspath(directory)
+    parent, base = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(os.path.join(parent, f".{base}.tmp-*")):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
+    try:
+        files = {}
+        units = []
+        for u in eng.units:
+            fname = f"unit-{u.index:05d}.safetensors"
+            tensors = [(f"{sec}.{e.name}", eng.entry_view(u, i, sec))
+                       for sec in SECTIONS for i, e in enumerate(u.entries)]
+            files[fname] = _write_safetensors(os.path.join(tmp, fname), tensors,
+                                              metadata={"format": "pt", "megatrain_unit": u.index})
+            del tensors
+            units.append({"index": u.index, "kind": u.kind, "file": fname,
+                          "entries": [[e.name, list(e.shape)] for e in u.entries]})
+            if delay:
+                time.sleep(delay)
+
+        state = {"extra": extra_json, "rng": _rng_state(), "optimizer": None}
+        if optimizer is not None:
+            groups = []
+            steps = {}
+            for g in optimizer.param_groups:
+                hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
+                groups.append({"params": [_param_name(p) for p in g["params"]], **hyper})
+                for p in g["params"]:
+                    steps[_param_name(p)] = float(optimizer.state[p]["step"])
+            state["optimizer"] = {"param_groups": groups, "steps": steps,
+                                  "max_grad_norm": optimizer.max_grad_norm}
+        files[STATE] = _write_json(os.path.join(tmp, STATE), state)
+        if lr_scheduler is not None:
+            torch.save(lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER))
+            files[SCHEDULER] = _file_digest(os.path.join(tmp, SCHEDULER))
+        manifest = {"format": FORMAT, "version": VERSION, "compute_dtype": str(eng.compute_dtype),
+                    "num_params": sum(u.numel for u in eng.units), "units": units, "files": files}
+        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        _fsync_dir(tmp)
+        old = None
+        if os.path.exists(directory):
+            old = tempfile.mktemp(prefix=f".{base}.old-", dir=parent)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+# ---------------------------------------------------------------------------- load
+def read_manifest(directory: str) -> dict:
+    """Read and sanity-check ``manifest.json`` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: no checkpoint there, or not a megatrain checkpoint.
+    """
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        hint = ""
+        parent, base = os.path.split(os.path.abspath(directory))
+        olds = glob.glob(os.path.join(parent, f".{base}.old-*"))
+        if olds:
+            hint = f" (a save was interrupted while replacing it; the previous checkpoint is at {olds[0]})"
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} not found: {directory} is not a complete "
+                              f"megatrain checkpoint{hint}")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} is not valid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} is not a megatrain checkpoint manifest")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"megatrain.load_checkpoint: {path} has format version {m.get('version')}, "
+                              f"this megatrain reads version {VERSION}")
+    return m
+
+
+def verify_checkpoint(directory: str) -> dict:
+    """Check every file listed in the manifest: present, right size, right sha256. Returns the manifest.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    m = read_manifest(directory)
+    for fname, want in m["files"].items():
+        path = os.path.join(directory, fname)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"megatrain.load_checkpoint: {path} is missing (listed in the manifest)")
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated or altered: "
+                                  f"{size} bytes, the manifest says {want['bytes']}")
+        got = _file_digest(path)["sha256"]
+        if got != want["sha256"]:
+            raise CheckpointError(f"megatrain.load_checkpoint: {path} is corrupted: sha256 {got} does not match "
+                                  f"the manifest ({want['sha256']})")
+    return m
+
+
+def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, restore_rng: bool = True) -> dict:
+    """Restore a checkpoint written by :func:`save_checkpoint` into a wrapped model (and optimizer, scheduler).
+
+    Every file is verified (size + sha256) before anything is written. Master weights and Adam
+    moments are read straight into the host store; the compute copies are refreshed from the
+    master weights and the device slots invalidated, so the next forward uses the loaded weights.
+
+    Args:
+        directory: a checkpoint directory.
+        model: the same architecture, wrapped by ``megatrain.wrap`` (compute dtype may differ).
+        optimizer: its ``CPUAdamW`` (None: weights only). Param groups are matched by parameter name.
+        lr_scheduler: restored from ``scheduler.pt`` when given (error if the checkpoint has none).
+        restore_rng: restore Python / NumPy / torch (CPU, CUDA) RNG states.
+
+    Returns:
+        The ``extra`` dict given to :func:`save_checkpoint`.
+
+    Raises:
+        CheckpointError: missing / truncated / altered file (named), or a model / optimizer mismatch.
+    """
+    eng = _engine(model)
+    if optimizer is not None and not hasattr(optimizer, "engine"):
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+    if optimizer is not None and getattr(optimizer, "engine", None) is not eng:
+        raise ValueError("megatrain.load_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
+    m = verify_checkpoint(directory)
+    # Layout check before touching the store.
+    if len(m["units"]) != len(eng.units):
+        raise CheckpointError(f"megatrain.load_checkpoint: {directory} has {len(m['units'])} units, the model has "
+                              f"{len(eng.units)} (a different architecture?)")
+    for mu, u in zip(m["units"], eng.units):
+        want = [[e.name, list(e.shape)] for e in u.entries]
+        if mu["entries"] != want:
+            for a, b in zip(mu["entries"] + [None] * len(want), want + [None] * len(mu["entries"])):
+                if a != b:
+                    raise CheckpointError(f"megatrain.load_checkpoint: unit {u.index} of {directory} holds {a}, "
+                                          f"the model has {b}")
+    with open(os.path.join(directory, STATE)) as f:
+        state = json.load(f)
+    if optimizer is not None and state.get("optimizer") is None:
+        raise CheckpointError(f"megatrain.load_checkpoint: {directory} was saved without optimizer state")
+    if lr_scheduler is not None and SCHEDULER not in m["files"]:
+        raise CheckpointError(f"megatrain.load_checkpoint: {directory} has no {SCHEDULER} (saved without a scheduler)")
+    opt_state = state.get("optimizer")
+    by_name = {}
+    if optimizer is not None:
+        names = [[_param_name(p) for p in g["params"]] for g in optimizer.param_groups]
+        saved = [g["params"] for g in opt_state["param_groups"]]
+        if names != saved:
+            raise CheckpointError(f"megatrain.load_checkpoint: the optimizer's param groups ({len(names)} groups, "
+                                  f"{[len(n) for n in names]} params) differ from the checkpoint's "
+                                  f"({len(saved)} groups, {[len(n) for n in saved]} params)")
+        by_name = {_param_name(p): p for g in optimizer.param_groups for p in g["params"]}
+
+    eng.flush()
+    sections = SECTIONS if optimizer is not None else ("master",)
+    for mu, u in zip(m["units"], eng.units):
+        path = os.path.join(directory, mu["file"])
+        with open(path, "rb") as f:
+            header, base = _read_header(f, path)
+            for sec in sections:
+                for i, e in enumerate(u.entries):
+                    key = f"{sec}.{e.name}"
+                    info = header.get(key)
+                    if info is None or info["dtype"] != "F32" or list(info["shape"]) != list(e.shape):
+                        raise CheckpointError(f"megatrain.load_checkpoint: {path} has no float32 tensor {key} "
+                                              f"of shape {list(e.shape)}")
+                    dst = eng.entry_view(u, i, sec)
+                    b, end = info["data_offsets"]
+                    mv = _buffer(dst)
+                    if end - b != len(mv):
+                        raise CheckpointError(f"megatrain.load_checkpoint: {path}: {key} has {end - b} bytes, "
+                                              f"expected {len(mv)}")
+                    f.seek(base + b)
+                    if f.readinto(mv) != len(mv):
+                        raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated at {key}")
+        with torch.no_grad():
+            for i in range(len(u.entries)):
+                eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+        u.version += 1  # device slots / the resident buffer reload from the new compute copy
+    if optimizer is not None:
+        for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):
+            for k, v in sg.items():
+                if k == "params":
+                    continue
+                if k == "betas":
+                    v = tuple(v)
+                if isinstance(g.get(k), torch.Tensor):
+                    g[k].fill_(v)
+                else:
+                    g[k] = v
+        for name, step in opt_state["steps"].items():
+            optimizer.state[by_name[name]]["step"] = torch.tensor(float(step))
+        optimizer.max_grad_norm = opt_state["max_grad_norm"]
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(torch.load(os.path.join(directory, SCHEDULER), weights_only=True))
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return state.get("extra") or {}
+
+
+# ---------------------------------------------------------------------------- HF export, streamed
+def save_pretrained_streamed(model, out_dir: str) -> str:
+    """Write a standard Hugging Face model directory (config + ``model.safetensors``, fp32 master weights).
+
+    Like :func:`megatrain.export_pretrained`, but the weights are written straight from the host
+    store (no fp32 copy of the model in memory) into ``out_dir``, which may already hold other
+    files (they are kept; ``model.safetensors`` / ``config.json`` are replaced). Tied weights are
+    saved once, under the first name that holds them (as ``save_pretrained`` does).
+    """
+    eng = _engine(model)
+    eng.flush()
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = [(e.name, eng.entry_view(u, i, "master")) for u in eng.units for i, e in enumerate(u.entries)]
+    persistent = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set and b.is_floating_point():
+                persistent.append((f"{mname}.{bname}" if mname else bname, b.detach().to("cpu", torch.float32)
+                                   .contiguous()))
+    tmp = os.path.join(out_dir, ".model.safetensors.tmp")
+    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg.save_pretrained(out_dir)
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        c["use_cache"] = True
+        c["dtype"] = "float32"
+        with open(path, "w") as f:
+            json.dump(c, f, indent=2)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        try:
+            gen.save_pretrained(out_dir)
+        except Exception:  # noqa: BLE001 - an invalid generation config must not lose the weights
+            pass
+    return out_dir
