@@ -1,0 +1,686 @@
+"""End-to-end training benchmark: megatrain vs GPU-resident PyTorch, FSDP2 CPU offload, DeepSpeed ZeRO-3.
+
+Every system trains the same Llama-architecture model (same seeded init, same seeded random token
+batches) in its OWN subprocess, so the GPU and host memory of one run cannot pollute the next. The
+parent never touches CUDA: the bf16 matmul rate (the MFU denominator) is measured in a child too.
+A child prints one line ``BENCH_RESULT {json}``; a child that dies without it becomes a row with
+status ``error: <its last output line>``.
+
+Systems (all: SDPA attention, AdamW lr 1e-4, betas (0.9, 0.95), weight decay 0.1, no grad clipping):
+
+* ``megatrain``       megatrain.wrap(bf16 compute, --mt-policy recompute | block:K) + CPUAdamW;
+                      fp32 master weights and Adam state in host memory, layers streamed.
+* ``torch_ckpt``      fp32 master weights on the GPU, torch.autocast(bf16), AdamW(fused=True),
+                      HF gradient checkpointing (non-reentrant).
+* ``torch_nockpt``    the same without gradient checkpointing (CUDA OOM -> status "oom").
+* ``fsdp2_offload``   FSDP2 world size 1: fully_shard(each decoder layer, then root) with
+                      CPUOffloadPolicy(pin_memory=True), MixedPrecisionPolicy(bf16 params,
+                      fp32 reduce), AdamW(fused=True) on the CPU params (foreach if fused fails),
+                      HF gradient checkpointing on.
+* ``deepspeed_zero3`` ZeRO-3, offload_param + offload_optimizer to pinned CPU, DeepSpeedCPUAdam,
+                      bf16, HF gradient checkpointing on. "unavailable" when deepspeed is missing.
+
+Timing: ``--warmup`` untimed steps, then ``--steps`` timed steps; each step ends with a device
+synchronize. step_mean = wall time of the whole timed window / steps, where the window also
+includes draining queued work at its end (megatrain: ``opt.wait()``, so CPU Adam that would spill
+past the last step is charged); step_min = fastest single step.
+
+FLOPs (multiply-add = 2 FLOPs), per optimizer step of B sequences of S tokens, T = B*S:
+
+    model_flops = 6 * N * T  +  6 * L * B * S^2 * (H * D)
+
+N = all parameters (input embedding and LM head included, as in DESIGN.md section 5), L = decoder
+layers, H * D = attention heads x head dim (= hidden size here). The attention term is
+QK^T and A.V, 2 matmuls x 2 FLOPs x S^2 x H*D per layer forward = 4*L*B*S^2*H*D, halved for the causal
+mask, x3 for forward + backward. Recompute (gradient checkpointing, megatrain's recompute) is NOT
+counted: TFLOP/s is model FLOPs / step_mean, MFU = that / measured bf16 matmul rate (8192^3, mean of
+10 after 3 warm-ups). Note docs/metrics.md (the trainer's metrics) counts 6 * N_dense, i.e. without
+the input embedding; at the 3b preset that is ~3% less.
+
+    python benchmarks/bench_train.py --out docs/benchmarks/train_3b.json          # all systems, 3b
+    python benchmarks/bench_train.py --systems megatrain torch_ckpt --mt-policy block:2
+    python benchmarks/bench_train.py --sweep tokens --out docs/benchmarks/sweep_tokens.json
+    python benchmarks/bench_train.py --sweep depth --out docs/benchmarks/sweep_depth.json
+    python benchmarks/bench_train.py --preset tiny --device cpu --systems megatrain torch_ckpt \\
+        --steps 2 --warmup 1 --out /tmp/b.json                                     # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3"]
+CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3"}
+RESULT_TAG = "BENCH_RESULT "
+
+# hidden, layers, intermediate, vocab, heads, kv heads; default batch, seq
+PRESETS = {
+    # 3.37B params (the model of DESIGN.md section 5). With --kv-heads 8 (GQA) it is 3.02B.
+    "3b": dict(hidden=3072, layers=28, inter=8192, vocab=32000, heads=24, kv_heads=24, batch=4, seq=4096),
+    # TinyLlama-1.1B shape; also the width of --sweep depth.
+    "1b": dict(hidden=2048, layers=22, inter=5632, vocab=32000, heads=32, kv_heads=4, batch=4, seq=4096),
+    # ~4M params: CPU smoke test.
+    "tiny": dict(hidden=256, layers=4, inter=704, vocab=2048, heads=4, kv_heads=2, batch=2, seq=128),
+}
+OPT = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+SWEEP_TOKENS = [2048, 4096, 8192, 16384, 32768, 65536]
+SWEEP_DEPTHS = [16, 32, 64, 128]
+GiB = 1024 ** 3
+
+
+# ----------------------------------------------------------------------------------------------
+# shared by the children
+# ----------------------------------------------------------------------------------------------
+
+def model_flops_per_step(n_params: int, m: dict, batch: int, seq: int) -> float:
+    head_dim = m["hidden"] // m["heads"]
+    return 6.0 * n_params * batch * seq + 6.0 * m["layers"] * batch * seq ** 2 * m["heads"] * head_dim
+
+
+def host_peak_rss_gib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return None
+
+
+def build_model(m: dict, seq: int):
+    """fp32 Llama on the CPU, seeded (identical initial weights in every child)."""
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["inter"],
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+        max_position_embeddings=max(seq, 2048), tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    return model
+
+
+def make_batches(spec: dict, device):
+    import torch
+    g = torch.Generator().manual_seed(spec["seed"])
+    n = spec["warmup"] + spec["steps"]
+    return [torch.randint(0, spec["model"]["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
+            for _ in range(n)]
+
+
+def timed_loop(step, batches, spec, sync, drain=lambda: None, on_window=None):
+    """Run warmup + timed steps. step(x) -> detached loss. Returns timing dict.
+
+    on_window(\"start\"|\"end\") is called just before the timed window and after it is drained."""
+    warmup = spec["warmup"]
+    times, loss = [], None
+    t_win = None
+    for i, x in enumerate(batches):
+        if i == warmup:
+            drain()
+            sync()
+            if on_window:
+                on_window("start")
+            t_win = time.perf_counter()
+        t0 = time.perf_counter()
+        loss = step(x)
+        sync()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+        print(f"step {i} {'timed' if i >= warmup else 'warmup'} {dt:.3f} s", file=sys.stderr, flush=True)
+    drain()
+    sync()
+    window = time.perf_counter() - t_win
+    if on_window:
+        on_window("end")
+    return dict(step_s=window / len(times), step_min_s=min(times), step_times_s=times,
+                window_s=window, loss=float(loss))
+
+
+def _device_sync(device):
+    import torch
+    if str(device).startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+# ----------------------------------------------------------------------------------------------
+# one function per system: (spec) -> partial row (timing, settings, extras)
+# ----------------------------------------------------------------------------------------------
+
+def run_megatrain(spec):
+    import torch
+    import megatrain
+    dev = spec["device"]
+    policy = spec["mt_policy"]
+    settings = dict(compute_dtype="bf16", activation_policy=policy, num_slots=2,
+                    optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
+                    state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
+    model = build_model(spec["model"], spec["seq"])
+    n_params = sum(p.numel() for p in model.parameters())
+    model = megatrain.wrap(model, device=dev, compute_dtype=torch.bfloat16, activation_policy=policy)
+    eng = model.megatrain
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
+                                   weight_decay=OPT["weight_decay"], max_grad_norm=None)
+    batches = make_batches(spec, dev)
+    snaps = {}
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def on_window(which):
+        snaps[which] = eng.stats()
+
+    try:
+        r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
+    finally:
+        eng.close()
+    a, b = snaps["start"], snaps["end"]
+    d = {k: b[k] - a[k] for k in ("h2d_bytes", "d2h_bytes", "h2d_time_s", "d2h_time_s",
+                                  "adam_time_s", "adam_exposed_s")}
+    w = r["window_s"]
+    n = spec["steps"]
+    r["megatrain"] = dict(
+        h2d_gb_per_step=d["h2d_bytes"] / n / 1e9, d2h_gb_per_step=d["d2h_bytes"] / n / 1e9,
+        h2d_gbps_wall=d["h2d_bytes"] / w / 1e9, d2h_gbps_wall=d["d2h_bytes"] / w / 1e9,
+        h2d_gbps_copy=d["h2d_bytes"] / d["h2d_time_s"] / 1e9 if d["h2d_time_s"] > 0 else None,
+        d2h_gbps_copy=d["d2h_bytes"] / d["d2h_time_s"] / 1e9 if d["d2h_time_s"] > 0 else None,
+        adam_s_per_step=d["adam_time_s"] / n, adam_exposed_s_per_step=d["adam_exposed_s"] / n,
+        host_store_gib=b["host_store_bytes"] / GiB, pinned_gib=b["pinned_bytes"] / GiB,
+        bytes_per_param=b["bytes_per_param"])
+    r.update(settings=settings, n_params=n_params)
+    return r
+
+
+def run_torch(spec, ckpt: bool):
+    import torch
+    dev = spec["device"]
+    dtype = "cuda" if dev.startswith("cuda") else "cpu"
+    settings = dict(master="fp32 on device", autocast="bf16", optimizer="torch.optim.AdamW(fused=True)", **OPT,
+                    gradient_checkpointing="HF, use_reentrant=False" if ckpt else "off")
+    model = build_model(spec["model"], spec["seq"])
+    n_params = sum(p.numel() for p in model.parameters())
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(dev)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **OPT)
+    batches = make_batches(spec, dev)
+
+    def step(x):
+        with torch.autocast(dtype, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    r = timed_loop(step, batches, spec, _device_sync(dev))
+    r.update(settings=settings, n_params=n_params)
+    return r
+
+
+def _init_single_rank_pg(backend: str):
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=0, world_size=1)
+
+
+def run_fsdp2(spec):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    torch.cuda.set_device(0)
+    _init_single_rank_pg("cpu:gloo,cuda:nccl")
+    model = build_model(spec["model"], spec["seq"])
+    n_params = sum(p.numel() for p in model.parameters())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    off = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mp_policy=mp, offload_policy=off)
+    settings = dict(world_size=1, fully_shard="each decoder layer, then root",
+                    offload_policy="CPUOffloadPolicy(pin_memory=True)",
+                    mp_policy="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+                    reshard_after_forward="default (True)", gradient_checkpointing="HF, use_reentrant=False",
+                    optimizer="torch.optim.AdamW(fused=True) on CPU params", **OPT)
+    state = {"opt": torch.optim.AdamW(model.parameters(), fused=True, **OPT)}
+    batches = make_batches(spec, "cuda")
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        try:
+            state["opt"].step()
+        except Exception as e:  # fused CPU AdamW on DTensors not supported in this build: foreach
+            if settings["optimizer"].startswith("torch.optim.AdamW(foreach"):
+                raise
+            print(f"fused AdamW failed ({type(e).__name__}: {e}); falling back to foreach", file=sys.stderr)
+            state["opt"] = torch.optim.AdamW(model.parameters(), foreach=True, **OPT)
+            settings["optimizer"] = f"torch.optim.AdamW(foreach=True) on CPU params (fused failed: {type(e).__name__})"
+            state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss.detach()
+
+    try:
+        r = timed_loop(step, batches, spec, torch.cuda.synchronize)
+    finally:
+        dist.destroy_process_group()
+    r.update(settings=settings, n_params=n_params)
+    return r
+
+
+def run_deepspeed(spec):
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        return dict(status="unavailable: deepspeed not installed")
+    import torch
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    torch.cuda.set_device(0)
+    _init_single_rank_pg("nccl")
+    deepspeed.init_distributed(dist_backend="nccl")
+    ds_config = {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e8,
+            "stage3_prefetch_bucket_size": 5e8,
+            "stage3_param_persistence_threshold": 1e6,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "sub_group_size": 1e9,
+        },
+        "wall_clock_breakdown": False,
+        "steps_per_print": 10 ** 9,
+    }
+    model = build_model(spec["model"], spec["seq"])
+    n_params = sum(p.numel() for p in model.parameters())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = DeepSpeedCPUAdam(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
+                           weight_decay=OPT["weight_decay"], adamw_mode=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    batches = make_batches(spec, engine.device)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    r = timed_loop(step, batches, spec, torch.cuda.synchronize)
+    r.update(settings=dict(deepspeed=deepspeed.__version__, optimizer="DeepSpeedCPUAdam(adamw_mode=True)",
+                           gradient_checkpointing="HF, use_reentrant=False", **OPT, config=ds_config),
+             n_params=n_params)
+    return r
+
+
+def run_matmul(spec):
+    """bf16 8192^3 matmul rate on CUDA: mean of 10 after 3 warm-ups."""
+    import torch
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / 10
+    return dict(status="ok", matmul_tflops=2 * n ** 3 / dt / 1e12, gpu=torch.cuda.get_device_name(0))
+
+
+def child_main(spec: dict) -> None:
+    import torch
+    name = spec["system"]
+    row = dict(system=name, status="ok")
+    fn = {"megatrain": run_megatrain, "torch_ckpt": lambda s: run_torch(s, True),
+          "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
+          "deepspeed_zero3": run_deepspeed, "matmul": run_matmul}[name]
+    try:
+        row.update(fn(spec))
+    except torch.OutOfMemoryError as e:
+        row["status"] = "oom"
+        print(f"OOM: {str(e).splitlines()[0]}", file=sys.stderr)
+    except Exception as e:
+        traceback.print_exc()
+        row["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    if spec["device"].startswith("cuda") and torch.cuda.is_initialized():
+        row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        row["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    row["host_peak_gib"] = host_peak_rss_gib()
+    print(RESULT_TAG + json.dumps(row), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+# ----------------------------------------------------------------------------------------------
+
+def spawn(spec: dict, timeout: float) -> dict:
+    """Run one child; stream its output (prefixed) to stderr; parse its BENCH_RESULT line."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    tag = spec["system"]
+    print(f"==== {tag}: batch {spec['batch']} x seq {spec['seq']}, {spec['model']['layers']} layers", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, bufsize=1)
+    tail = collections.deque(maxlen=50)
+    result = {}
+
+    def reader():
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(RESULT_TAG):
+                result.update(json.loads(line[len(RESULT_TAG):]))
+            else:
+                tail.append(line)
+                print(f"  [{tag}] {line}", file=sys.stderr, flush=True)
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's own session/process group
+        rc = proc.wait()
+        result.setdefault("status", f"error: timeout after {timeout:.0f} s")
+    th.join(timeout=10)
+    if not result:
+        last = next((l.strip() for l in reversed(tail) if l.strip()), "")
+        if rc < 0:
+            why = f"killed by signal {-rc}" + (" (host OOM killer?)" if rc == -signal.SIGKILL else "")
+            last = f"{why}; last output: {last}" if last else why
+        result = dict(system=tag, status=f"error: {last or f'exit code {rc}'}"[:300])
+    result["child_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def finish_row(row: dict, spec: dict, peak_tflops: float | None) -> dict:
+    m = spec["model"]
+    row.update(batch=spec["batch"], seq=spec["seq"], layers=m["layers"], hidden=m["hidden"],
+               tokens_per_step=spec["batch"] * spec["seq"])
+    if row.get("status") == "ok" and "step_s" in row:
+        fl = model_flops_per_step(row["n_params"], m, spec["batch"], spec["seq"])
+        row["model_flops_per_step"] = fl
+        row["tokens_per_s"] = row["tokens_per_step"] / row["step_s"]
+        row["model_tflops"] = fl / row["step_s"] / 1e12
+        row["mfu"] = row["model_tflops"] / peak_tflops if peak_tflops else None
+    return row
+
+
+def git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return c + ("-dirty" if dirty else "") if c else None
+    except OSError:
+        return None
+
+
+def machine_info() -> dict:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return dict(host=platform.node(), cpu=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), host_mem_gib=mem, python=platform.python_version())
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    out = {}
+    for p in ("torch", "transformers", "megatrain", "deepspeed"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def fmt(v, f="{:.3f}"):
+    return "-" if v is None else f.format(v)
+
+
+def print_table(rows: list, extra_key: str | None = None) -> None:
+    head = ["system"] + ([extra_key] if extra_key else []) + \
+        ["step s", "min s", "tokens/s", "TFLOP/s", "MFU", "GPU GiB", "host GiB", "loss", "status"]
+    lines = [head]
+    for r in rows:
+        lines.append([r["system"]] + ([str(r.get(extra_key))] if extra_key else []) + [
+            fmt(r.get("step_s")), fmt(r.get("step_min_s")), fmt(r.get("tokens_per_s"), "{:.0f}"),
+            fmt(r.get("model_tflops"), "{:.1f}" if (r.get("model_tflops") or 0) >= 10 else "{:.3g}"), fmt(r.get("mfu"), "{:.1%}"),
+            fmt(r.get("gpu_peak_gib"), "{:.1f}"), fmt(r.get("host_peak_gib"), "{:.1f}"),
+            fmt(r.get("loss"), "{:.4f}"), str(r.get("status"))[:70]])
+    w = [max(len(l[i]) for l in lines) for i in range(len(head))]
+    for i, l in enumerate(lines):
+        print("  ".join(c.ljust(w[j]) for j, c in enumerate(l)))
+        if i == 0:
+            print("  ".join("-" * x for x in w))
+
+
+def ratios(rows: list) -> list:
+    mt = next((r for r in rows if r["system"] == "megatrain" and r.get("status") == "ok"), None)
+    out = []
+    if mt is None:
+        return out
+    for r in rows:
+        if r["system"] == "megatrain" or r.get("status") != "ok":
+            continue
+        gpu = (mt["gpu_peak_gib"] / r["gpu_peak_gib"]) if mt.get("gpu_peak_gib") and r.get("gpu_peak_gib") else None
+        out.append(dict(peer=r["system"], throughput_ratio=mt["tokens_per_s"] / r["tokens_per_s"],
+                        gpu_memory_ratio=gpu))
+    return out
+
+
+def plot_bars(rows: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["system"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (higher is better)"),
+                           (axes[1], "gpu_peak_gib", "GPU peak allocated, GiB")):
+        vals = [r.get(key) or 0.0 if r.get("status") == "ok" else 0.0 for r in rows]
+        bars = ax.bar(names, vals, color=["C1" if n == "megatrain" else "C0" for n in names])
+        for b, r, v in zip(bars, rows, vals):
+            txt = f"{v:.0f}" if key == "tokens_per_s" else f"{v:.1f}"
+            ax.annotate(txt if r.get("status") == "ok" else str(r.get("status")).split(":")[0],
+                        (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(rows: list, path: str, xkey: str, xlabel: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("tokens_per_s", "tokens/s"), ("model_tflops", "model TFLOP/s"), ("gpu_peak_gib", "GPU peak GiB"))
+    for ax, (key, label) in zip(axes, panels):
+        for sysname in dict.fromkeys(r["system"] for r in rows):
+            pts = [(r[xkey], r[key]) for r in rows if r["system"] == sysname and r.get("status") == "ok"
+                   and r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=sysname)
+            for r in rows:  # mark failures on the x axis
+                if r["system"] == sysname and r.get("status") != "ok":
+                    ax.plot([r[xkey]], [0], marker="x", color="red")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    ap.add_argument("--layers", type=int, help="override the preset's layer count")
+    ap.add_argument("--kv-heads", type=int, help="override the preset's KV heads (3b preset: 24)")
+    ap.add_argument("--batch", type=int, help="sequences per step (preset default: 4; tiny: 2)")
+    ap.add_argument("--seq", type=int, help="sequence length (preset default: 4096; tiny: 128)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                    help="default: all (sweeps: megatrain torch_ckpt / megatrain)")
+    ap.add_argument("--mt-policy", default="recompute", help="megatrain activation_policy: recompute | block:K")
+    ap.add_argument("--device", default="cuda", help="cuda | cpu (cpu: megatrain and torch_* only; smoke test)")
+    ap.add_argument("--sweep", choices=["tokens", "depth"], help="tokens: 2K..64K tokens/step; depth: 16..128 layers at 1b width")
+    ap.add_argument("--depths", type=int, nargs="+", default=SWEEP_DEPTHS)
+    ap.add_argument("--tokens", type=int, nargs="+", default=SWEEP_TOKENS)
+    ap.add_argument("--peak-tflops", type=float, help="MFU denominator instead of the measured matmul rate")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the token batches")
+    ap.add_argument("--child-timeout", type=float, default=1800, help="seconds per child before it is killed")
+    ap.add_argument("--out", help="JSON path; a PNG with the same basename is written next to it")
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args._child:
+        child_main(json.loads(args._child))
+        return
+
+    cuda = args.device.startswith("cuda")
+    preset = "1b" if args.sweep == "depth" else args.preset
+    p = dict(PRESETS[preset])
+    if args.layers:
+        p["layers"] = args.layers
+    if args.kv_heads:
+        p["kv_heads"] = args.kv_heads
+    model = {k: p[k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")}
+    batch, seq = args.batch or p["batch"], args.seq or p["seq"]
+    base = dict(device=args.device, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy)
+
+    peak, gpu = args.peak_tflops, None
+    if cuda:
+        mm = spawn(dict(base, system="matmul", model=model, batch=0, seq=0), 600)
+        gpu = mm.get("gpu")
+        print(f"bf16 8192^3 matmul: {fmt(mm.get('matmul_tflops'), '{:.1f}')} TFLOP/s on {gpu} ({mm.get('status')})")
+        if peak is None:
+            peak = mm.get("matmul_tflops")
+        matmul = mm.get("matmul_tflops")
+    else:
+        matmul = None
+
+    # the list of (spec) to run
+    if args.sweep == "tokens":
+        systems = args.systems or ["megatrain", "torch_ckpt"]
+        specs = []
+        for t in args.tokens:
+            s = min(seq, t)
+            specs += [dict(base, system=n, model=model, batch=max(1, t // s), seq=s) for n in systems]
+    elif args.sweep == "depth":
+        systems = args.systems or ["megatrain"]
+        specs = [dict(base, system=n, model=dict(model, layers=L), batch=batch, seq=seq)
+                 for L in args.depths for n in systems]
+    else:
+        systems = args.systems or SYSTEMS
+        specs = [dict(base, system=n, model=model, batch=batch, seq=seq) for n in systems]
+
+    rows = []
+    for spec in specs:
+        if spec["system"] in CUDA_ONLY and not cuda:
+            row = dict(system=spec["system"], status="skipped: needs CUDA")
+        else:
+            row = spawn(spec, args.child_timeout)
+        rows.append(finish_row(row, spec, peak))
+        r = rows[-1]
+        print(f"---- {r['system']}: {r.get('status')}  step {fmt(r.get('step_s'))} s  "
+              f"{fmt(r.get('tokens_per_s'), '{:.0f}')} tok/s  GPU {fmt(r.get('gpu_peak_gib'), '{:.1f}')} GiB",
+              file=sys.stderr, flush=True)
+
+    n_params = next((r["n_params"] for r in rows if r.get("n_params")), None)
+    print()
+    title = (f"{preset} preset ({n_params / 1e9:.2f}B params)" if n_params else f"{preset} preset") + \
+        f", {model['layers']} layers, hidden {model['hidden']}, batch {batch} x seq {seq}, device {args.device}"
+    if args.sweep:
+        title = f"sweep {args.sweep}: " + title
+    print(title)
+    extra = {"tokens": "tokens_per_step", "depth": "layers"}.get(args.sweep)
+    print_table(rows, extra)
+    rat = [] if args.sweep else ratios(rows)
+    if rat:
+        print("\nmegatrain vs peer:  throughput ratio (>1: megatrain faster),  GPU memory ratio (<1: megatrain uses less)")
+        for x in rat:
+            print(f"  vs {x['peer']:<16} throughput x{x['throughput_ratio']:.2f}   GPU memory x{fmt(x['gpu_memory_ratio'], '{:.2f}')}")
+    print("\nsettings:")
+    for r in rows:
+        if r.get("settings"):
+            print(f"  {r['system']}: " + ", ".join(f"{k}={v}" for k, v in r["settings"].items() if k != "config"))
+        if r.get("megatrain"):
+            print("  megatrain transfers over timed steps: " +
+                  ", ".join(f"{k}={fmt(v, '{:.3g}')}" for k, v in r["megatrain"].items()))
+
+    if args.out:
+        doc = dict(benchmark="bench_train", sweep=args.sweep, title=title,
+                   date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                   machine=machine_info(), gpu=gpu, git_commit=git_commit(), versions=versions(),
+                   matmul_bf16_tflops=matmul, peak_tflops_for_mfu=peak,
+                   flops_formula="6*N*T + 6*L*B*S^2*H*D (N = all params; causal attention; recompute not counted)",
+                   preset=preset, model=model, args={k: v for k, v in vars(args).items() if k != "_child"},
+                   rows=rows, ratios=rat)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        png = os.path.splitext(args.out)[0] + ".png"
+        try:
+            if args.sweep == "tokens":
+                plot_sweep(rows, png, "tokens_per_step", "tokens / step", title)
+            elif args.sweep == "depth":
+                plot_sweep(rows, png, "layers", "decoder layers", title)
+            else:
+                plot_bars(rows, png, title)
+            print(f"\nwrote {args.out} and {png}")
+        except Exception as e:  # a plotting problem must not lose the JSON
+            print(f"\nwrote {args.out}; PNG failed: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
