@@ -142,15 +142,13 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_info(args) -> int:
+def cmd_info(argv: List[str]) -> int:
+    """``megatrain info [...]``: delegated to :func:`megatrain.info.main`."""
     try:
         from megatrain import info
     except ImportError as exc:
         _fail(f"megatrain.info is not available ({exc})")
-    if hasattr(info, "main"):
-        return int(info.main() or 0)
-    print(info)
-    return 0
+    return int(info.main(argv) or 0)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -160,11 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv:
         parser.print_help()
         return EXIT_USAGE
+    if argv[0] == "info":
+        return cmd_info(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "train":
         return cmd_train(args)
-    if args.command == "info":
-        return cmd_info(args)
     parser.print_help()
     return EXIT_USAGE
 
