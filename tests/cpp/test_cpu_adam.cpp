@@ -229,7 +229,8 @@ TEST(AdamScalar, OneStepMatchesDoublePrecisionFormula) {
 }
 
 TEST(AdamScalar, LargeBeta1UsesTorchLerpHighWeightFormula) {
-  // torch.lerp switches formula at weight 0.5; beta1 = 0.3 gives weight 0.7.
+  // torch.lerp switches formula at weight 0.5; beta1 = 0.3 gives weight 0.7. ATen's vectorized
+  // lerp computes the high-weight form as one fma: fma(w - 1, end - start, end).
   State s = make_state(64, 3u);
   const State before = s;
   ca::AdamHyper h = default_hyper(1);
@@ -239,7 +240,7 @@ TEST(AdamScalar, LargeBeta1UsesTorchLerpHighWeightFormula) {
   ca::adamw_range(args_of(s, ca::GradDtype::kFloat32, ca::OutDtype::kNone), c, 0, 64, CpuIsa::kScalar);
   for (int i = 0; i < 64; ++i) {
     const float g = before.grad_f32[i] * h.grad_scale;
-    EXPECT_EQ(s.exp_avg[i], g - (g - before.exp_avg[i]) * (1.0f - c.lerp_weight));
+    EXPECT_EQ(s.exp_avg[i], std::fma(c.lerp_weight - 1.0f, g - before.exp_avg[i], g));
   }
 }
 
