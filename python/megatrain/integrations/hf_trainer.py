@@ -1,0 +1,255 @@
+"""Hugging Face ``Trainer`` integration: train a ``megatrain.wrap``-ped model with an existing Trainer script.
+
+Two changed lines in a Trainer script::
+
+    model = megatrain.wrap(model)                                   # 1
+    trainer = MegatrainTrainer(model=model, args=args, ...)         # 2: was Trainer(...)
+
+``MegatrainTrainer`` is a ``transformers.Trainer`` that
+
+* creates ``megatrain.optim.CPUAdamW`` from the TrainingArguments (learning_rate, adam_beta1/2,
+  adam_epsilon, weight_decay with the Trainer's own decay / no-decay split, max_grad_norm), driven
+  by the Trainer's LR scheduler;
+* clips inside CPUAdamW (exact global-norm clipping, like ``clip_grad_norm_``) and skips the
+  Trainer's own clipping, which would only see meta placeholders; logs the pre-clip ``grad_norm``;
+* never moves the model or the optimizer state to the device (megatrain streams; the optimizer
+  state stays in the host store);
+* ``save_model()`` writes a standard Hugging Face model (config + ``model.safetensors``, fp32
+  master weights, streamed from host memory);
+* Trainer checkpoints (``checkpoint-N/``) contain a megatrain checkpoint in ``checkpoint-N/megatrain``
+  (fp32 master weights, Adam moments and steps, param groups, scheduler) instead of ``optimizer.pt``,
+  and ``train(resume_from_checkpoint=...)`` restores it exactly;
+* adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
+  :class:`MegatrainCallback`.
+
+With a plain ``Trainer``, pass ``optimizers=(create_optimizer(model, args), None)``,
+``callbacks=[MegatrainCallback()]`` and set ``args.max_grad_norm = 0`` (the clipping is in the
+optimizer); that gives training and logging, but ``save_model`` / checkpoints need ``MegatrainTrainer``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained_streamed
+from ..optim import CPUAdamW
+
+MEGATRAIN_CKPT_DIR = "megatrain"
+
+
+def _engine(model):
+    eng = getattr(model, "megatrain", None)
+    if eng is None:
+        raise ValueError("megatrain: the Trainer's model is not wrapped; call model = megatrain.wrap(model) first")
+    return eng
+
+
+def _unwrap_optimizer(opt):
+    while opt is not None and not isinstance(opt, CPUAdamW) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUAdamW:
+    """``CPUAdamW`` configured like the Trainer's default AdamW from ``TrainingArguments``.
+
+    Groups: the Trainer's decay parameters (``Trainer.get_decay_parameter_names``: not biases,
+    not norm weights) with ``args.weight_decay``, the rest with 0. ``max_grad_norm`` defaults to
+    ``args.max_grad_norm`` (0 / None: no clipping).
+    """
+    _engine(model)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    mgn = args.max_grad_norm if max_grad_norm is None else max_grad_norm
+    return CPUAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                    weight_decay=args.weight_decay, max_grad_norm=mgn if mgn and mgn > 0 else None)
+
+
+class MegatrainCallback(TrainerCallback):
+    """Adds megatrain's figures to the Trainer's log records and checks the set-up at train start.
+
+    Keys added to each log record (window = since the previous log record):
+    ``megatrain/tokens_per_s`` (training input tokens / wall second), ``megatrain/h2d_gbps``
+    (achieved host-to-device rate while copying; CUDA only), ``megatrain/h2d_gb``, ``megatrain/d2h_gb``,
+    ``megatrain/adam_exposed_s`` (CPU Adam time the forward waited for), ``megatrain/host_rss_gib``,
+    ``megatrain/host_store_gib``, and ``grad_norm`` (pre-clip global norm from CPUAdamW) when the
+    Trainer did not log one.
+    """
+
+    def __init__(self):
+        self._window = None
+        self._tokens = 0
+        self._t0 = None
+        self._hook = None
+        self._engine = None
+        self._optimizer = None
+
+    # -- helpers
+    def _count_tokens(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            x = kwargs.get("input_ids")
+            if x is None and args:
+                x = args[0]
+            if x is None:
+                x = kwargs.get("inputs_embeds")
+                if x is not None:
+                    self._tokens += x.shape[0] * x.shape[1]
+                    return
+            if isinstance(x, torch.Tensor):
+                self._tokens += x.numel()
+
+    def metrics(self) -> dict:
+        """Metrics for the window since the previous call (empty before training starts)."""
+        if self._engine is None:
+            return {}
+        now = time.perf_counter()
+        wall = max(now - self._t0, 1e-9)
+        out = {"megatrain/tokens_per_s": self._tokens / wall}
+        try:
+            from ..train.metrics import host_rss_bytes
+
+            w = self._window.step(wall) if self._window is not None else {}
+            rss = host_rss_bytes()
+        except Exception:  # noqa: BLE001 - metrics never stop training
+            w, rss = {}, None
+        for src, dst, scale in (("h2d_gbps", "megatrain/h2d_gbps", 1), ("h2d_gbps_wall", "megatrain/h2d_gbps_wall", 1),
+                                ("h2d_gb", "megatrain/h2d_gb", 1), ("d2h_gb", "megatrain/d2h_gb", 1),
+                                ("adam_exposed_s", "megatrain/adam_exposed_s", 1),
+                                ("host_store_bytes", "megatrain/host_store_gib", 1 / 2**30)):
+            if w.get(src) is not None:
+                out[dst] = w[src] * scale
+        if rss is not None:
+            out["megatrain/host_rss_gib"] = rss / 2**30
+        self._tokens = 0
+        self._t0 = now
+        return out
+
+    def add_metrics(self, logs: dict) -> None:
+        """Add megatrain's keys (and ``grad_norm``) to a training log record in place."""
+        if self._engine is None or "loss" not in logs or "megatrain/tokens_per_s" in logs:
+            return
+        logs.update(self.metrics())
+        opt = self._optimizer
+        if logs.get("grad_norm") is None and opt is not None and opt.last_grad_norm is not None:
+            logs["grad_norm"] = float(opt.last_grad_norm)
+
+    # -- TrainerCallback
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._engine = _engine(model)
+        self._optimizer = _unwrap_optimizer(optimizer)
+        if not isinstance(self._optimizer, CPUAdamW):
+            raise TypeError("megatrain: the Trainer's optimizer is not megatrain.optim.CPUAdamW; use "
+                            "megatrain.integrations.MegatrainTrainer, or pass optimizers=(create_optimizer(model, "
+                            "args), None) to the Trainer")
+        if args.max_grad_norm and args.max_grad_norm > 0 and not getattr(self, "_clip_handled", False):
+            raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
+                             "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
+                             "clip_grad_norm_ only sees meta placeholders. MegatrainTrainer does this for you.")
+        try:
+            from ..train.metrics import StatsWindow
+
+            self._window = StatsWindow(self._engine)
+        except Exception:  # noqa: BLE001
+            self._window = None
+        if self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        self._tokens = 0
+        self._t0 = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        before = set(logs)
+        self.add_metrics(logs)
+        added = {k: logs[k] for k in logs if k not in before}
+        if added and state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(added)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._engine is not None:
+            self._engine.flush()
+
+
+class MegatrainTrainer(Trainer):
+    """A ``transformers.Trainer`` for models wrapped by ``megatrain.wrap`` (see the module docstring).
+
+    Takes exactly the Trainer's arguments. Pass ``optimizers=(CPUAdamW, scheduler)`` to use your
+    own optimizer; otherwise ``CPUAdamW`` is built from the TrainingArguments.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _engine(self.model)
+        self.megatrain_callback = next((cb for cb in self.callback_handler.callbacks
+                                        if isinstance(cb, MegatrainCallback)), None)
+        if self.megatrain_callback is None:
+            self.megatrain_callback = MegatrainCallback()
+            self.add_callback(self.megatrain_callback)
+        self.megatrain_callback._clip_handled = True
+        # Accelerate would copy the optimizer state (views of the host store) and the model to the
+        # device; megatrain keeps both in host memory and streams. Inputs are still moved by the
+        # Trainer's _prepare_inputs.
+        self.accelerator.device_placement = False
+
+    # -- optimizer / clipping
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(self.model if model is None else model, self.args)
+        elif not isinstance(_unwrap_optimizer(self.optimizer), CPUAdamW):
+            raise TypeError("megatrain: MegatrainTrainer needs a megatrain.optim.CPUAdamW optimizer")
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        return None  # CPUAdamW clips the global norm exactly, inside its update (max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known only after CPUAdamW.step(); MegatrainCallback logs it
+
+    def _move_model_to_device(self, model, device):
+        return None  # the wrapped model already lives where megatrain put it
+
+    def log(self, logs, *args, **kwargs):
+        self.megatrain_callback.add_metrics(logs)
+        return super().log(logs, *args, **kwargs)
+
+    # -- saving
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        save_pretrained_streamed(self.model, output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        save_checkpoint(os.path.join(output_dir, MEGATRAIN_CKPT_DIR), self.model, _unwrap_optimizer(self.optimizer),
+                        self.lr_scheduler, extra={"global_step": self.state.global_step})
+
+    # -- resuming
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        path = os.path.join(resume_from_checkpoint, MEGATRAIN_CKPT_DIR)
+        if not os.path.isdir(path):
+            raise ValueError(f"megatrain: {resume_from_checkpoint} has no {MEGATRAIN_CKPT_DIR}/ checkpoint (was it "
+                             "written by MegatrainTrainer?)")
+        # Weights, moments, steps and scheduler are restored together in _load_optimizer_and_scheduler,
+        # once the optimizer exists (one read of the checkpoint).
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        load_checkpoint(os.path.join(checkpoint, MEGATRAIN_CKPT_DIR), self.model, _unwrap_optimizer(self.optimizer),
+                        self.lr_scheduler, restore_rng=False)  # the Trainer restores its own rng_state.pth

@@ -1,0 +1,329 @@
+"""megatrain.save_checkpoint / load_checkpoint: exact resume in a fresh process, crash safety,
+corruption detection, tied embeddings, and peak host memory while saving / loading.
+
+This file is also the worker script the tests run in subprocesses (``python test_checkpoint.py MODE ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+
+
+# ---------------------------------------------------------------------------- worker side
+def _tiny_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      attention_dropout=0.1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _setup(seed: int = 0):
+    import megatrain
+    import megatrain.checkpoint
+
+    model = megatrain.wrap(_tiny_model(seed), device="cpu", compute_dtype=torch.float32)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 5e-3}]
+    opt = megatrain.optim.CPUAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0 / (1 + 0.1 * s), lambda s: 0.9 ** s])
+    return model, opt, sched
+
+
+def _train(model, opt, sched, start: int, stop: int, ga: int = 2, save_at=None, ckpt=None):
+    """Steps ``start+1 .. stop``; data drawn from the torch RNG (so RNG restore matters), dropout on."""
+    import megatrain
+    import megatrain.checkpoint
+
+    model.train()
+    losses = []
+    for step in range(start + 1, stop + 1):
+        total = 0.0
+        for _ in range(ga):
+            x = torch.randint(0, 96, (2, 12))
+            loss = model(input_ids=x, labels=x).loss / ga
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+        if save_at is not None and step == save_at:
+            megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": step})
+    return losses
+
+
+def _dump(model, losses, out):
+    import megatrain
+    import megatrain.checkpoint
+
+    torch.save({"losses": losses, "params": megatrain.master_state_dict(model)}, out)
+
+
+def _worker(argv):
+    import megatrain
+    import megatrain.checkpoint
+
+    mode = argv[0]
+    if mode == "full":  # uninterrupted 10 steps, saving at step 5
+        ckpt, out = argv[1], argv[2]
+        model, opt, sched = _setup()
+        losses = _train(model, opt, sched, 0, 10, save_at=5, ckpt=ckpt)
+        _dump(model, losses, out)
+    elif mode == "resume":  # fresh process: different init seed, then load the step-5 checkpoint
+        ckpt, out = argv[1], argv[2]
+        model, opt, sched = _setup(seed=123)
+        torch.manual_seed(999)  # the checkpoint's RNG state must win
+        extra = megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+        assert extra == {"step": 5}, extra
+        losses = _train(model, opt, sched, extra["step"], 10)
+        _dump(model, losses, out)
+    elif mode == "killed_save":  # save a good checkpoint, then die in the middle of replacing it
+        ckpt = argv[1]
+        model, opt, sched = _setup()
+        _train(model, opt, sched, 0, 1)
+        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
+        _train(model, opt, sched, 1, 2)
+        os.environ["MEGATRAIN_CHECKPOINT_TEST_DELAY_S"] = "30"
+        print("SAVING", flush=True)
+        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 2})
+        print("SAVED (should have been killed)", flush=True)
+    elif mode == "memory":
+        _memory_worker(int(argv[1]), argv[2])
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+
+
+def _memory_worker(layers: int, ckpt: str) -> None:
+    import megatrain
+    import megatrain.checkpoint
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg)
+    model = megatrain.wrap(model, device="cpu", compute_dtype=torch.bfloat16)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-4, max_grad_norm=1.0)
+    eng = model.megatrain
+    largest = max(u.numel for u in eng.units) * 12  # master + exp_avg + exp_avg_sq, fp32
+    nparams = sum(u.numel for u in eng.units)
+    import gc
+    gc.collect()
+    res = {"params": nparams, "largest_unit_state_bytes": largest}
+    for what in ("save", "load"):
+        steady = _rss_kib("VmRSS") * 1024
+        _reset_peak()
+        t0 = time.perf_counter()
+        if what == "save":
+            megatrain.checkpoint.save_checkpoint(ckpt, model, opt, extra={"step": 0})
+        else:
+            megatrain.checkpoint.load_checkpoint(ckpt, model, opt)
+        dt = time.perf_counter() - t0
+        peak = _rss_kib("VmHWM") * 1024
+        res[what] = {"steady_rss": steady, "peak_rss": peak, "rise": peak - steady, "seconds": dt}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------- test side
+def _run(*args, timeout=300, env=None):
+    e = dict(os.environ)
+    e.setdefault("OMP_NUM_THREADS", "2")
+    if env:
+        e.update(env)
+    p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=timeout, env=e)
+    assert p.returncode == 0, f"worker {args[0]} failed:\n{p.stdout}\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    ckpt, out = str(d / "step5"), str(d / "full.pt")
+    _run("full", ckpt, out)
+    return ckpt, torch.load(out)
+
+
+def test_resume_in_fresh_process_is_bit_exact(full_run, tmp_path):
+    ckpt, full = full_run
+    out = str(tmp_path / "resumed.pt")
+    _run("resume", ckpt, out)
+    resumed = torch.load(out)
+    assert len(full["losses"]) == 10 and len(resumed["losses"]) == 5
+    assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
+    assert full["params"].keys() == resumed["params"].keys()
+    for k, v in full["params"].items():
+        assert torch.equal(v, resumed["params"][k]), k
+
+
+def test_layout_tied_embedding_saved_once(full_run):
+    from safetensors import safe_open
+
+    ckpt, _ = full_run
+    m = json.load(open(os.path.join(ckpt, "manifest.json")))
+    names = [n for u in m["units"] for n, _ in u["entries"]]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(set(names))
+    state = json.load(open(os.path.join(ckpt, "state.json")))
+    assert state["extra"] == {"step": 5}
+    assert state["optimizer"]["max_grad_norm"] == 0.5
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.1, 0.0]
+    assert set(state["rng"]) >= {"python", "torch"}
+    resident = m["units"][-1]
+    with safe_open(os.path.join(ckpt, resident["file"]), "pt") as f:  # a standard safetensors file
+        keys = set(f.keys())
+        assert {"master.model.embed_tokens.weight", "exp_avg.model.embed_tokens.weight",
+                "exp_avg_sq.model.embed_tokens.weight"} <= keys
+        assert f.get_tensor("master.model.embed_tokens.weight").dtype == torch.float32
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_truncated_file_is_refused_naming_it(full_run, tmp_path):
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.checkpoint import CheckpointError
+
+    ckpt = _copy(full_run[0], tmp_path / "c")
+    victim = os.path.join(ckpt, "unit-00001.safetensors")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    model, opt, sched = _setup()
+    before = megatrain.master_state_dict(model)
+    with pytest.raises(CheckpointError, match="unit-00001.safetensors.*truncated"):
+        megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was written
+
+
+@pytest.mark.parametrize("victim", ["unit-00000.safetensors", "state.json"])
+def test_altered_file_is_refused_naming_it(full_run, tmp_path, victim):
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.checkpoint import CheckpointError
+
+    ckpt = _copy(full_run[0], tmp_path / "c")
+    path = os.path.join(ckpt, victim)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    model, opt, sched = _setup()
+    with pytest.raises(CheckpointError, match=f"{victim}.*sha256"):
+        megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+
+
+def test_missing_manifest_is_refused(tmp_path):
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.checkpoint import CheckpointError
+
+    model, opt, _ = _setup()
+    with pytest.raises(CheckpointError, match="manifest.json not found"):
+        megatrain.checkpoint.load_checkpoint(str(tmp_path), model, opt)
+
+
+def test_mismatched_model_is_refused(full_run):
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.checkpoint import CheckpointError
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = megatrain.wrap(LlamaForCausalLM(cfg), device="cpu")
+    with pytest.raises(CheckpointError, match="unit 0"):
+        megatrain.checkpoint.load_checkpoint(full_run[0], model)
+
+
+def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.checkpoint import verify_checkpoint
+
+    ckpt = str(tmp_path / "ck")
+    e = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.Popen([sys.executable, HERE, "killed_save", ckpt], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=e)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "SAVING", (line, p.stderr.read() if p.poll() is not None else "")
+        deadline = time.time() + 60
+        unit_files = []
+        while time.time() < deadline and not unit_files:  # wait until the new save is half-written
+            unit_files = [f for d in os.listdir(tmp_path) if d.startswith(".ck.tmp-")
+                          for f in os.listdir(tmp_path / d) if f.endswith(".safetensors")]
+            time.sleep(0.05)
+        assert unit_files, "the second save never started writing"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+    verify_checkpoint(ckpt)
+    model, opt, sched = _setup()
+    assert megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched) == {"step": 1}
+    # The next save cleans the stale temporary directory up.
+    megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
+    assert not [d for d in os.listdir(tmp_path) if d.startswith(".ck.")]
+
+
+def _memory_check(layers: int, tmp_path):
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak RSS")
+    out = _run("memory", str(layers), str(tmp_path / "big"), timeout=1800)
+    res = json.loads(out.split("RESULT ", 1)[1])
+    largest = res["largest_unit_state_bytes"]
+    gib = 1 << 30
+    print(f"\n{res['params'] / 1e6:.0f}M params, largest unit state {largest / gib:.3f} GiB")
+    for what in ("save", "load"):
+        r = res[what]
+        print(f"{what}: steady RSS {r['steady_rss'] / gib:.3f} GiB, peak {r['peak_rss'] / gib:.3f} GiB, "
+              f"rise {r['rise'] / gib:.3f} GiB ({r['rise'] / largest:.3f}x the largest unit), {r['seconds']:.1f} s")
+        assert r["rise"] <= 1.2 * largest, (what, r, largest)
+
+
+def test_peak_host_memory_save_load_200m(tmp_path):
+    _memory_check(10, tmp_path)  # ~200M params (32000 x 1024 embedding + LM head, 10 layers of 17M)
+
+
+@pytest.mark.slow
+def test_peak_host_memory_save_load_1b(tmp_path):
+    _memory_check(56, tmp_path)  # ~1B params
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "..", "..", "python"))
+    _worker(sys.argv[1:])

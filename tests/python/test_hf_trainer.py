@@ -1,0 +1,184 @@
+"""Hugging Face Trainer + megatrain: parity with the plain Trainer (AdamW, accumulation, clipping),
+bit-exact resume from a Trainer checkpoint in a fresh process, save_model, megatrain log keys.
+
+This file is also the worker script for the subprocess runs (``python test_hf_trainer.py MODE ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install accelerate)")
+
+HERE = os.path.abspath(__file__)
+STEPS = 10
+
+
+def _model(dropout: float = 0.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      attention_dropout=dropout, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _dataset(n: int = 48, seq: int = 12):
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 96, (n, seq), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in data]
+
+
+def _args(out: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+                learning_rate=5e-3, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1,
+                max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, report_to=[],
+                use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+class _LossRecorder:
+    """Forward hook recording every training micro-batch loss (exact, unlike the rounded logged loss)."""
+
+    def __init__(self, model):
+        self.losses = []
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        if module.training and getattr(out, "loss", None) is not None:
+            self.losses.append(out.loss.item())
+
+
+class _LogRecorder:
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class R(TrainerCallback):
+            def __init__(self):
+                self.logs = []
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                self.logs.append(dict(logs or {}))
+
+        return R()
+
+
+def _megatrain_trainer(out, model=None, dropout=0.0, **kw):
+    import megatrain
+    from megatrain.integrations import MegatrainTrainer
+
+    model = megatrain.wrap(model if model is not None else _model(dropout), device="cpu",
+                           compute_dtype=torch.float32)
+    rec = _LossRecorder(model)
+    logs = _LogRecorder()
+    tr = MegatrainTrainer(model=model, args=_args(out, **kw), train_dataset=_dataset(), callbacks=[logs])
+    return tr, rec, logs
+
+
+# ---------------------------------------------------------------------------- worker side
+def _worker(argv):
+    import megatrain
+
+    mode, out, dump = argv
+    if mode == "full":
+        tr, rec, _ = _megatrain_trainer(out, dropout=0.1, save_strategy="steps", save_steps=5)
+        tr.train()
+    elif mode == "resume":
+        torch.manual_seed(1234)
+        from transformers import LlamaConfig  # noqa: F401 - a different init must not matter
+        model = _model(0.1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        tr, rec, _ = _megatrain_trainer(out, model=model, save_strategy="steps", save_steps=5)
+        tr.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5"))
+    else:
+        raise SystemExit(mode)
+    torch.save({"losses": rec.losses, "params": megatrain.master_state_dict(tr.model)}, dump)
+
+
+# ---------------------------------------------------------------------------- test side
+def test_trainer_parity_with_plain_trainer(tmp_path):
+    import megatrain
+    from transformers import Trainer
+
+    plain_model = _model()
+    plain_rec = _LossRecorder(plain_model)
+    plain = Trainer(model=plain_model, args=_args(str(tmp_path / "plain")), train_dataset=_dataset())
+    plain.train()
+
+    tr, rec, logs = _megatrain_trainer(str(tmp_path / "mt"))
+    tr.train()
+
+    assert len(plain_rec.losses) == len(rec.losses) == STEPS * 2
+    for i, (a, b) in enumerate(zip(plain_rec.losses, rec.losses)):
+        assert abs(a - b) <= 1e-5 * abs(a), (i, a, b)
+    plain_logs = [h for h in plain.state.log_history if "loss" in h]
+    mt_logs = [h for h in tr.state.log_history if "loss" in h]
+    assert len(plain_logs) == len(mt_logs) == STEPS
+    for a, b in zip(plain_logs, mt_logs):
+        assert b["learning_rate"] == pytest.approx(a["learning_rate"], rel=1e-12)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-4)
+    # The Trainer's clip is skipped; CPUAdamW clips with the Trainer's max_grad_norm.
+    assert megatrain.integrations.hf_trainer._unwrap_optimizer(tr.optimizer).max_grad_norm == 1.0
+    assert any(h["grad_norm"] > 1.0 for h in mt_logs), "clipping was not exercised"
+    sd = megatrain.master_state_dict(tr.model)
+    for k, v in plain_model.state_dict().items():
+        if k in sd:
+            torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+    # megatrain's figures are in the Trainer's logs (callbacks and log_history).
+    seen = [l for l in logs.logs if "loss" in l]
+    assert seen and all("megatrain/tokens_per_s" in l and "megatrain/host_rss_gib" in l for l in seen)
+    assert seen[0]["megatrain/tokens_per_s"] > 0
+    assert all("megatrain/tokens_per_s" in h for h in mt_logs)
+
+    # save_model writes a standard Hugging Face model with the fp32 master weights.
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "final")
+    tr.save_model(out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+def _run(*args):
+    e = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=600, env=e)
+    assert p.returncode == 0, f"worker {args[0]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+
+
+def test_trainer_resume_in_fresh_process_is_bit_exact(tmp_path):
+    out = str(tmp_path / "run")
+    _run("full", out, str(tmp_path / "full.pt"))
+    ck = os.path.join(out, "checkpoint-5")
+    assert os.path.isfile(os.path.join(ck, "megatrain", "manifest.json"))
+    assert os.path.isfile(os.path.join(ck, "model.safetensors"))  # the checkpoint is also an HF model
+    assert not os.path.exists(os.path.join(ck, "optimizer.pt"))
+    manifest = json.load(open(os.path.join(ck, "megatrain", "manifest.json")))
+    assert "scheduler.pt" in manifest["files"]
+    _run("resume", out, str(tmp_path / "resumed.pt"))
+    full = torch.load(str(tmp_path / "full.pt"))
+    resumed = torch.load(str(tmp_path / "resumed.pt"))
+    assert len(full["losses"]) == 2 * STEPS and len(resumed["losses"]) == STEPS
+    assert resumed["losses"] == full["losses"][STEPS:]
+    for k, v in full["params"].items():
+        assert torch.equal(v, resumed["params"][k]), k
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "..", "..", "python"))
+    _worker(sys.argv[1:])
