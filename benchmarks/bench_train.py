@@ -170,12 +170,13 @@ def run_megatrain(spec):
     import megatrain
     dev = spec["device"]
     policy = spec["mt_policy"]
-    settings = dict(compute_dtype="bf16", activation_policy=policy, num_slots=2,
+    cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=2,
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"])
     n_params = sum(p.numel() for p in model.parameters())
-    model = megatrain.wrap(model, device=dev, compute_dtype=torch.bfloat16, activation_policy=policy)
+    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy)
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                                    weight_decay=OPT["weight_decay"], max_grad_norm=None)
@@ -217,7 +218,9 @@ def run_torch(spec, ckpt: bool):
     import torch
     dev = spec["device"]
     dtype = "cuda" if dev.startswith("cuda") else "cpu"
-    settings = dict(master="fp32 on device", autocast="bf16", optimizer="torch.optim.AdamW(fused=True)", **OPT,
+    import contextlib
+    bf16 = spec["dtype"] == "bf16"
+    settings = dict(master="fp32 on device", autocast="bf16" if bf16 else "off (fp32)", optimizer="torch.optim.AdamW(fused=True)", **OPT,
                     gradient_checkpointing="HF, use_reentrant=False" if ckpt else "off")
     model = build_model(spec["model"], spec["seq"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -228,7 +231,7 @@ def run_torch(spec, ckpt: bool):
     batches = make_batches(spec, dev)
 
     def step(x):
-        with torch.autocast(dtype, dtype=torch.bfloat16):
+        with torch.autocast(dtype, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
@@ -552,7 +555,8 @@ def plot_sweep(rows: list, path: str, xkey: str, xlabel: str, title: str) -> Non
         ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_title(label)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -562,7 +566,7 @@ def plot_sweep(rows: list, path: str, xkey: str, xlabel: str, title: str) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="default: 3b (--sweep depth: 1b)")
     ap.add_argument("--layers", type=int, help="override the preset's layer count")
     ap.add_argument("--kv-heads", type=int, help="override the preset's KV heads (3b preset: 24)")
     ap.add_argument("--batch", type=int, help="sequences per step (preset default: 4; tiny: 2)")
@@ -572,6 +576,9 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
                     help="default: all (sweeps: megatrain torch_ckpt / megatrain)")
     ap.add_argument("--mt-policy", default="recompute", help="megatrain activation_policy: recompute | block:K")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"],
+                    help="compute dtype of megatrain / autocast of torch_* (default: bf16 on cuda, fp32 on cpu, "
+                         "where bf16 matmuls are emulated and very slow); fsdp2/deepspeed always bf16")
     ap.add_argument("--device", default="cuda", help="cuda | cpu (cpu: megatrain and torch_* only; smoke test)")
     ap.add_argument("--sweep", choices=["tokens", "depth"], help="tokens: 2K..64K tokens/step; depth: 16..128 layers at 1b width")
     ap.add_argument("--depths", type=int, nargs="+", default=SWEEP_DEPTHS)
@@ -588,7 +595,7 @@ def main() -> None:
         return
 
     cuda = args.device.startswith("cuda")
-    preset = "1b" if args.sweep == "depth" else args.preset
+    preset = args.preset or ("1b" if args.sweep == "depth" else "3b")
     p = dict(PRESETS[preset])
     if args.layers:
         p["layers"] = args.layers
@@ -596,7 +603,8 @@ def main() -> None:
         p["kv_heads"] = args.kv_heads
     model = {k: p[k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")}
     batch, seq = args.batch or p["batch"], args.seq or p["seq"]
-    base = dict(device=args.device, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy)
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    base = dict(device=args.device, dtype=dtype, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy)
 
     peak, gpu = args.peak_tflops, None
     if cuda:
@@ -638,10 +646,15 @@ def main() -> None:
 
     n_params = next((r["n_params"] for r in rows if r.get("n_params")), None)
     print()
-    title = (f"{preset} preset ({n_params / 1e9:.2f}B params)" if n_params else f"{preset} preset") + \
-        f", {model['layers']} layers, hidden {model['hidden']}, batch {batch} x seq {seq}, device {args.device}"
-    if args.sweep:
-        title = f"sweep {args.sweep}: " + title
+    size = "" if not n_params else f" ({n_params / 1e9:.2f}B params)" if n_params >= 1e9 else f" ({n_params / 1e6:.1f}M params)"
+    shape = f"{model['layers']} layers, hidden {model['hidden']}"
+    toks = f"batch {batch} x seq {seq}"
+    if args.sweep == "tokens":
+        title = f"sweep tokens/step: {preset} preset{size}, {shape}, {args.device} {dtype}"
+    elif args.sweep == "depth":
+        title = f"sweep depth: {preset} preset width (hidden {model['hidden']}), {toks}, {args.device} {dtype}"
+    else:
+        title = f"{preset} preset{size}, {shape}, {toks}, {args.device} {dtype}"
     print(title)
     extra = {"tokens": "tokens_per_step", "depth": "layers"}.get(args.sweep)
     print_table(rows, extra)
@@ -651,11 +664,14 @@ def main() -> None:
         for x in rat:
             print(f"  vs {x['peer']:<16} throughput x{x['throughput_ratio']:.2f}   GPU memory x{fmt(x['gpu_memory_ratio'], '{:.2f}')}")
     print("\nsettings:")
+    for name in dict.fromkeys(r["system"] for r in rows):
+        st = next((r["settings"] for r in rows if r["system"] == name and r.get("settings")), None)
+        if st:
+            print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "config"))
     for r in rows:
-        if r.get("settings"):
-            print(f"  {r['system']}: " + ", ".join(f"{k}={v}" for k, v in r["settings"].items() if k != "config"))
         if r.get("megatrain"):
-            print("  megatrain transfers over timed steps: " +
+            at = f" ({extra}={r.get(extra)})" if extra else ""
+            print(f"megatrain transfers over the timed steps{at}: " +
                   ", ".join(f"{k}={fmt(v, '{:.3g}')}" for k, v in r["megatrain"].items()))
 
     if args.out:
