@@ -424,6 +424,7 @@ def spawn(spec: dict, timeout: float) -> dict:
         rc = proc.wait()
         result.setdefault("status", f"error: timeout after {timeout:.0f} s")
     th.join(timeout=10)
+    result.setdefault("system", tag)
     if not result:
         last = next((l.strip() for l in reversed(tail) if l.strip()), "")
         if rc < 0:
