@@ -220,6 +220,9 @@ class MegatrainTrainer(Trainer):
         return None  # the wrapped model already lives where megatrain put it
 
     def log(self, logs, *args, **kwargs):
+        opt = _unwrap_optimizer(self.optimizer)
+        if "loss" in logs and isinstance(opt, CPUAdamW) and opt.last_grad_norm is not None:
+            logs["grad_norm"] = float(opt.last_grad_norm)  # the Trainer's own figure saw no gradients
         self.megatrain_callback.add_metrics(logs)
         return super().log(logs, *args, **kwargs)
 
@@ -238,6 +241,10 @@ class MegatrainTrainer(Trainer):
             return
         save_checkpoint(os.path.join(output_dir, MEGATRAIN_CKPT_DIR), self.model, _unwrap_optimizer(self.optimizer),
                         self.lr_scheduler, extra={"global_step": self.state.global_step})
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        load_checkpoint(os.path.join(best, MEGATRAIN_CKPT_DIR), self.model, None, restore_rng=False)
 
     # -- resuming
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
