@@ -51,7 +51,6 @@ import argparse
 import collections
 import datetime
 import json
-import math
 import os
 import platform
 import signal
@@ -128,9 +127,16 @@ def timed_loop(step, batches, spec, sync, drain=lambda: None, on_window=None):
     """Run warmup + timed steps. step(x) -> detached loss. Returns timing dict.
 
     on_window(\"start\"|\"end\") is called just before the timed window and after it is drained."""
+    import torch
     warmup = spec["warmup"]
     times, loss = [], None
     t_win = None
+    setup_peak = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # setup transients (e.g. a model moved to the GPU before being sharded) are not training memory
+        sync()
+        setup_peak = torch.cuda.max_memory_allocated() / GiB
+        torch.cuda.reset_peak_memory_stats()
     for i, x in enumerate(batches):
         if i == warmup:
             drain()
@@ -151,7 +157,7 @@ def timed_loop(step, batches, spec, sync, drain=lambda: None, on_window=None):
     if on_window:
         on_window("end")
     return dict(step_s=window / len(times), step_min_s=min(times), step_times_s=times,
-                window_s=window, loss=float(loss))
+                window_s=window, loss=float(loss), gpu_setup_peak_gib=setup_peak)
 
 
 def _device_sync(device):
