@@ -22,9 +22,8 @@ Two changed lines in a Trainer script::
 * adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
   :class:`MegatrainCallback`.
 
-With a plain ``Trainer``, pass ``optimizers=(create_optimizer(model, args), None)``,
-``callbacks=[MegatrainCallback()]`` and set ``args.max_grad_norm = 0`` (the clipping is in the
-optimizer); that gives training and logging, but ``save_model`` / checkpoints need ``MegatrainTrainer``.
+A plain ``Trainer`` cannot train a wrapped model yet: it calls ``model.to(device)``, which fails on
+the meta placeholders of streamed layers (see docs/hf_trainer.md).
 """
 
 from __future__ import annotations
