@@ -216,3 +216,22 @@ def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
         main(argv)
     assert sorted(os.listdir(out)) == ["config.yaml", "metrics.jsonl", "summary.json", "tensorboard"]
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+
+
+def test_trains_a_local_model_directory_and_its_tokenizer(tmp_path, tiny_model_dir, capsys):
+    """--model DIR (from_pretrained) with --tokenizer DIR: the saved model starts from those weights."""
+    from megatrain.train.data import ByteTokenizer
+
+    tok_dir = tmp_path / "tok"
+    ByteTokenizer().save(str(tok_dir))
+    out = tmp_path / "out"
+    argv = ["train", "--model", str(tiny_model_dir), "--tokenizer", str(tok_dir), "--out", str(out),
+            "--steps", "3", "--seq-len", "32", "--eval-every", "3", "--set", "eval.batches=1",
+            "--set", "data.max_documents=20", "--device", "cpu", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["params"]["total"] == sum(
+        p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(str(out / "model")).parameters()
+    )
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert saved["hidden_size"] == 32 and saved["max_position_embeddings"] == 64

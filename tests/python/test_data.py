@@ -161,3 +161,17 @@ def test_stdlib_corpus_excludes_site_packages():
     assert len(files) > 100
     assert all(f.endswith(".py") and "site-packages" not in f for f in files)
     assert files == sorted(files)
+
+
+def test_local_hf_tokenizer_directory_gives_the_same_rows_as_byte_tokenizer(tmp_path):
+    # The byte tokenizer saved as HF files is a local tokenizer directory like any other.
+    tok_dir = tmp_path / "tok"
+    data.ByteTokenizer().save(str(tok_dir))
+    root = _corpus(tmp_path)
+    via_bytes = data.load_text_data(DataConfig(path=str(root), seq_len=16), seed=0)
+    via_hf = data.load_text_data(DataConfig(path=str(root), seq_len=16, tokenizer=str(tok_dir)), seed=0)
+    assert isinstance(via_hf.tokenizer, data.HFTokenizer) and via_hf.tokenizer.eos_token_id == EOS
+    np.testing.assert_array_equal(via_bytes.train, via_hf.train)
+    np.testing.assert_array_equal(via_bytes.eval, via_hf.eval)
+    with pytest.raises(UsageError, match="not a directory"):
+        data.load_tokenizer(str(tmp_path / "nope"))

@@ -142,6 +142,14 @@ class StatsWindow:
         except Exception:  # noqa: BLE001 - metrics must never stop training
             return {}
 
+    def reset(self) -> None:
+        """Starts a new window now (e.g. after an evaluation, whose transfers are not training's)."""
+        self.last = self._read()
+
+    def read(self) -> dict:
+        """The engine's cumulative counters now ({} without an engine)."""
+        return self._read()
+
     def step(self, wall_s: float) -> dict:
         """Metrics for the window that just ended (``wall_s`` seconds long)."""
         now = self._read()

@@ -376,7 +376,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
         window_start = time.perf_counter()
         window_steps, window_loss, train_time = 0, 0.0, 0.0
         last_loss = float("nan")
-        stats.step(0.0)  # reset the counters after the initial eval
+        stats.reset()  # the initial eval's copies are not training's
         for step in range(1, t.steps + 1):
             step_loss = 0.0
             for _ in range(t.gradient_accumulation_steps):
@@ -432,7 +432,8 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
                 sink.write({"step": step, "eval_loss": ev}, prefix="eval")
                 say(f"step {step} | eval loss {ev:.4f}")
                 window_start += time.perf_counter() - eval_start  # eval time is not training time
-                stats.last = stats._read() if window_steps == 0 else stats.last
+                if window_steps == 0:  # eval right after a log line: keep its copies out of the next window
+                    stats.reset()
         bar.close()
         bar = _NullBar()
         model_dir = None
@@ -472,7 +473,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
             "activation_policy": cfg.runtime.activation_policy,
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
-            "engine_stats": stats._read(),
+            "engine_stats": stats.read(),
             "model_dir": model_dir,
             "out_dir": out_dir,
         }
