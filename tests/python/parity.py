@@ -67,7 +67,8 @@ def train_megatrain(model, batches, *, lr, wd, betas, max_grad_norm, groups, dev
                     compute_dtype=torch.float32, activation_policy="recompute"):
     model = megatrain.wrap(model, device=device, compute_dtype=compute_dtype, activation_policy=activation_policy)
     opt = megatrain.optim.CPUAdamW(param_groups(model, groups, lr, wd), lr=lr, betas=betas, weight_decay=wd,
-                                   eps=PARITY_EPS, max_grad_norm=max_grad_norm)
+                                   eps=PARITY_EPS, max_grad_norm=max_grad_norm,
+                                   gradient_accumulation_steps=len(batches[0]))
     res = RunResult()
     for micro in batches:
         total = 0.0

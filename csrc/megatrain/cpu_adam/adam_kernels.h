@@ -60,7 +60,7 @@ struct AdamArgs {
 
 /// \brief One fused AdamW pass over elements [begin, end) of `a`, single threaded.
 ///
-/// Per element: g = grad * grad_scale; p *= decay; m = lerp(m, g, 1 - beta1);
+/// Per element: g = grad * grad_scale; p *= decay; m = lerp(m, g, 1 - beta1) (one fma, as torch);
 /// v = v * beta2 + (1 - beta2) * g * g; p = p - step_size * m / (sqrt(v) / bc2_sqrt + eps);
 /// compute_out = bf16_round_nearest_even(p) (NaN -> 0x7FC0) or p.
 /// \pre 0 <= begin <= end; pointers valid for `end` elements; `isa` supported by the CPU.

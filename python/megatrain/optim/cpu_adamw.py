@@ -7,6 +7,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..runtime.engine import run_adam
+
 
 def _ref(p: torch.Tensor):
     ref = getattr(p, "_megatrain", None)
@@ -44,13 +46,18 @@ class CPUAdamW(torch.optim.Optimizer):
         eps: term added to the denominator, > 0 or 0.
         weight_decay: decoupled weight decay coefficient.
         max_grad_norm: clip the global gradient L2 norm to this value (None: no clipping).
+        gradient_accumulation_steps: backward passes per ``step()``. Without clipping, a layer's
+            update starts on the CPU as soon as its gradient from the last of these backward
+            passes has landed, overlapping the rest of backward (DESIGN.md section 4). A further
+            backward before ``step()`` then raises. With clipping the updates wait for ``step()``.
 
     Raises:
         ValueError: a hyperparameter out of range, or a parameter not managed by megatrain.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None):
+                 weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
+                 gradient_accumulation_steps: int = 1):
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"megatrain.optim.CPUAdamW: {name} must be a finite number >= 0, got {v!r}")
@@ -58,13 +65,19 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError(f"megatrain.optim.CPUAdamW: betas must be two numbers in [0, 1), got {betas!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"megatrain.optim.CPUAdamW: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError("megatrain.optim.CPUAdamW: gradient_accumulation_steps must be an int >= 1, "
+                             f"got {gradient_accumulation_steps!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.engine = None
+        self._entry = {}  # (unit index, entry index) -> (group, param)
         for group in self.param_groups:
             for p in group["params"]:
                 eng, unit, i = _ref(p)
+                self._entry[(unit.index, i)] = (group, p)
                 if self.engine is None:
                     self.engine = eng
                 elif eng is not self.engine:
@@ -78,6 +91,43 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError("megatrain.optim.CPUAdamW: got an empty parameter list")
         self.engine.optimizer = self
         self.last_grad_norm: Optional[float] = None
+
+    def _items(self, unit, has_grad):
+        """Adam work items of ``unit`` (main thread: bumps the per-parameter step counts)."""
+        items = []
+        for i in range(len(unit.entries)):
+            gp = self._entry.get((unit.index, i))
+            if gp is None or not has_grad[i]:
+                continue
+            group, p = gp
+            if not p.requires_grad:
+                continue
+            st = self.state[p]
+            st["step"] += 1
+            b1, b2 = group["betas"]
+            items.append((i, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                          float(group["weight_decay"]), int(st["step"].item())))
+        return items
+
+    def plan_eager(self, unit):
+        """Called by the engine when ``unit``'s gradients of one backward are handed to D2H.
+
+        Returns ``(items, scale)`` when the update can start now (no clipping, a layer unit, the
+        last micro-batch), else None.
+
+        Raises:
+            RuntimeError: a backward pass after this unit's update was already queued.
+        """
+        if unit.eager_queued:
+            raise RuntimeError(
+                f"megatrain: more backward passes than gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} before optimizer.step(); pass the right "
+                "gradient_accumulation_steps to CPUAdamW (or call step() after each accumulation window)")
+        if self.max_grad_norm is not None or unit.kind != "layer":
+            return None
+        if unit.micro_batches < self.gradient_accumulation_steps:
+            return None
+        return self._items(unit, unit.seen_grad), 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget gradients accumulated since the last step (the next backward starts afresh)."""
@@ -95,33 +145,22 @@ class CPUAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         eng = self.engine
-        eng.flush()  # every gradient landed in the fp32 accumulators
+        eng.flush()  # every gradient landed in the fp32 accumulators (and eager updates ran)
+        pending = [u for u in eng.units if not u.eager_queued]
         scale = 1.0
-        sq = 0.0
-        for group in self.param_groups:
-            for p in group["params"]:
-                _, unit, i = p._megatrain
-                if unit.has_grad[i]:
-                    sq += unit.grad_sq[i]
-        self.last_grad_norm = math.sqrt(sq)
         if self.max_grad_norm is not None:
+            sq = sum(u.grad_sq[i] for u in pending for i in range(len(u.entries))
+                     if u.has_grad[i] and (u.index, i) in self._entry)
+            self.last_grad_norm = math.sqrt(sq)
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
             scale = min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
-        plans = {}
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                _, unit, i = p._megatrain
-                if not p.requires_grad or not unit.has_grad[i]:
-                    continue
-                st = self.state[p]
-                st["step"] += 1
-                plans.setdefault(unit.index, (unit, []))[1].append(
-                    (i, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                     float(group["weight_decay"]), int(st["step"].item())))
-        for idx in sorted(plans, key=lambda k: (eng.units[k].kind != "resident", k)):
-            unit, items = plans[idx]
-            eng.submit_update(unit, _adam_work(eng, unit, items, scale))
+        else:
+            self.last_grad_norm = None
+        # Resident unit first (the next forward needs the embedding first), then layers in forward order.
+        for unit in sorted(pending, key=lambda u: (u.kind != "resident", u.index)):
+            items = self._items(unit, unit.has_grad)
+            if items:
+                eng.submit_update(unit, _adam_work(eng, unit, items, scale))
         eng.zero_grad()
         return loss
 
@@ -171,14 +210,4 @@ class CPUAdamW(torch.optim.Optimizer):
 
 
 def _adam_work(eng, unit, items, scale):
-    def work():
-        ops = torch.ops.megatrain
-        for i, lr, b1, b2, eps, wd, step in items:
-            ops.adamw_step_(
-                eng.entry_view(unit, i, "master").view(-1),
-                eng.entry_view(unit, i, "exp_avg").view(-1),
-                eng.entry_view(unit, i, "exp_avg_sq").view(-1),
-                eng.entry_view(unit, i, "grad_accum").view(-1),
-                eng.entry_view(unit, i, "compute").view(-1),
-                lr, b1, b2, eps, wd, step, scale)
-    return work
+    return lambda: run_adam(eng, unit, items, scale)

@@ -78,11 +78,17 @@ class Unit:
     # Written only on the worker thread: entry i received a gradient since the last step/zero_grad.
     has_grad: List[bool] = field(default_factory=list)
     grad_sq: List[float] = field(default_factory=list)
+    # Main thread only: backward passes that delivered gradients since the last step, the
+    # entries that got one, and whether this unit's update was already queued (eager mode).
+    micro_batches: int = 0
+    seen_grad: List[bool] = field(default_factory=list)
+    eager_queued: bool = False
 
     def __post_init__(self):
         self.update_done.set()
         self.has_grad = [False] * len(self.entries)
         self.grad_sq = [0.0] * len(self.entries)
+        self.seen_grad = [False] * len(self.entries)
 
 
 class Slot:
@@ -219,6 +225,8 @@ class Engine:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
+        if len(self._timed_copies) > 4096:
+            self._collect_copy_times()
         self._timed_copies.append((kind, start, end))
         return end
 
@@ -364,20 +372,46 @@ class Engine:
                     nbytes += g.numel() * g.element_size()
         self._stats["d2h_bytes"] += nbytes
         present = [g is not None for g in grads]
+        first_micro = unit.micro_batches == 0
+        unit.micro_batches += 1
+        unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
+        # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
+        plan = self.optimizer.plan_eager(unit) if self.optimizer is not None else None
+        if plan is not None:
+            unit.eager_queued = True
+            unit.update_done.clear()
+            unit.version += 1
+        direct = plan is not None and first_micro  # one micro-batch: Adam reads the staged gradient itself
 
         def task():
             if ev is not None:
                 ev.synchronize()
             t0 = time.perf_counter()
-            for i, e in enumerate(unit.entries):
-                if not present[i]:
-                    continue
-                acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
-                unit.grad_sq[i] = float(sq)
-                unit.has_grad[i] = True
+            try:
+                if not direct:
+                    for i, e in enumerate(unit.entries):
+                        if not present[i]:
+                            continue
+                        acc = self.entry_view(unit, i, "grad_accum").view(-1)
+                        sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel],
+                                                       not unit.has_grad[i])
+                        unit.grad_sq[i] = float(sq)
+                        unit.has_grad[i] = True
+                t1 = time.perf_counter()
+                if plan is not None:
+                    items, scale = plan
+                    src = (lambda i: staging[unit.entries[i].offset:unit.entries[i].offset + unit.entries[i].numel]) \
+                        if direct else None
+                    run_adam(self, unit, items, scale, src)
+                    unit.has_grad = [False] * len(unit.entries)
+                    unit.grad_sq = [0.0] * len(unit.entries)
+            finally:
+                if plan is not None:
+                    unit.update_done.set()
+            t2 = time.perf_counter()
             with self._stats_lock:
-                self._stats["grad_accum_time_s"] += time.perf_counter() - t0
+                self._stats["grad_accum_time_s"] += t1 - t0
+                self._stats["adam_time_s"] += t2 - t1
             if own_staging:
                 self._staging.put(staging)
             if on_done is not None:
@@ -394,6 +428,11 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators)."""
+        for u in self.units:
+            u.micro_batches = 0
+            u.seen_grad = [False] * len(u.entries)
+            u.eager_queued = False
+
         def task():
             for u in self.units:
                 u.has_grad = [False] * len(u.entries)
@@ -420,15 +459,15 @@ class Engine:
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
-        """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window."""
-        for kind, start, end in self._timed_copies:
-            end.synchronize()
-            ms = start.elapsed_time(end)
-            if kind == "h2d":
-                self._h2d_time_s += ms / 1e3
-            else:
-                self._d2h_time_s += ms / 1e3
-        self._timed_copies.clear()
+        """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
+
+        Keys: ``h2d_bytes``, ``d2h_bytes`` (bytes copied), ``h2d_time_s``, ``d2h_time_s`` (time the
+        copies took on their streams), ``adam_time_s`` (CPU Adam), ``grad_accum_time_s``,
+        ``adam_exposed_s`` (time the main thread waited for the CPU worker), ``slot_hits``,
+        ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
+        ``streamed_layers``. Reading the copy times waits for the copies already issued.
+        """
+        self._collect_copy_times()
         with self._stats_lock:
             out = dict(self._stats)
         out.update(
@@ -442,9 +481,39 @@ class Engine:
         )
         return out
 
+    def _collect_copy_times(self) -> None:
+        for kind, start, end in self._timed_copies:
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if kind == "h2d":
+                self._h2d_time_s += ms / 1e3
+            else:
+                self._d2h_time_s += ms / 1e3
+        self._timed_copies.clear()
+
     def close(self) -> None:
         self._worker.close()
 
 
 def _C_ops():
     return torch.ops.megatrain
+
+
+def run_adam(eng: "Engine", unit: Unit, items, scale: float, grad_src=None) -> None:
+    """Fused AdamW over ``unit``'s entries (worker thread).
+
+    Args:
+        items: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry to update.
+        scale: gradient multiplier (the clip coefficient; 1.0 without clipping).
+        grad_src: ``entry_index -> flat gradient`` (bf16/fp32 CPU); default: the fp32 ``grad_accum`` section.
+    """
+    ops = _C_ops()
+    for i, lr, b1, b2, eps, wd, step in items:
+        grad = grad_src(i) if grad_src is not None else eng.entry_view(unit, i, "grad_accum").view(-1)
+        ops.adamw_step_(
+            eng.entry_view(unit, i, "master").view(-1),
+            eng.entry_view(unit, i, "exp_avg").view(-1),
+            eng.entry_view(unit, i, "exp_avg_sq").view(-1),
+            grad,
+            eng.entry_view(unit, i, "compute").view(-1),
+            lr, b1, b2, eps, wd, step, scale)

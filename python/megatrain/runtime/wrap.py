@@ -270,8 +270,12 @@ class WrappedEngine(Engine):
         if self.resident_loaded_version == u.version:
             return
         if self.cuda:
+            # The buffer is overwritten on the H2D stream: first let the compute stream finish
+            # whatever still reads it (the last backward's LM-head / embedding kernels).
+            in_use = torch.cuda.Event()
+            in_use.record(self._compute_stream())
             ev = torch.cuda.Event()
-            self.copy_h2d(self.resident_buf, u, ready_event=ev)
+            self.copy_h2d(self.resident_buf, u, ready_event=ev, free_event=in_use)
             self._compute_stream().wait_event(ev)
         else:
             self.copy_h2d(self.resident_buf, u)

@@ -47,7 +47,7 @@ void adamw_avx2(const AdamArgs& a, const AdamConstants& c, int64_t begin, int64_
   const __m256 gs = _mm256_set1_ps(c.grad_scale);
   const __m256 decay = _mm256_set1_ps(c.decay);
   const __m256 w = _mm256_set1_ps(c.lerp_weight);
-  const __m256 omw = _mm256_set1_ps(1.0f - c.lerp_weight);
+  const __m256 wm1 = _mm256_set1_ps(c.lerp_weight - 1.0f);
   const __m256 b2 = _mm256_set1_ps(c.beta2);
   const __m256 omb2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 ss = _mm256_set1_ps(c.step_size);
@@ -59,12 +59,12 @@ void adamw_avx2(const AdamArgs& a, const AdamConstants& c, int64_t begin, int64_
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a.master + i), decay);
     __m256 m = _mm256_loadu_ps(a.exp_avg + i);
     if (c.lerp_low) {
-      m = _mm256_add_ps(m, _mm256_mul_ps(w, _mm256_sub_ps(g, m)));
+      m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m), m);  // torch.lerp: one fma
     } else {
-      m = _mm256_sub_ps(g, _mm256_mul_ps(_mm256_sub_ps(g, m), omw));
+      m = _mm256_fmadd_ps(wm1, _mm256_sub_ps(g, m), g);
     }
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), b2),
-                                   _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
+                                      _mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), b2));  // as torch addcmul
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), denom));
     _mm256_storeu_ps(a.master + i, p);

@@ -49,7 +49,7 @@ void adamw_avx512(const AdamArgs& a, const AdamConstants& c, int64_t begin, int6
   const __m512 gs = _mm512_set1_ps(c.grad_scale);
   const __m512 decay = _mm512_set1_ps(c.decay);
   const __m512 w = _mm512_set1_ps(c.lerp_weight);
-  const __m512 omw = _mm512_set1_ps(1.0f - c.lerp_weight);
+  const __m512 wm1 = _mm512_set1_ps(c.lerp_weight - 1.0f);
   const __m512 b2 = _mm512_set1_ps(c.beta2);
   const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
   const __m512 ss = _mm512_set1_ps(c.step_size);
@@ -61,12 +61,12 @@ void adamw_avx512(const AdamArgs& a, const AdamConstants& c, int64_t begin, int6
     __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), decay);
     __m512 m = _mm512_loadu_ps(a.exp_avg + i);
     if (c.lerp_low) {
-      m = _mm512_add_ps(m, _mm512_mul_ps(w, _mm512_sub_ps(g, m)));
+      m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);  // torch.lerp: one fma
     } else {
-      m = _mm512_sub_ps(g, _mm512_mul_ps(_mm512_sub_ps(g, m), omw));
+      m = _mm512_fmadd_ps(wm1, _mm512_sub_ps(g, m), g);
     }
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2),
-                                   _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
+                                      _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2));  // as torch addcmul
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(ss, m), denom));
     _mm512_storeu_ps(a.master + i, p);

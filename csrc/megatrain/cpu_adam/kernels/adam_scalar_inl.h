@@ -37,13 +37,17 @@ inline void adamw_one(const AdamArgs& a, const AdamConstants& c, int64_t i) {
   const float g = load_grad(a.grad, a.grad_dtype, i) * c.grad_scale;
   float p = a.master[i] * c.decay;
   float m = a.exp_avg[i];
-  // torch.lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w).
+  // torch.lerp as its vectorized CPU kernel computes it (ATen LerpKernel: one fused multiply-add):
+  // fma(w, end - start, start) for |w| < 0.5, else fma(w - 1, end - start, end). Matching it
+  // bit for bit keeps megatrain's trajectory on top of torch.optim.AdamW's (parity tests).
   if (c.lerp_low) {
-    m = m + c.lerp_weight * (g - m);
+    m = std::fma(c.lerp_weight, g - m, m);
   } else {
-    m = g - (g - m) * (1.0f - c.lerp_weight);
+    m = std::fma(c.lerp_weight - 1.0f, g - m, g);
   }
-  float v = a.exp_avg_sq[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
+  // torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1-beta2); addcmul's vector kernel is
+  // fma(value * g, g, self).
+  float v = std::fma(c.one_minus_beta2 * g, g, a.exp_avg_sq[i] * c.beta2);
   const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
   p = p - (c.step_size * m) / denom;
   a.master[i] = p;
