@@ -136,6 +136,6 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     for name in names:
         config.build_config(os.path.join(root, name))
     assert config.build_config(os.path.join(root, "default.yaml")) == config.build_config()
-    gpu = config.build_config(os.path.join(root, "gpu_llama_100m.yaml"))
+    gpu = config.build_config(os.path.join(root, "gpu_llama_76m.yaml"))
     preset = config.build_config(preset="gpu")
     assert (gpu.model, gpu.data, gpu.train) == (preset.model, preset.data, preset.train)
