@@ -321,7 +321,7 @@ def test_peak_host_memory_save_load_200m(tmp_path):
 
 @pytest.mark.slow
 def test_peak_host_memory_save_load_1b(tmp_path):
-    _memory_check(56, tmp_path)  # ~1B params
+    _memory_check(62, tmp_path)  # ~1.0B params (917M measured at 56 layers on the H200 box)
 
 
 @pytest.mark.cuda
