@@ -128,7 +128,15 @@ def _memory_worker(layers: int, ckpt: str) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
                       num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
-    with torch.no_grad():
+    try:  # skip the random init (values do not matter here; it costs most of the set-up time)
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            import contextlib
+            no_init_weights = contextlib.nullcontext
+    with torch.no_grad(), no_init_weights():
         model = LlamaForCausalLM(cfg)
     model = megatrain.wrap(model, device="cpu", compute_dtype=torch.bfloat16)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-4, max_grad_norm=1.0)
