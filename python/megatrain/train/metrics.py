@@ -234,6 +234,7 @@ def log_line(rec: dict) -> str:
         f"step {rec['step']}",
         f"loss {rec['loss']:.4f}",
         f"lr {rec['lr']:.3g}",
+        *([f"grad norm {rec['grad_norm']:.3g}"] if rec.get("grad_norm") is not None else []),
         f"{rec['step_time_s'] * 1e3:.0f} ms/step",
         f"{rec['tokens_per_s']:.0f} tok/s",
         f"{fmt(rec.get('model_tflops'))} TFLOP/s (+{fmt(rec.get('recompute_tflops'))} recompute)",

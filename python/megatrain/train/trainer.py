@@ -406,6 +406,8 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
                     "step": step,
                     "loss": window_loss / window_steps,
                     "lr": scheduler.get_last_lr()[0],
+                    # global gradient L2 norm before clipping, last step (CPUAdamW with max_grad_norm)
+                    "grad_norm": getattr(optimizer, "last_grad_norm", None),
                     "step_time_s": step_s,
                     "tokens_per_s": tok_s,
                     "tokens": step * tokens_per_step,
