@@ -399,6 +399,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                                   f"({len(saved)} groups, {[len(n) for n in saved]} params)")
         by_name = {_param_name(p): p for g in optimizer.param_groups for p in g["params"]}
 
+    eng.zero_grad()  # gradients accumulated before the load belong to other weights
     eng.flush()
     sections = SECTIONS if optimizer is not None else ("master",)
     for mu, u in zip(m["units"], eng.units):

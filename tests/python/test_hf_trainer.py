@@ -170,6 +170,10 @@ def test_trainer_resume_in_fresh_process_is_bit_exact(tmp_path):
     assert not os.path.exists(os.path.join(ck, "optimizer.pt"))
     manifest = json.load(open(os.path.join(ck, "megatrain", "manifest.json")))
     assert "scheduler.pt" in manifest["files"]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ck, output_loading_info=True)[1]  # also a standard HF model
+    assert not hf["missing_keys"] and not hf["unexpected_keys"], hf
     _run("resume", out, str(tmp_path / "resumed.pt"))
     full = torch.load(str(tmp_path / "full.pt"))
     resumed = torch.load(str(tmp_path / "resumed.pt"))
