@@ -92,7 +92,7 @@ BUILD_INFO = {
 
 # Same-rounding guarantee between ISA variants: no FMA contraction, no fast-math. No -march:
 # ISA flags are per file (#pragma GCC target in csrc/megatrain/cpu_adam/kernels/adam_<isa>.cpp).
-CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]  # -fopenmp: at::parallel_for is a header template; without it our op runs on one thread
 NVCC_FLAGS = ["-O3", "-gencode", "arch=compute_90,code=sm_90"]
 
 
@@ -138,6 +138,7 @@ def make_extension():
         sources=SOURCES,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": list(CXX_FLAGS)},
+        extra_link_args=["-fopenmp"],
     )
     if WITH_CUDA:
         kwargs["define_macros"] = [("MEGATRAIN_WITH_CUDA", None)]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda
 STEPS = 20
 
 
-def llama_1b(layers: int = 16, hidden: int = 2048, inter: int = 5632, vocab: int = 32000):
+def llama_1b(layers: int = 18, hidden: int = 2048, inter: int = 5632, vocab: int = 32000):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                    num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
                                    max_position_embeddings=4096, tie_word_embeddings=False)

@@ -17,6 +17,7 @@ so autograd sums both contributions before the hook fires).
 from __future__ import annotations
 
 import re
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -346,7 +347,9 @@ class WrappedEngine(Engine):
         for i, o in zip(call.out_tensor_idx, outs):
             out_leaves[i] = o
         self._last_call = call
-        call.saved = outs
+        # Weak references only: a strong one would make a cycle through the autograd graph
+        # (output -> grad_fn -> ctx -> call -> output) that keeps every step's graph alive.
+        call.saved = [weakref.ref(o) for o in outs]
         return tree_unflatten(out_leaves, call.out_spec)
 
     def _assign_block(self, call: _LayerCall, diff) -> None:
@@ -356,7 +359,7 @@ class WrappedEngine(Engine):
         prev = self._last_call
         chained = (prev is not None and prev.block is self._pending_block and self._pending_block is not None
                    and len(self._pending_block.calls) < self.block_k and prev.saved is not None
-                   and len(diff) == len(prev.saved) and all(a is b for a, b in zip(diff, prev.saved)))
+                   and len(diff) == len(prev.saved) and all(a is b() for a, b in zip(diff, prev.saved)))
         if not chained:
             self._pending_block = _Block()
         blk = self._pending_block
@@ -460,7 +463,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megatrain.wrap: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("megatrain.wrap: disable the model's gradient checkpointing first "
                          "(megatrain recomputes layers itself; see activation_policy)")
     if not isinstance(activation_policy, str) or _POLICY_RE.match(activation_policy) is None:
