@@ -19,7 +19,10 @@ def collect() -> dict:
     info["cuda_version_now"] = torch.version.cuda
     info["cuda_usable"] = bool(info["with_cuda"]) and torch.cuda.is_available()
     info["torch_threads"] = torch.get_num_threads()
-    info["memory"] = dict(_C.memory_available())
+    from megatrain.runtime.host_memory import host_memory_limits
+
+    # Python's reading of the same limits: _C.memory_available() crashed on the H200 box (see host_memory.py).
+    info["memory"] = host_memory_limits()
     return info
 
 

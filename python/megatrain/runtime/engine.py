@@ -33,6 +33,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .._loader import load_extension
+from .host_memory import check_host_budget, checked_in_python
 
 _C = load_extension()
 
@@ -172,7 +173,14 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
         tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
-        self.store = _C.HostStore(tables, compute_dtype, True, self.cuda)
+        elem = torch.tensor([], dtype=compute_dtype).element_size()
+        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, True))
+        staging_bytes = staging_buffers * elem * max((sum(-(-e.numel // 64) * 64 for e in u.entries)
+                                                      for u in units), default=0)
+        check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
+                          "host store")
+        with checked_in_python():
+            self.store = _C.HostStore(tables, compute_dtype, True, self.cuda)
         for u in units:
             for e, (_, _, numel, off) in zip(u.entries, self.store.entries(u.index)):
                 assert e.numel == numel, (e.name, e.numel, numel)
@@ -190,8 +198,9 @@ class Engine:
             self.d2h_stream = torch.cuda.Stream(device)
         max_numel = max((u.numel for u in self.layers), default=0)
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
-        for _ in range(staging_buffers if self.layers else 0):
-            self._staging.put(self._host_buffer(max_numel))
+        with checked_in_python():
+            for _ in range(staging_buffers if self.layers else 0):
+                self._staging.put(self._host_buffer(max_numel))
         self._worker = _Worker()
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
                            grad_accum_time_s=0.0, h2d_copies=0, slot_hits=0)
@@ -204,7 +213,8 @@ class Engine:
     # ------------------------------------------------------------------ memory helpers
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:
-            return _C.pinned_empty(numel, self.compute_dtype)
+            with checked_in_python():  # bounded staging, counted in the store's budget check
+                return _C.pinned_empty(numel, self.compute_dtype)
         return torch.empty(numel, dtype=self.compute_dtype)
 
     def section(self, unit: Unit, name: str) -> torch.Tensor:

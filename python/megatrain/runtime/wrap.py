@@ -89,6 +89,12 @@ class _StreamedLayerMixin:
     def forward(self, *args, **kwargs):  # noqa: D401 - replaces the layer's forward
         return self._megatrain_engine.run_layer(self, args, kwargs)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(device) / .cuda() from the HF Trainer or accelerate: a streamed layer owns no
+        # storage (its parameters are meta placeholders) and its buffers are already on the
+        # compute device, so placement is megatrain's and this is a no-op.
+        return self
+
 
 _STREAMED_CLASSES: dict = {}
 

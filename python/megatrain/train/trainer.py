@@ -338,6 +338,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
         eps=t.eps,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm or None,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
