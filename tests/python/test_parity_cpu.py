@@ -24,6 +24,12 @@ def tiny(arch: str, **over):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
                                        tie_word_embeddings=False)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                                         sliding_window=8, tie_word_embeddings=False)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                                       head_dim=8, tie_word_embeddings=False)
     elif arch == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_head=4, n_layer=2, n_positions=64,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
@@ -70,7 +76,7 @@ def check(ref, got):
     assert checked > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
 def test_parity_architectures(arch):
     model = tiny(arch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
