@@ -2,33 +2,10 @@
 
 import math
 import os
-import sys
-import types
 
 import pytest
 
-_PY = os.path.join(os.path.dirname(__file__), "..", "..", "python")
-
-
-def _import_train_package():
-    """Imports megatrain.train; if the compiled extension is not built yet, imports the pure-Python
-    trainer modules without megatrain/__init__ (they do not need the extension)."""
-    if _PY not in sys.path:
-        sys.path.insert(0, os.path.abspath(_PY))
-    try:
-        import megatrain  # noqa: F401
-    except ImportError:
-        for name in [n for n in sys.modules if n == "megatrain" or n.startswith("megatrain.")]:
-            del sys.modules[name]
-        stub = types.ModuleType("megatrain")
-        stub.__path__ = [os.path.abspath(os.path.join(_PY, "megatrain"))]
-        sys.modules["megatrain"] = stub
-    import megatrain.train.config as config
-
-    return config
-
-
-config = _import_train_package()
+import megatrain.train.config as config
 UsageError = config.UsageError
 
 
