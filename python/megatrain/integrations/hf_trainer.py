@@ -28,7 +28,6 @@ the meta placeholders of streamed layers (see docs/hf_trainer.md).
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from typing import Optional
@@ -69,12 +68,11 @@ def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUA
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     mgn = args.max_grad_norm if max_grad_norm is None else max_grad_norm
-    kw = {}
-    if "gradient_accumulation_steps" in inspect.signature(CPUAdamW).parameters:
-        # Without clipping, a layer's update starts during the last micro-batch's backward.
-        kw["gradient_accumulation_steps"] = int(args.gradient_accumulation_steps)
+    # gradient_accumulation_steps: without clipping, a layer's update starts during the last
+    # micro-batch's backward.
     return CPUAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                    weight_decay=args.weight_decay, max_grad_norm=mgn if mgn and mgn > 0 else None, **kw)
+                    weight_decay=args.weight_decay, max_grad_norm=mgn if mgn and mgn > 0 else None,
+                    gradient_accumulation_steps=int(args.gradient_accumulation_steps))
 
 
 class MegatrainCallback(TrainerCallback):
