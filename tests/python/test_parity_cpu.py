@@ -199,6 +199,12 @@ def test_bad_activation_policy_rejected_before_wrapping():
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
 
 
+def test_moe_aux_loss_rejected_with_clear_error():
+    model = tiny("qwen2_moe", output_router_logits=True)
+    with pytest.raises(megatrain.UnsupportedModelError, match="output_router_logits"):
+        megatrain.wrap(model, device="cpu")
+
+
 def test_foreign_parameter_rejected_by_optimizer():
     with pytest.raises(ValueError, match="does not manage"):
         megatrain.optim.CPUAdamW([torch.nn.Parameter(torch.zeros(3))])

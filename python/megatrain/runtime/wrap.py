@@ -479,6 +479,12 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
     cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "output_router_logits", False):
+        # The router logits would be captured from the streamed layers' graph-free forward, so
+        # the auxiliary load-balancing loss would silently get no gradient.
+        raise UnsupportedModelError(
+            f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
+            "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots)
