@@ -87,6 +87,32 @@ py::object optional_int(const std::optional<int64_t>& v) {
   return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
 
+// Python unit tables -> core specs, and the store options shared by HostStore(...) and
+// HostStore.bytes_required(...).
+std::vector<megatrain::host_store::UnitSpec> to_specs(const std::vector<PyUnit>& units) {
+  std::vector<megatrain::host_store::UnitSpec> specs;
+  specs.reserve(units.size());
+  for (const PyUnit& u : units) {
+    megatrain::host_store::UnitSpec spec;
+    for (const auto& [name, shape] : u) spec.push_back({name, shape});
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+HostStoreOptions make_options(at::ScalarType compute_dtype, bool with_grad_accum) {
+  if (compute_dtype != at::kBFloat16 && compute_dtype != at::kFloat) {
+    throw std::invalid_argument(
+        std::string("HostStore: compute_dtype must be torch.bfloat16 or torch.float32, got ") +
+        c10::toString(compute_dtype));
+  }
+  HostStoreOptions o;
+  o.compute_dtype = compute_dtype == at::kBFloat16 ? megatrain::host_store::ComputeDtype::kBFloat16
+                                                   : megatrain::host_store::ComputeDtype::kFloat32;
+  o.with_grad_accum = with_grad_accum;
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -162,23 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostStore, std::shared_ptr<HostStore>>(m, "HostStore")
       .def(py::init([](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                        bool with_grad_accum, bool pin, int64_t memory_limit_bytes) {
-             if (compute_dtype != at::kBFloat16 && compute_dtype != at::kFloat) {
-               throw std::invalid_argument(
-                   std::string("HostStore: compute_dtype must be torch.bfloat16 or torch.float32, got ") +
-                   c10::toString(compute_dtype));
-             }
-             std::vector<megatrain::host_store::UnitSpec> specs;
-             specs.reserve(units.size());
-             for (const PyUnit& u : units) {
-               megatrain::host_store::UnitSpec spec;
-               for (const auto& [name, shape] : u) spec.push_back({name, shape});
-               specs.push_back(std::move(spec));
-             }
-             HostStoreOptions o;
-             o.compute_dtype = compute_dtype == at::kBFloat16
-                                   ? megatrain::host_store::ComputeDtype::kBFloat16
-                                   : megatrain::host_store::ComputeDtype::kFloat32;
-             o.with_grad_accum = with_grad_accum;
+             HostStoreOptions o = make_options(compute_dtype, with_grad_accum);
+             auto specs = to_specs(units);
              o.pin = pin;
              o.memory_limit_bytes = memory_limit_bytes;
              py::gil_scoped_release release;  // page-locking a large arena takes seconds
@@ -241,18 +252,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("bytes_required",
                   [](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                      bool with_grad_accum) {
-                    std::vector<megatrain::host_store::UnitSpec> specs;
-                    for (const PyUnit& u : units) {
-                      megatrain::host_store::UnitSpec spec;
-                      for (const auto& [name, shape] : u) spec.push_back({name, shape});
-                      specs.push_back(std::move(spec));
-                    }
-                    HostStoreOptions o;
-                    o.compute_dtype = compute_dtype == at::kBFloat16
-                                          ? megatrain::host_store::ComputeDtype::kBFloat16
-                                          : megatrain::host_store::ComputeDtype::kFloat32;
-                    o.with_grad_accum = with_grad_accum;
-                    return HostStore::bytes_required(specs, o);
+                    return HostStore::bytes_required(to_specs(units),
+                                                     make_options(compute_dtype, with_grad_accum));
                   },
                   py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
                   "Arena bytes a HostStore with these units would need (nothing allocated).");
