@@ -101,18 +101,26 @@ class _HashingWriter:
         return {"sha256": self.h.hexdigest(), "bytes": self.n}
 
 
-def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None) -> dict:
-    """Write ``[(key, contiguous CPU fp32 tensor)]`` as a safetensors file without copying the data.
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
-    Returns ``{"sha256": ..., "bytes": ...}`` of the file.
+
+def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None,
+                       dtype: torch.dtype = torch.float32) -> dict:
+    """Write ``[(key, contiguous CPU fp32 tensor)]`` as a safetensors file of ``dtype``.
+
+    fp32 is written without copying the data; bf16 converts one tensor at a time (extra memory:
+    the largest tensor). Returns ``{"sha256": ..., "bytes": ...}`` of the file.
     """
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"megatrain: safetensors dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    esize = torch.tensor([], dtype=dtype).element_size()
     header = {}
     off = 0
     for key, t in tensors:
         if t.dtype != torch.float32:
             raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
-        n = t.numel() * 4
-        header[key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + n]}
+        n = t.numel() * esize
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
@@ -123,7 +131,8 @@ def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None
         w.write(struct.pack("<Q", len(hb)))
         w.write(hb)
         for _, t in tensors:
-            w.write(_buffer(t))
+            data = t if dtype == torch.float32 else t.to(dtype).contiguous()  # held while its bytes are written
+            w.write(_buffer(data))
         return w.close()
     except BaseException:
         w.f.close()
@@ -448,13 +457,14 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
 
 
 # ---------------------------------------------------------------------------- HF export, streamed
-def save_pretrained_streamed(model, out_dir: str) -> str:
-    """Write a standard Hugging Face model directory (config + ``model.safetensors``, fp32 master weights).
+def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Write a standard Hugging Face model directory (config + ``model.safetensors``) from the fp32 masters.
 
-    Like :func:`megatrain.export_pretrained`, but the weights are written straight from the host
-    store (no fp32 copy of the model in memory) into ``out_dir``, which may already hold other
-    files (they are kept; ``model.safetensors`` / ``config.json`` are replaced). Tied weights are
-    saved once, under the first name that holds them (as ``save_pretrained`` does).
+    The weights are written straight from the host store (no copy of the model in memory; bf16
+    converts one tensor at a time) into ``out_dir``, which may already hold other files (they are
+    kept; ``model.safetensors`` / ``config.json`` are replaced). Tied weights are saved once,
+    under the first name that holds them (as ``save_pretrained`` does).
+    :func:`megatrain.export_pretrained` is the atomic (temporary directory + rename) form.
     """
     eng = _engine(model)
     eng.flush()
@@ -467,7 +477,7 @@ def save_pretrained_streamed(model, out_dir: str) -> str:
                 persistent.append((f"{mname}.{bname}" if mname else bname, b.detach().to("cpu", torch.float32)
                                    .contiguous()))
     tmp = os.path.join(out_dir, ".model.safetensors.tmp")
-    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt"})
+    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt"}, dtype=dtype)
     os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
     cfg = getattr(model, "config", None)
     if cfg is not None:
@@ -476,7 +486,7 @@ def save_pretrained_streamed(model, out_dir: str) -> str:
         with open(path) as f:
             c = json.load(f)
         c["use_cache"] = True
-        c["dtype"] = "float32"
+        c["dtype"] = str(dtype).replace("torch.", "")
         with open(path, "w") as f:
             json.dump(c, f, indent=2)
     gen = getattr(model, "generation_config", None)

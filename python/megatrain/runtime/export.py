@@ -40,8 +40,10 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
 def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
     """Write ``config.json`` + safetensors weights that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-    The directory is written under a temporary name next to ``out_dir`` and renamed into place,
-    so a crash never leaves a half-written model where the final one is expected.
+    Weights come from the fp32 master copies, streamed from the host store tensor by tensor
+    (extra host memory: one tensor for bf16, none for fp32). The directory is written under a
+    temporary name next to ``out_dir`` and renamed into place, so a crash never leaves a
+    half-written model where the final one is expected.
 
     Args:
         model: a model wrapped by ``megatrain.wrap`` (a ``transformers.PreTrainedModel``).
@@ -50,25 +52,22 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
 
     Returns:
         ``out_dir``.
+
+    Raises:
+        ValueError: the model is not wrapped, or ``dtype`` is neither fp32 nor bf16.
     """
-    if not hasattr(model, "save_pretrained"):
-        raise ValueError("megatrain.export_pretrained: the model has no save_pretrained (not a transformers model)")
-    sd = master_state_dict(model, dtype)
+    from ..checkpoint import save_pretrained_streamed
+
+    if getattr(model, "megatrain", None) is None:
+        raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"megatrain.export_pretrained: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
     try:
-        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        cfg_path = os.path.join(tmp, "config.json")
-        if os.path.exists(cfg_path):
-            import json
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            cfg["use_cache"] = True
-            cfg["dtype"] = str(dtype).replace("torch.", "")
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
+        save_pretrained_streamed(model, tmp, dtype=dtype)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
