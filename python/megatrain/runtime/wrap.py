@@ -17,6 +17,7 @@ so autograd sums both contributions before the hook fires).
 from __future__ import annotations
 
 import re
+import threading
 import weakref
 from typing import List, Optional, Tuple
 
@@ -297,7 +298,7 @@ class WrappedEngine(Engine):
             prev = self._resident_consumed.get(i)
             if prev is not None:
                 prev.wait()  # the worker still reads this entry's staging region from the last backward
-            done = __import__("threading").Event()
+            done = threading.Event()
             self._resident_consumed[i] = done
             self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
         return hook
