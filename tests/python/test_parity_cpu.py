@@ -228,3 +228,33 @@ def test_export_reloads_with_transformers(tmp_path, dtype):
     with torch.no_grad():
         got = re(input_ids=x, labels=x).loss.item()
     assert abs(got - want) <= (1e-5 if dtype == torch.float32 else 2e-2) * abs(want)
+
+
+def test_backward_without_cpu_adamw_is_an_error_not_a_silent_no_op():
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    torch.optim.AdamW([p for p in model.parameters() if p.device.type != "meta"])  # the mistake
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(RuntimeError, match="needs megatrain.optim.CPUAdamW"):
+        model(input_ids=x, labels=x).loss.backward()
+
+
+def test_process_exits_cleanly_after_training(tmp_path):
+    # The CPU worker thread is joined at exit; a daemon thread inside a torch op at interpreter
+    # teardown used to abort the process ("terminate called without an active exception").
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import torch, transformers, megatrain\n"
+        "cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,\n"
+        "    num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=32)\n"
+        "m = megatrain.wrap(transformers.AutoModelForCausalLM.from_config(cfg), device='cpu')\n"
+        "opt = megatrain.optim.CPUAdamW(m.parameters(), max_grad_norm=1.0)\n"
+        "x = torch.randint(0, 64, (2, 16))\n"
+        "for _ in range(3):\n"
+        "    m(input_ids=x, labels=x).loss.backward()\n"
+        "opt.step()\n"
+        "print('done')\n")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-500:])

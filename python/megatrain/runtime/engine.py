@@ -23,10 +23,12 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -107,14 +109,28 @@ class Slot:
         self.free_recorded = False
 
 
+_LIVE_WORKERS: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    # Finish queued work and join the threads before the interpreter tears down: a daemon
+    # thread still inside a torch op at finalization aborts the process ("terminate called
+    # without an active exception").
+    for w in list(_LIVE_WORKERS):
+        w.close()
+
+
 class _Worker:
     """One CPU thread running gradient accumulation and Adam tasks in submission order."""
 
     def __init__(self):
         self._q: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._error: Optional[BaseException] = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="megatrain-cpu-worker", daemon=True)
         self._thread.start()
+        _LIVE_WORKERS.add(self)
 
     def _run(self):
         while True:
@@ -144,8 +160,12 @@ class _Worker:
             raise RuntimeError(f"megatrain CPU worker failed: {err!r}") from err
 
     def close(self) -> None:
+        """Run what is queued, then stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._q.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=60)
 
 
 class Engine:
@@ -354,6 +374,11 @@ class Engine:
         Called on the main thread right after the gradients were produced on the compute stream.
         The worker accumulates them into the store's fp32 ``grad_accum`` section.
         """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "megatrain: backward() on a wrapped model needs megatrain.optim.CPUAdamW(model.parameters(), ...) "
+                "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
+                "only see the layers' meta placeholders and train nothing)")
         own_staging = staging is None
         if own_staging:
             staging = self._staging.get()  # bounded pool: blocks when every buffer is in flight

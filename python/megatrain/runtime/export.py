@@ -32,8 +32,10 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     for name, p in model.named_parameters(remove_duplicate=False):
         u, i = by_id[id(p)]
         sd[name] = eng.entry_view(u, i, "master").to(dtype=dtype, copy=True)
-    for name, b in model.named_buffers():
-        sd[name] = b.detach().to("cpu", copy=True)
+    for mname, mod in model.named_modules():  # persistent buffers only, as model.state_dict()
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                sd[f"{mname}.{bname}" if mname else bname] = b.detach().to("cpu", copy=True)
     return sd
 
 
