@@ -258,3 +258,19 @@ def test_process_exits_cleanly_after_training(tmp_path):
     for _ in range(3):
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stderr[-500:])
+
+
+def test_extra_backward_without_clipping_raises_and_leaks_nothing():
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
+    eng = model.megatrain
+    pool = eng._staging.qsize()
+    x = torch.randint(0, 96, (2, 8))
+    for _ in range(pool + 1):  # more errors than staging buffers: a leak per error would deadlock
+        model(input_ids=x, labels=x).loss.backward()
+        with pytest.raises(RuntimeError, match="more backward passes than gradient_accumulation_steps=1"):
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait()
+    assert eng._staging.qsize() == pool

@@ -109,20 +109,19 @@ class CPUAdamW(torch.optim.Optimizer):
                           float(group["weight_decay"]), int(st["step"].item())))
         return items
 
+    def raise_extra_backward(self):
+        """Raise the error for a backward pass after a unit's update was already queued (no clipping)."""
+        raise RuntimeError(
+            f"megatrain: more backward passes than gradient_accumulation_steps="
+            f"{self.gradient_accumulation_steps} before optimizer.step(); pass the right "
+            "gradient_accumulation_steps to CPUAdamW (or call step() after each accumulation window)")
+
     def plan_eager(self, unit):
         """Called by the engine when ``unit``'s gradients of one backward are handed to D2H.
 
         Returns ``(items, scale)`` when the update can start now (no clipping, a layer unit, the
         last micro-batch), else None.
-
-        Raises:
-            RuntimeError: a backward pass after this unit's update was already queued.
         """
-        if unit.eager_queued:
-            raise RuntimeError(
-                f"megatrain: more backward passes than gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} before optimizer.step(); pass the right "
-                "gradient_accumulation_steps to CPUAdamW (or call step() after each accumulation window)")
         if self.max_grad_norm is not None or unit.kind != "layer":
             return None
         if unit.micro_batches < self.gradient_accumulation_steps:

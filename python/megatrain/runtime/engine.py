@@ -371,14 +371,32 @@ class Engine:
                      on_done: Optional[Callable[[], None]] = None) -> None:
         """Hand weight gradients of ``unit`` (device tensors, one per entry or None) to D2H + the worker.
 
-        Called on the main thread right after the gradients were produced on the compute stream.
-        The worker accumulates them into the store's fp32 ``grad_accum`` section.
+        Called on the thread running backward, right after the gradients were produced on the
+        compute stream. The worker accumulates them into the store's fp32 ``grad_accum`` section,
+        or runs the unit's update when the optimizer plans it now (no clipping, last micro-batch).
+
+        Raises:
+            RuntimeError: no ``CPUAdamW`` was created for the model, or a backward pass came after
+                this unit's update was already queued (checked before anything is changed).
         """
         if self.optimizer is None:
             raise RuntimeError(
                 "megatrain: backward() on a wrapped model needs megatrain.optim.CPUAdamW(model.parameters(), ...) "
                 "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
+        if unit.eager_queued:
+            self.optimizer.raise_extra_backward()  # before anything is mutated or taken from the pool
+        present = [g is not None for g in grads]
+        first_micro = unit.micro_batches == 0
+        unit.micro_batches += 1
+        unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
+        # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
+        plan = self.optimizer.plan_eager(unit)
+        if plan is not None:
+            unit.eager_queued = True
+            unit.update_done.clear()
+            unit.version += 1
+        direct = plan is not None and first_micro  # one micro-batch: Adam reads the staged gradient itself
         own_staging = staging is None
         if own_staging:
             staging = self._staging.get()  # bounded pool: blocks when every buffer is in flight
@@ -406,17 +424,6 @@ class Engine:
                     staging[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
                     nbytes += g.numel() * g.element_size()
         self._stats["d2h_bytes"] += nbytes
-        present = [g is not None for g in grads]
-        first_micro = unit.micro_batches == 0
-        unit.micro_batches += 1
-        unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
-        # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
-        plan = self.optimizer.plan_eager(unit) if self.optimizer is not None else None
-        if plan is not None:
-            unit.eager_queued = True
-            unit.update_done.clear()
-            unit.version += 1
-        direct = plan is not None and first_micro  # one micro-batch: Adam reads the staged gradient itself
 
         def task():
             if ev is not None:
