@@ -274,3 +274,21 @@ def test_extra_backward_without_clipping_raises_and_leaks_nothing():
         opt.zero_grad()
     opt.wait()
     assert eng._staging.qsize() == pool
+
+
+def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):
+    from megatrain.runtime import engine as engine_mod
+
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+
+    class Broken:
+        def grad_accumulate_(self, *a):
+            raise RuntimeError("simulated accumulate failure")
+
+    monkeypatch.setattr(engine_mod, "_C_ops", lambda: Broken())
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(RuntimeError, match="CPU worker failed.*simulated accumulate failure"):
+        for _ in range(3):  # the second backward waits on work the failed worker never finished
+            model(input_ids=x, labels=x).loss.backward()
+        model.megatrain.flush()

@@ -264,8 +264,7 @@ class Engine:
         """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done."""
         if not unit.update_done.is_set():
             t0 = time.perf_counter()
-            while not unit.update_done.wait(timeout=1.0):
-                self._worker.check()
+            self.wait_event(unit.update_done)
             with self._stats_lock:
                 self._stats["adam_exposed_s"] += time.perf_counter() - t0
         self._worker.check()
@@ -399,7 +398,7 @@ class Engine:
         direct = plan is not None and first_micro  # one micro-batch: Adam reads the staged gradient itself
         own_staging = staging is None
         if own_staging:
-            staging = self._staging.get()  # bounded pool: blocks when every buffer is in flight
+            staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
         ev = None
         nbytes = 0
         if self.cuda:
@@ -460,6 +459,19 @@ class Engine:
                 on_done()
 
         self._worker.submit(task)
+
+    def _wait_for(self, get: Callable):
+        """Call a blocking ``get(timeout=...)`` until it succeeds, re-raising a CPU worker failure meanwhile."""
+        while True:
+            try:
+                return get(timeout=1.0)
+            except queue.Empty:
+                self._worker.check()
+
+    def wait_event(self, ev: threading.Event) -> None:
+        """Wait for ``ev`` (set by a worker task), re-raising a CPU worker failure instead of hanging."""
+        while not ev.wait(timeout=1.0):
+            self._worker.check()
 
     def flush(self) -> None:
         """Wait until every submitted gradient has been accumulated and every update applied."""

@@ -297,7 +297,7 @@ class WrappedEngine(Engine):
             grads[i] = g
             prev = self._resident_consumed.get(i)
             if prev is not None:
-                prev.wait()  # the worker still reads this entry's staging region from the last backward
+                self.wait_event(prev)  # the worker still reads this entry's staging region from the last backward
             done = threading.Event()
             self._resident_consumed[i] = done
             self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
