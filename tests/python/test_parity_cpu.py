@@ -222,9 +222,9 @@ def test_export_reloads_with_transformers(tmp_path, dtype):
         want = wrapped(input_ids=x, labels=x).loss.item()
     megatrain.export_pretrained(wrapped, str(tmp_path / "m"), dtype=dtype)
     re = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
+    masters = megatrain.master_state_dict(wrapped)
     for name, p in re.named_parameters():  # the saved weights are the masters, rounded to dtype
-        want_p = megatrain.master_state_dict(wrapped)[name].to(dtype).float()
-        assert torch.equal(p.detach(), want_p), name
+        assert torch.equal(p.detach(), masters[name].to(dtype).float()), name
     with torch.no_grad():
         got = re(input_ids=x, labels=x).loss.item()
     assert abs(got - want) <= (1e-5 if dtype == torch.float32 else 2e-2) * abs(want)
