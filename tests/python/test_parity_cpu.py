@@ -292,3 +292,109 @@ def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):
         for _ in range(3):  # the second backward waits on work the failed worker never finished
             model(input_ids=x, labels=x).loss.backward()
         model.megatrain.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# Direct gradient D2H into the compute section (gradient_accumulation_steps=1): the weights it
+# overwrites must come back whenever something needs them before the update rewrites them.
+# ------------------------------------------------------------------------------------------------
+
+def _script_pair(model, script, *, max_grad_norm=1.0, ga_declared=1, steps=4):
+    """Run ``script`` (a list of ops per step) on plain PyTorch and on megatrain; return both logs.
+
+    Ops: ``"bwd"`` forward + backward of the next micro-batch (loss / micro-batches), ``"eval"``
+    a no-grad forward of a fixed batch (logged), ``"zero"`` zero_grad, ``"step"`` step (+ zero_grad).
+    """
+    g = torch.Generator().manual_seed(3)
+    n_bwd = script.count("bwd")
+    batches = [[torch.randint(0, 96, (2, 12), generator=g) for _ in range(n_bwd)] for _ in range(steps)]
+    probe = torch.randint(0, 96, (2, 12), generator=g)
+
+    def run(m, opt, clip):
+        log = []
+        for micro in batches:
+            it = iter(micro)
+            for op in script:
+                if op == "bwd":
+                    x = next(it)
+                    loss = m(input_ids=x, labels=x).loss / n_bwd
+                    loss.backward()
+                    log.append(("bwd", loss.item()))
+                elif op == "eval":
+                    with torch.no_grad():
+                        log.append(("eval", m(input_ids=probe, labels=probe).loss.item()))
+                elif op == "zero":
+                    opt.zero_grad()
+                elif op == "step":
+                    clip(m)
+                    opt.step()
+                    opt.zero_grad()
+        return log
+
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6,
+                                foreach=False)
+    ref_log = run(ref_model, ref_opt, lambda m: max_grad_norm and torch.nn.utils.clip_grad_norm_(
+        m.parameters(), max_grad_norm))
+    wrapped = megatrain.wrap(model, device="cpu")
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6,
+                                   max_grad_norm=max_grad_norm, gradient_accumulation_steps=ga_declared)
+    got_log = run(wrapped, opt, lambda m: None)
+    ref_params = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    return ref_log, got_log, ref_params, megatrain.master_state_dict(wrapped), wrapped
+
+
+def _check_script(ref_log, got_log, ref_params, got_params):
+    assert [k for k, _ in ref_log] == [k for k, _ in got_log]
+    for (kind, a), (_, b) in zip(ref_log, got_log):
+        assert abs(a - b) <= RTOL * abs(a), (kind, a, b)
+    for name, want in ref_params.items():
+        assert_close_rel(got_params[name], want, RTOL, name)
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_forward_between_backward_and_step_sees_the_old_weights(clip):
+    # With clipping the gradient waits in the compute section for step(); an eval forward in
+    # between must run on the weights (restored from the masters), and the gradient still counts.
+    # Without clipping the update started during backward: the eval forward sees the new weights,
+    # as it would after a plain step() -- so the reference steps before its eval.
+    script = ["bwd", "eval", "step"] if clip else ["bwd", "step", "eval"]
+    ref_log, got_log, ref_p, got_p, wrapped = _script_pair(tiny("llama"), script, max_grad_norm=clip)
+    _check_script(ref_log, got_log, ref_p, got_p)
+
+
+def test_zero_grad_without_step_puts_the_weights_back():
+    ref_log, got_log, ref_p, got_p, wrapped = _script_pair(
+        tiny("llama"), ["bwd", "zero", "eval", "bwd", "step", "eval"])
+    _check_script(ref_log, got_log, ref_p, got_p)
+    eng = wrapped.megatrain
+    eng.flush()
+    for u in eng.layers:  # the compute copy is the masters' again, exactly
+        assert torch.equal(eng.section(u, "compute"), eng.section(u, "master").to(eng.compute_dtype))
+
+
+def test_undeclared_accumulation_with_clipping_still_sums_micro_batches():
+    # CPUAdamW(gradient_accumulation_steps=1) but two backward passes per step: the first one's
+    # gradient went to the compute section; the second moves it to the fp32 accumulator.
+    ref_log, got_log, ref_p, got_p, _ = _script_pair(tiny("qwen2"), ["bwd", "bwd", "step", "eval"])
+    _check_script(ref_log, got_log, ref_p, got_p)
+
+
+def test_worker_runs_gradient_tasks_first_then_updates_by_deadline():
+    import threading
+
+    from megatrain.runtime.engine import _Worker
+
+    w = _Worker()
+    gate = threading.Event()
+    order = []
+    w.submit(gate.wait)  # hold the worker while the queue fills
+    for key in (5, 1, 3):
+        w.submit(lambda k=key: order.append(("update", k)), _Worker.UPDATE, key)
+    w.submit(lambda: order.append(("grad", 0)))
+    w.submit(lambda: order.append(("grad", 1)))
+    gate.set()
+    w.wait_grads()
+    w.drain()
+    w.close()
+    assert order == [("grad", 0), ("grad", 1), ("update", 1), ("update", 3), ("update", 5)]

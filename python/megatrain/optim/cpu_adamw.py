@@ -7,7 +7,6 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..runtime.engine import run_adam
 
 
 def _ref(p: torch.Tensor):
@@ -48,8 +47,12 @@ class CPUAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient L2 norm to this value (None: no clipping).
         gradient_accumulation_steps: backward passes per ``step()``. Without clipping, a layer's
             update starts on the CPU as soon as its gradient from the last of these backward
-            passes has landed, overlapping the rest of backward (DESIGN.md section 4). A further
-            backward before ``step()`` then raises. With clipping the updates wait for ``step()``.
+            passes has landed, overlapping the rest of backward and the next forward (DESIGN.md
+            section 4); a further backward before ``step()`` then raises. With clipping the
+            updates wait for ``step()``. With 1 (the default) a layer's bf16 gradient is copied
+            straight into its compute copy in host memory and read from there by the fused
+            update: no fp32 accumulation pass. More backward passes than declared still sum
+            correctly with clipping (the engine moves the gradient to the fp32 accumulator).
 
     Raises:
         ValueError: a hyperparameter out of range, or a parameter not managed by megatrain.
@@ -144,7 +147,7 @@ class CPUAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         eng = self.engine
-        eng.flush()  # every gradient landed in the fp32 accumulators (and eager updates ran)
+        eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
         pending = [u for u in eng.units if not u.eager_queued]
         scale = 1.0
         if self.max_grad_norm is not None:
@@ -158,8 +161,8 @@ class CPUAdamW(torch.optim.Optimizer):
         # Resident unit first (the next forward needs the embedding first), then layers in forward order.
         for unit in sorted(pending, key=lambda u: (u.kind != "resident", u.index)):
             items = self._items(unit, unit.has_grad)
-            if items:
-                eng.submit_update(unit, _adam_work(eng, unit, items, scale))
+            if items or unit.grads_in_compute:
+                eng.submit_update(unit, items, scale)
         eng.zero_grad()
         return loss
 
@@ -207,6 +210,3 @@ class CPUAdamW(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
 
-
-def _adam_work(eng, unit, items, scale):
-    return lambda: run_adam(eng, unit, items, scale)

@@ -24,6 +24,7 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import queue
 import threading
@@ -86,6 +87,14 @@ class Unit:
     micro_batches: int = 0
     seen_grad: List[bool] = field(default_factory=list)
     eager_queued: bool = False
+    # Main thread only: the store's compute section holds this unit's last gradients (one
+    # micro-batch, D2H'd there directly) instead of its weights, until the update rewrites it.
+    grads_in_compute: bool = False
+
+    @property
+    def update_key(self) -> int:
+        """Position in the next forward (resident unit first): the worker's update priority."""
+        return 0 if self.kind == "resident" else 1 + self.index
 
     def __post_init__(self):
         self.update_done.set()
@@ -122,33 +131,69 @@ def _stop_workers() -> None:
 
 
 class _Worker:
-    """One CPU thread running gradient accumulation and Adam tasks in submission order."""
+    """One CPU thread running gradient tasks and Adam updates, by priority.
+
+    Gradient tasks (D2H waits, accumulation, zero_grad bookkeeping) run first, in submission
+    order: they free pinned staging buffers and are what ``optimizer.step()`` waits for. Update
+    tasks run after them, earliest deadline first: the key is the unit's position in the next
+    forward (resident unit first, then layer 0, 1, ...). During backward the gradients arrive
+    last layer first; when the CPU Adam falls behind, the lowest-index waiting layer (the one the
+    next forward needs soonest) is updated first, and the deep layers' updates overlap the next
+    forward instead of delaying its start.
+    """
+
+    GRAD = 0
+    UPDATE = 1
+    _STOP = 2
 
     def __init__(self):
-        self._q: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._q: "queue.PriorityQueue" = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._tasks: dict = {}
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._cv = threading.Condition()
+        self._grad_pending = 0
         self._thread = threading.Thread(target=self._run, name="megatrain-cpu-worker", daemon=True)
         self._thread.start()
         _LIVE_WORKERS.add(self)
 
     def _run(self):
         while True:
-            task = self._q.get()
-            if task is None:
-                self._q.task_done()
-                return
+            klass, _, seq = self._q.get()
+            task = self._tasks.pop(seq)
             try:
+                if task is None:
+                    return
                 if self._error is None:
                     task()
             except BaseException as e:  # re-raised on the main thread at the next sync point
                 self._error = e
             finally:
+                if klass == self.GRAD:
+                    with self._cv:
+                        self._grad_pending -= 1
+                        self._cv.notify_all()
                 self._q.task_done()
 
-    def submit(self, task: Callable[[], None]) -> None:
+    def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0) -> None:
+        """Queue ``task``: ``klass`` GRAD (FIFO, first) or UPDATE (by ``key``, smallest first)."""
         self.check()
-        self._q.put(task)
+        seq = next(self._seq)
+        self._tasks[seq] = task
+        if klass == self.GRAD:
+            with self._cv:
+                self._grad_pending += 1
+        self._q.put((klass, key if klass == self.UPDATE else 0, seq))
+
+    def wait_grads(self) -> None:
+        """Block until every queued gradient task has run (updates may still be queued)."""
+        with self._cv:
+            while self._grad_pending > 0:
+                self._cv.wait(timeout=1.0)
+                if self._error is not None:
+                    break
+        self.check()
 
     def drain(self) -> None:
         self._q.join()
@@ -164,7 +209,9 @@ class _Worker:
         if self._closed:
             return
         self._closed = True
-        self._q.put(None)
+        seq = next(self._seq)
+        self._tasks[seq] = None
+        self._q.put((self._STOP, 0, seq))
         self._thread.join(timeout=60)
 
 
@@ -272,6 +319,7 @@ class Engine:
     def copy_h2d(self, dst: torch.Tensor, unit: Unit, ready_event=None, free_event=None) -> None:
         """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream)."""
         self.wait_update(unit)
+        self.ensure_weights(unit)
         src = self.section(unit, "compute")
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
@@ -371,34 +419,61 @@ class Engine:
         """Hand weight gradients of ``unit`` (device tensors, one per entry or None) to D2H + the worker.
 
         Called on the thread running backward, right after the gradients were produced on the
-        compute stream. The worker accumulates them into the store's fp32 ``grad_accum`` section,
-        or runs the unit's update when the optimizer plans it now (no clipping, last micro-batch).
+        compute stream. Where they land:
+
+        * *direct* (a layer's first backward since the last step, ``gradient_accumulation_steps``
+          of the optimizer is 1): D2H straight into the unit's compute section in the host store,
+          whose weights are not needed again before the update rewrites them. No staging buffer,
+          no fp32 accumulation pass: the fused Adam reads the bf16 gradient there and writes the
+          new compute copy in place. The squared norms (for clipping) are reduced on the device.
+          If another forward needs the unit before the update, ``ensure_weights`` moves the
+          gradient to the fp32 accumulator and restores the weights.
+        * otherwise: D2H into a pinned staging buffer (bounded pool), and the worker accumulates
+          it into the fp32 ``grad_accum`` section.
+
+        The update is queued now when the optimizer plans it (no clipping, the last micro-batch).
 
         Raises:
             RuntimeError: no ``CPUAdamW`` was created for the model, or a backward pass came after
                 this unit's update was already queued (checked before anything is changed).
         """
-        if self.optimizer is None:
+        opt = self.optimizer
+        if opt is None:
             raise RuntimeError(
                 "megatrain: backward() on a wrapped model needs megatrain.optim.CPUAdamW(model.parameters(), ...) "
                 "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
         if unit.eager_queued:
-            self.optimizer.raise_extra_backward()  # before anything is mutated or taken from the pool
+            opt.raise_extra_backward()  # before anything is mutated or taken from the pool
+        if unit.grads_in_compute:
+            self.ensure_weights(unit)  # a second backward without a forward in between (not expected)
         present = [g is not None for g in grads]
         first_micro = unit.micro_batches == 0
+        direct = (first_micro and unit.kind == "layer" and staging is None
+                  and getattr(opt, "gradient_accumulation_steps", 1) == 1)
         unit.micro_batches += 1
         unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
         # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
-        plan = self.optimizer.plan_eager(unit)
+        plan = opt.plan_eager(unit)
         if plan is not None:
             unit.eager_queued = True
             unit.update_done.clear()
             unit.version += 1
-        direct = plan is not None and first_micro  # one micro-batch: Adam reads the staged gradient itself
-        own_staging = staging is None
-        if own_staging:
-            staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
+        need_norm = direct and plan is None and getattr(opt, "max_grad_norm", None) is not None
+        own_staging = staging is None and not direct
+        if direct:
+            dst = self.section(unit, "compute")
+            unit.grads_in_compute = True
+        else:
+            if own_staging:
+                staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
+            dst = staging
+        norms = None
+        if need_norm:
+            idx = [i for i, p in enumerate(present) if p]
+            with torch.no_grad():
+                dev_norms = torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64) for i in idx]) \
+                    if idx else None
         ev = None
         nbytes = 0
         if self.cuda:
@@ -411,54 +486,112 @@ class Engine:
                 end = self._timed("d2h", self.d2h_stream)
                 for e, g in zip(unit.entries, grads):
                     if g is not None:
-                        staging[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=True)
+                        dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=True)
                         g.record_stream(self.d2h_stream)
                         nbytes += g.numel() * g.element_size()
+                if need_norm and dev_norms is not None:
+                    norms = torch.empty(dev_norms.shape, dtype=dev_norms.dtype, pin_memory=True)
+                    norms.copy_(dev_norms, non_blocking=True)
+                    dev_norms.record_stream(self.d2h_stream)
                 end.record(self.d2h_stream)
                 ev = torch.cuda.Event()
                 ev.record(self.d2h_stream)
         else:
             for e, g in zip(unit.entries, grads):
                 if g is not None:
-                    staging[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
+                    dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
                     nbytes += g.numel() * g.element_size()
+            if need_norm and dev_norms is not None:
+                norms = dev_norms
         self._stats["d2h_bytes"] += nbytes
 
-        def task():
+        def grad_task():
             if ev is not None:
                 ev.synchronize()
             t0 = time.perf_counter()
-            try:
-                if not direct:
-                    for i, e in enumerate(unit.entries):
-                        if not present[i]:
-                            continue
-                        acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                        sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel],
-                                                       not unit.has_grad[i])
-                        unit.grad_sq[i] = float(sq)
-                        unit.has_grad[i] = True
-                t1 = time.perf_counter()
-                if plan is not None:
-                    items, scale = plan
-                    src = (lambda i: staging[unit.entries[i].offset:unit.entries[i].offset + unit.entries[i].numel]) \
-                        if direct else None
-                    run_adam(self, unit, items, scale, src)
-                    unit.has_grad = [False] * len(unit.entries)
-                    unit.grad_sq = [0.0] * len(unit.entries)
-            finally:
-                if plan is not None:
-                    unit.update_done.set()
-            t2 = time.perf_counter()
+            if direct:
+                if norms is not None:
+                    for k, i in enumerate(i for i, p in enumerate(present) if p):
+                        unit.grad_sq[i] = float(norms[k]) ** 2
+                for i, p in enumerate(present):
+                    unit.has_grad[i] = unit.has_grad[i] or p
+            else:
+                for i, e in enumerate(unit.entries):
+                    if not present[i]:
+                        continue
+                    acc = self.entry_view(unit, i, "grad_accum").view(-1)
+                    sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
+                    unit.grad_sq[i] = float(sq)
+                    unit.has_grad[i] = True
             with self._stats_lock:
-                self._stats["grad_accum_time_s"] += t1 - t0
-                self._stats["adam_time_s"] += t2 - t1
+                self._stats["grad_accum_time_s"] += time.perf_counter() - t0
             if own_staging:
                 self._staging.put(staging)
             if on_done is not None:
                 on_done()
 
+        self._worker.submit(grad_task)
+        if plan is not None:
+            items, scale = plan
+            unit.grads_in_compute = False  # the update below rewrites the compute section
+            self._submit_adam(unit, items, scale, from_compute=direct, present=present)
+
+    def _submit_adam(self, unit: Unit, items, scale: float, from_compute: bool, present=None) -> None:
+        """Queue ``unit``'s fused AdamW (worker, by deadline); ``update_done`` is set when it ran.
+
+        ``from_compute``: the gradient is the bf16 one in the compute section (direct D2H); entries
+        that got a gradient there but are not updated (not in this optimizer) get their weights back.
+        """
+        restore = []
+        if from_compute:
+            updated = {it[0] for it in items}
+            restore = [i for i, p in enumerate(present or unit.has_grad) if p and i not in updated]
+
+        def task():
+            t0 = time.perf_counter()
+            try:
+                src = None
+                if from_compute:
+                    src = lambda i: self.entry_view(unit, i, "compute").view(-1)  # noqa: E731
+                run_adam(self, unit, items, scale, src)
+                for i in restore:
+                    self.entry_view(unit, i, "compute").copy_(self.entry_view(unit, i, "master"))
+                unit.has_grad = [False] * len(unit.entries)
+                unit.grad_sq = [0.0] * len(unit.entries)
+            finally:
+                unit.update_done.set()
+                with self._stats_lock:
+                    self._stats["adam_time_s"] += time.perf_counter() - t0
+
+        self._worker.submit(task, _Worker.UPDATE, unit.update_key)
+
+    def ensure_weights(self, unit: Unit) -> None:
+        """Make ``unit``'s compute section hold weights again (main thread; waits).
+
+        Needed when a unit whose last gradient sits in its compute section (direct D2H) is loaded
+        before the optimizer stepped: a forward between backward and ``step()``, or gradient
+        accumulation the optimizer was not told about. The gradient moves to the fp32 accumulator
+        (it still counts) and the compute copy is rewritten from the fp32 master weights.
+        """
+        if not unit.grads_in_compute:
+            return
+        unit.grads_in_compute = False
+        done = threading.Event()
+
+        def task():
+            try:
+                for i, e in enumerate(unit.entries):
+                    comp = self.entry_view(unit, i, "compute")
+                    if unit.has_grad[i]:
+                        acc = self.entry_view(unit, i, "grad_accum").view(-1)
+                        unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp.view(-1), True))
+                    comp.copy_(self.entry_view(unit, i, "master"))
+            finally:
+                done.set()
+
         self._worker.submit(task)
+        self.wait_event(done)
+        self._worker.check()
 
     def _wait_for(self, get: Callable):
         """Call a blocking ``get(timeout=...)`` until it succeeds, re-raising a CPU worker failure meanwhile."""
@@ -480,36 +613,49 @@ class Engine:
         with self._stats_lock:
             self._stats["adam_exposed_s"] += time.perf_counter() - t0
 
+    def wait_grads(self) -> None:
+        """Wait until every submitted gradient has landed (D2H done, accumulated, norms known).
+
+        Updates already queued (eager ones) may still be running: loads wait for them per unit.
+        """
+        t0 = time.perf_counter()
+        self._worker.wait_grads()
+        with self._stats_lock:
+            self._stats["adam_exposed_s"] += time.perf_counter() - t0
+
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators)."""
+        restore = [u for u in self.units if u.grads_in_compute]
         for u in self.units:
             u.micro_batches = 0
             u.seen_grad = [False] * len(u.entries)
             u.eager_queued = False
+            u.grads_in_compute = False
+        for u in restore:  # gradients D2H'd into the compute section and never used: weights back
+            u.update_done.clear()
 
         def task():
-            for u in self.units:
-                u.has_grad = [False] * len(u.entries)
-                u.grad_sq = [0.0] * len(u.entries)
+            try:
+                for u in self.units:
+                    u.has_grad = [False] * len(u.entries)
+                    u.grad_sq = [0.0] * len(u.entries)
+                for u in restore:
+                    self.section(u, "compute").copy_(self.section(u, "master"))
+            finally:
+                for u in restore:
+                    u.update_done.set()
         self._worker.submit(task)
 
-    def submit_update(self, unit: Unit, work: Callable[[], None]) -> None:
-        """Run ``work`` (the Adam update of ``unit``) on the worker; bump the unit's version after it."""
+    def submit_update(self, unit: Unit, items, scale: float) -> None:
+        """Queue ``unit``'s AdamW update (worker, by deadline); bump the unit's version now.
+
+        The gradient is the fp32 accumulator, or the compute section after a direct D2H.
+        """
         unit.update_done.clear()
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
-
-        def task():
-            t0 = time.perf_counter()
-            try:
-                work()
-                unit.has_grad = [False] * len(unit.entries)
-                unit.grad_sq = [0.0] * len(unit.entries)
-            finally:
-                unit.update_done.set()
-                with self._stats_lock:
-                    self._stats["adam_time_s"] += time.perf_counter() - t0
-
-        self._worker.submit(task)
+        from_compute = unit.grads_in_compute
+        unit.grads_in_compute = False
+        self._submit_adam(unit, items, scale, from_compute=from_compute)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
