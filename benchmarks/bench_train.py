@@ -171,18 +171,40 @@ def _device_sync(device):
 # one function per system: (spec) -> partial row (timing, settings, extras)
 # ----------------------------------------------------------------------------------------------
 
+def megatrain_variant(name: str) -> dict:
+    """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
+    (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward).
+
+    Raises:
+        ValueError: an unknown key or a malformed option.
+    """
+    base, _, rest = name.partition(":")
+    opts = {}
+    for kv in filter(None, rest.split(",")):
+        k, sep, v = kv.partition("=")
+        if not sep or k not in ("slots", "policy", "overlap"):
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: use slots=N, policy=P, overlap=0|1")
+        opts[k] = v
+    return opts
+
+
 def run_megatrain(spec):
     import torch
+    opts = megatrain_variant(spec["system"])
+    if "overlap" in opts:
+        os.environ["MEGATRAIN_OVERLAP"] = opts["overlap"]
     import megatrain
     dev = spec["device"]
-    policy = spec["mt_policy"]
+    policy = opts.get("policy", spec["mt_policy"])
+    slots = int(opts.get("slots", 2))
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
-    settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=2,
+    settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
+                    overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"])
     n_params = sum(p.numel() for p in model.parameters())
-    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy)
+    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, num_slots=slots)
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                                    weight_decay=OPT["weight_decay"], max_grad_norm=None)
@@ -378,9 +400,9 @@ def child_main(spec: dict) -> None:
     import torch
     name = spec["system"]
     row = dict(system=name, status="ok")
-    fn = {"megatrain": run_megatrain, "torch_ckpt": lambda s: run_torch(s, True),
+    fn = {"torch_ckpt": lambda s: run_torch(s, True),
           "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
-          "deepspeed_zero3": run_deepspeed, "matmul": run_matmul}[name]
+          "deepspeed_zero3": run_deepspeed, "matmul": run_matmul}.get(name, run_megatrain)
     try:
         row.update(fn(spec))
     except torch.OutOfMemoryError as e:
@@ -514,7 +536,7 @@ def ratios(rows: list) -> list:
     if mt is None:
         return out
     for r in rows:
-        if r["system"] == "megatrain" or r.get("status") != "ok":
+        if r["system"] == "megatrain" or r.get("status") != "ok":  # variants: the "before" of a ratio
             continue
         gpu = (mt["gpu_peak_gib"] / r["gpu_peak_gib"]) if mt.get("gpu_peak_gib") and r.get("gpu_peak_gib") else None
         out.append(dict(peer=r["system"], throughput_ratio=mt["tokens_per_s"] / r["tokens_per_s"],
@@ -570,6 +592,19 @@ def plot_sweep(rows: list, path: str, xkey: str, xlabel: str, title: str) -> Non
     plt.close(fig)
 
 
+def system_name(text: str) -> str:
+    """argparse type: a peer name, or ``megatrain[:options]`` (checked by ``megatrain_variant``)."""
+    if text in SYSTEMS:
+        return text
+    if text.startswith("megatrain:"):
+        try:
+            megatrain_variant(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+        return text
+    raise argparse.ArgumentTypeError(f"unknown system {text!r}: choose from {', '.join(SYSTEMS)} or megatrain:OPTIONS")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -580,8 +615,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, help="sequence length (preset default: 4096; tiny: 128)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
-                    help="default: all (sweeps: megatrain torch_ckpt / megatrain)")
+    ap.add_argument("--systems", nargs="+", type=system_name, default=None,
+                    help="default: all (sweeps: megatrain torch_ckpt / megatrain); "
+                         f"one of {', '.join(SYSTEMS)}, or a megatrain variant such as "
+                         "megatrain:slots=3 / megatrain:overlap=0 / megatrain:policy=block:2")
     ap.add_argument("--mt-policy", default="recompute", help="megatrain activation_policy: recompute | block:K")
     ap.add_argument("--dtype", choices=["bf16", "fp32"],
                     help="compute dtype of megatrain / autocast of torch_* (default: bf16 on cuda, fp32 on cpu, "

@@ -235,6 +235,7 @@ class Engine:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.units = units
+        self.num_slots = num_slots
         self.layers = [u for u in units if u.kind == "layer"]
         self.device = device
         self.compute_dtype = compute_dtype
@@ -254,6 +255,9 @@ class Engine:
                 e.offset = off
             u.numel = self.store.unit_numel(u.index)
         self.debug = _debug_races()
+        # MEGATRAIN_OVERLAP=0 (benchmarks' "before"): updates in submission order and step()
+        # waits for all of them, so no update overlaps the next forward.
+        self.overlap = os.environ.get("MEGATRAIN_OVERLAP", "1") != "0"
         # Device slots, per layer template.
         self.slots: dict = {}
         for u in self.layers:
@@ -345,8 +349,8 @@ class Engine:
                 return s
         return None
 
-    def _load(self, unit: Unit, protect: Optional[Slot] = None) -> Optional[Slot]:
-        free = [s for s in self.slots[unit.template] if s.in_use == 0 and s is not protect]
+    def _load(self, unit: Unit, protect=()) -> Optional[Slot]:
+        free = [s for s in self.slots[unit.template] if s.in_use == 0 and all(s is not p for p in protect)]
         if not free:
             return None
         slot = min(free, key=lambda s: s.last_use)
@@ -374,11 +378,19 @@ class Engine:
         slot.last_use = self._use_clock
         return slot
 
-    def prefetch(self, unit: Optional[Unit], current: Optional[Slot] = None) -> None:
-        """Start loading ``unit`` into a free slot (no-op if it is already resident or none is free)."""
-        if unit is None or self._find_slot(unit) is not None:
-            return
-        self._load(unit, protect=current)
+    def prefetch(self, unit: Optional[Unit], current=()) -> Optional[Slot]:
+        """Start loading ``unit`` into a free slot, sparing the slots in ``current``.
+
+        Returns the slot that holds (or will hold) ``unit``, or None if no slot was free.
+        """
+        if unit is None:
+            return None
+        slot = self._find_slot(unit)
+        if slot is not None:
+            return slot
+        if isinstance(current, Slot):
+            current = (current,)
+        return self._load(unit, protect=current)
 
     def release(self, slot: Slot) -> None:
         """Mark the compute stream's use of ``slot`` finished (records ``buffer_free``)."""
@@ -563,7 +575,7 @@ class Engine:
                 with self._stats_lock:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
-        self._worker.submit(task, _Worker.UPDATE, unit.update_key)
+        self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key)
 
     def ensure_weights(self, unit: Unit) -> None:
         """Make ``unit``'s compute section hold weights again (main thread; waits).
@@ -618,6 +630,8 @@ class Engine:
 
         Updates already queued (eager ones) may still be running: loads wait for them per unit.
         """
+        if not self.overlap:
+            return self.flush()
         t0 = time.perf_counter()
         self._worker.wait_grads()
         with self._stats_lock:

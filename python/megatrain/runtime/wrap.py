@@ -318,7 +318,16 @@ class WrappedEngine(Engine):
         unit = call.unit
         slot = self.acquire(unit)
         try:
-            self.prefetch(self._neighbour(unit, prefetch_step), current=slot)
+            # Prefetch depth = num_slots - 1: with 3 slots, forward loads i+1 and i+2 while i runs.
+            protect = [slot]
+            for d in range(1, self.num_slots):
+                nxt = self._neighbour(unit, prefetch_step * d)
+                if nxt is None:
+                    break
+                got = self.prefetch(nxt, current=protect)
+                if got is None:
+                    break
+                protect.append(got)
             bound = self.bind(unit, slot.buf, requires_grad=grad)
             try:
                 args, kwargs = call.args_with(diff_inputs)
@@ -448,7 +457,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``torch.bfloat16`` (default on CUDA) or ``torch.float32`` (default on CPU; exact parity).
         activation_policy: ``"recompute"`` (save each layer input, recompute the layer in backward)
             or ``"block:K"`` (save every K-th layer input, recompute the block).
-        num_slots: device slots per layer shape (>= 2 lets forward prefetch layer ``i+1``).
+        num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
+            loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
