@@ -24,6 +24,7 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import os
 import queue
@@ -130,74 +131,115 @@ def _stop_workers() -> None:
         w.close()
 
 
-class _Worker:
-    """One CPU thread running gradient tasks and Adam updates, by priority.
+class _Task:
+    __slots__ = ("klass", "key", "seq", "fn", "ready")
 
-    Gradient tasks (D2H waits, accumulation, zero_grad bookkeeping) run first, in submission
-    order: they free pinned staging buffers and are what ``optimizer.step()`` waits for. Update
-    tasks run after them, earliest deadline first: the key is the unit's position in the next
+    def __init__(self, klass, key, seq, fn, ready):
+        self.klass, self.key, self.seq, self.fn, self.ready = klass, key, seq, fn, ready
+
+    def is_ready(self) -> bool:
+        return self.ready is None or bool(self.ready())
+
+
+class _Worker:
+    """One CPU thread running gradient tasks and Adam updates, by priority and readiness.
+
+    Gradient tasks (D2H waits, accumulation, zero_grad bookkeeping) run in submission order and
+    before updates: they free pinned staging buffers and are what ``optimizer.step()`` waits
+    for. Update tasks run earliest deadline first: the key is the unit's position in the next
     forward (resident unit first, then layer 0, 1, ...). During backward the gradients arrive
     last layer first; when the CPU Adam falls behind, the lowest-index waiting layer (the one the
     next forward needs soonest) is updated first, and the deep layers' updates overlap the next
     forward instead of delaying its start.
+
+    A task may carry a readiness test (a CUDA event's ``query``, or "this unit's gradient task
+    ran"). While the oldest gradient task is still waiting for its D2H copy, a ready update runs
+    instead of blocking the thread on that copy (otherwise a main thread that runs ahead of the
+    GPU would queue every layer's gradient task first and no update would overlap backward).
     """
 
     GRAD = 0
     UPDATE = 1
-    _STOP = 2
 
     def __init__(self):
-        self._q: "queue.PriorityQueue" = queue.PriorityQueue()
+        self._grads: "collections.deque[_Task]" = collections.deque()
+        self._updates: List[_Task] = []
         self._seq = itertools.count()
-        self._tasks: dict = {}
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._stop = False
         self._cv = threading.Condition()
         self._grad_pending = 0
+        self._unfinished = 0
         self._thread = threading.Thread(target=self._run, name="megatrain-cpu-worker", daemon=True)
         self._thread.start()
         _LIVE_WORKERS.add(self)
 
+    def _pick(self) -> Optional[_Task]:
+        """Next task (called with the lock held, some task queued)."""
+        if self._grads and self._grads[0].is_ready():
+            return self._grads.popleft()
+        ready = [t for t in self._updates if t.is_ready()] if self._updates else []
+        if ready:
+            t = min(ready, key=lambda t: (t.key, t.seq))
+            self._updates.remove(t)
+            return t
+        if self._grads:
+            return self._grads.popleft()  # blocks on its copy: no later work can be ready before it
+        t = min(self._updates, key=lambda t: (t.key, t.seq))
+        self._updates.remove(t)
+        return t
+
     def _run(self):
         while True:
-            klass, _, seq = self._q.get()
-            task = self._tasks.pop(seq)
+            with self._cv:
+                while not self._grads and not self._updates:
+                    if self._stop:
+                        return
+                    self._cv.wait()
+                task = self._pick()
             try:
-                if task is None:
-                    return
                 if self._error is None:
-                    task()
+                    task.fn()
             except BaseException as e:  # re-raised on the main thread at the next sync point
                 self._error = e
             finally:
-                if klass == self.GRAD:
-                    with self._cv:
+                with self._cv:
+                    self._unfinished -= 1
+                    if task.klass == self.GRAD:
                         self._grad_pending -= 1
-                        self._cv.notify_all()
-                self._q.task_done()
+                    self._cv.notify_all()
 
-    def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0) -> None:
-        """Queue ``task``: ``klass`` GRAD (FIFO, first) or UPDATE (by ``key``, smallest first)."""
+    def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0,
+               ready: Optional[Callable[[], bool]] = None) -> None:
+        """Queue ``task``: ``klass`` GRAD (FIFO, first) or UPDATE (by ``key``, smallest first).
+
+        ``ready``: a non-blocking test; the task is preferred only once it returns True.
+        """
         self.check()
-        seq = next(self._seq)
-        self._tasks[seq] = task
-        if klass == self.GRAD:
-            with self._cv:
+        t = _Task(klass, key, next(self._seq), task, ready)
+        with self._cv:
+            self._unfinished += 1
+            if klass == self.GRAD:
                 self._grad_pending += 1
-        self._q.put((klass, key if klass == self.UPDATE else 0, seq))
+                self._grads.append(t)
+            else:
+                self._updates.append(t)
+            self._cv.notify_all()
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        with self._cv:
+            while not done() and self._error is None:
+                self._cv.wait(timeout=1.0)
+        self.check()
 
     def wait_grads(self) -> None:
         """Block until every queued gradient task has run (updates may still be queued)."""
-        with self._cv:
-            while self._grad_pending > 0:
-                self._cv.wait(timeout=1.0)
-                if self._error is not None:
-                    break
-        self.check()
+        self._wait(lambda: self._grad_pending == 0)
 
     def drain(self) -> None:
-        self._q.join()
-        self.check()
+        """Block until every queued task has run."""
+        self._wait(lambda: self._unfinished == 0)
 
     def check(self) -> None:
         if self._error is not None:
@@ -209,9 +251,9 @@ class _Worker:
         if self._closed:
             return
         self._closed = True
-        seq = next(self._seq)
-        self._tasks[seq] = None
-        self._q.put((self._STOP, 0, seq))
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
         self._thread.join(timeout=60)
 
 
@@ -542,17 +584,27 @@ class Engine:
             if on_done is not None:
                 on_done()
 
-        self._worker.submit(grad_task)
+        grad_done = threading.Event()
+
+        def grad_task_and_signal():
+            try:
+                grad_task()
+            finally:
+                grad_done.set()
+
+        self._worker.submit(grad_task_and_signal, ready=ev.query if ev is not None else None)
         if plan is not None:
             items, scale = plan
             unit.grads_in_compute = False  # the update below rewrites the compute section
-            self._submit_adam(unit, items, scale, from_compute=direct, present=present)
+            self._submit_adam(unit, items, scale, from_compute=direct, present=present, after=grad_done)
 
-    def _submit_adam(self, unit: Unit, items, scale: float, from_compute: bool, present=None) -> None:
+    def _submit_adam(self, unit: Unit, items, scale: float, from_compute: bool, present=None,
+                     after: Optional[threading.Event] = None) -> None:
         """Queue ``unit``'s fused AdamW (worker, by deadline); ``update_done`` is set when it ran.
 
         ``from_compute``: the gradient is the bf16 one in the compute section (direct D2H); entries
         that got a gradient there but are not updated (not in this optimizer) get their weights back.
+        ``after``: set when the unit's gradient task ran (the update is not started before).
         """
         restore = []
         if from_compute:
@@ -575,7 +627,8 @@ class Engine:
                 with self._stats_lock:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
-        self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key)
+        self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
+                            ready=after.is_set if after is not None else None)
 
     def ensure_weights(self, unit: Unit) -> None:
         """Make ``unit``'s compute section hold weights again (main thread; waits).
