@@ -160,6 +160,70 @@ def test_trainer_parity_with_plain_trainer(tmp_path, max_grad_norm):
         assert torch.equal(v, sd[k]), k
 
 
+def _plain_trainer(out, model, max_grad_norm=1.0, **kw):
+    """The plain ``transformers.Trainer`` recipe: CPUAdamW clips, MegatrainCallback logs and checks."""
+    from megatrain.integrations import MegatrainCallback, create_optimizer
+    from transformers import Trainer
+
+    args = _args(out, max_grad_norm=0.0, **kw)
+    return Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                   optimizers=(create_optimizer(model, args, max_grad_norm=max_grad_norm), None))
+
+
+@pytest.mark.parametrize("device_placement,max_grad_norm", [(True, 1.0), (False, 0.0)],
+                         ids=["accelerate-default-clip", "placement-off-noclip-eager"])
+def test_plain_trainer_with_callback_trains_like_megatrain_trainer(tmp_path, device_placement, max_grad_norm):
+    """A plain Trainer + MegatrainCallback + create_optimizer trains exactly like MegatrainTrainer
+    (same micro-batch losses, logs and parameters, bit for bit on the CPU); it cannot save a model."""
+    import megatrain
+
+    ref, ref_rec, _ = _megatrain_trainer(str(tmp_path / "mt"), max_grad_norm=max_grad_norm)
+    ref.train()
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    rec = _LossRecorder(model)
+    tr = _plain_trainer(str(tmp_path / "plain"), model, max_grad_norm=max_grad_norm)
+    tr.accelerator.device_placement = device_placement  # only matters on CUDA (see the cuda test)
+    tr.train()
+
+    assert len(rec.losses) == len(ref_rec.losses) == STEPS * 2
+    assert rec.losses == ref_rec.losses
+    ref_sd, sd = megatrain.master_state_dict(ref.model), megatrain.master_state_dict(model)
+    assert ref_sd.keys() == sd.keys()
+    for k, v in ref_sd.items():
+        assert torch.equal(v, sd[k]), k
+    ref_logs = [h for h in ref.state.log_history if "loss" in h]
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert len(logs) == len(ref_logs) == STEPS
+    for a, b in zip(ref_logs, logs):
+        assert b["loss"] == a["loss"] and b["learning_rate"] == a["learning_rate"]
+        # grad_norm: CPUAdamW's pre-clip norm (the callback replaces the Trainer's figure, which saw
+        # only placeholders); none without clipping (eager updates compute no global norm).
+        assert b.get("grad_norm") == a.get("grad_norm")
+        assert ("grad_norm" in b) == bool(max_grad_norm)
+        assert b["megatrain/tokens_per_s"] > 0 and "megatrain/host_store_gib" in b
+    if max_grad_norm:
+        assert any(h["grad_norm"] > 1.0 for h in logs), "clipping was not exercised"
+    assert tr.evaluate(_dataset(8))["eval_loss"] == ref.evaluate(_dataset(8))["eval_loss"]
+    # Saving is MegatrainTrainer's: the plain Trainer's save_pretrained reads the streamed layers'
+    # meta placeholders (NotImplementedError: Cannot copy out of meta tensor).
+    with pytest.raises(Exception):
+        tr.save_model(str(tmp_path / "final"))
+
+
+def test_plain_trainer_refuses_trainer_side_clipping(tmp_path):
+    import megatrain
+    from megatrain.integrations import MegatrainCallback, create_optimizer
+    from transformers import Trainer
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    args = _args(str(tmp_path / "plain"), max_grad_norm=1.0)
+    tr = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                 optimizers=(create_optimizer(model, args), None))
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        tr.train()
+
+
 def _run(*args):
     e = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=600, env=e)
@@ -214,6 +278,41 @@ def test_trainer_cuda_bf16_trains_saves_resumes(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+
+
+@pytest.mark.cuda
+def test_plain_trainer_cuda_bf16(tmp_path):
+    """The plain Trainer recipe on the GPU: refused while accelerate would copy the optimizer state to
+    the GPU (device_placement); with it off, trains like MegatrainTrainer and the step counters stay
+    on the CPU."""
+    import megatrain
+    from megatrain.integrations import MegatrainTrainer
+
+    def wrapped():
+        return megatrain.wrap(_model(), device="cuda")
+
+    ref_model = wrapped()
+    ref_rec = _LossRecorder(ref_model)
+    MegatrainTrainer(model=ref_model, args=_args(str(tmp_path / "mt"), use_cpu=False),
+                     train_dataset=_dataset()).train()
+
+    tr = _plain_trainer(str(tmp_path / "p1"), wrapped(), use_cpu=False)
+    with pytest.raises(ValueError, match="device_placement"):
+        tr.train()
+
+    model = wrapped()
+    rec = _LossRecorder(model)
+    tr = _plain_trainer(str(tmp_path / "p2"), model, use_cpu=False)
+    tr.accelerator.device_placement = False
+    tr.train()
+    print(f"\nMegatrainTrainer {ref_rec.losses}\nplain Trainer    {rec.losses}\nbit-exact: {ref_rec.losses == rec.losses}")
+    assert len(rec.losses) == len(ref_rec.losses) == STEPS * 2
+    for a, b in zip(ref_rec.losses, rec.losses):
+        assert abs(a - b) <= 1e-2 * abs(a)
+    opt = megatrain.integrations.hf_trainer._unwrap_optimizer(tr.optimizer)
+    assert all(st["step"].device.type == "cpu" for st in opt.state.values())
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert all(h.get("megatrain/h2d_gbps", 0) > 0 for h in logs), logs[-1]
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ Two changed lines in a Trainer script::
 * adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
   :class:`MegatrainCallback`.
 
-A plain ``Trainer`` cannot train a wrapped model yet: it calls ``model.to(device)``, which fails on
-the meta placeholders of streamed layers (see docs/hf_trainer.md).
+A plain ``Trainer`` also trains a wrapped model, given ``optimizers=(create_optimizer(model, args,
+max_grad_norm=...), None)``, ``max_grad_norm=0`` in its TrainingArguments,
+``callbacks=[MegatrainCallback()]`` and, on CUDA, ``trainer.accelerator.device_placement = False``;
+it cannot save or resume (``save_model`` / checkpoints go through ``save_pretrained`` and
+``optimizer.pt``): see docs/hf_trainer.md.
 """
 
 from __future__ import annotations
@@ -54,6 +57,15 @@ def _unwrap_optimizer(opt):
     return opt
 
 
+def _device_placed(opt) -> bool:
+    """True when an accelerate wrapper in ``opt``'s chain moved the optimizer state to the device."""
+    while opt is not None and not isinstance(opt, CPUAdamW):
+        if getattr(opt, "device_placement", False):
+            return True
+        opt = getattr(opt, "optimizer", None)
+    return False
+
+
 def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUAdamW:
     """``CPUAdamW`` configured like the Trainer's default AdamW from ``TrainingArguments``.
 
@@ -78,12 +90,18 @@ def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUA
 class MegatrainCallback(TrainerCallback):
     """Adds megatrain's figures to the Trainer's log records and checks the set-up at train start.
 
+    ``MegatrainTrainer`` adds it itself. With a plain ``Trainer`` (training only: no save / resume),
+    pass it in ``callbacks`` with ``optimizers=(create_optimizer(model, args, max_grad_norm=...),
+    None)`` and ``max_grad_norm=0`` in the TrainingArguments; on CUDA also set
+    ``trainer.accelerator.device_placement = False`` before ``train()``. It checks both at train start.
+
     Keys added to each log record (window = since the previous log record):
     ``megatrain/tokens_per_s`` (training input tokens / wall second), ``megatrain/h2d_gbps``
     (achieved host-to-device rate while copying; CUDA only), ``megatrain/h2d_gb``, ``megatrain/d2h_gb``,
     ``megatrain/adam_exposed_s`` (CPU Adam time the forward waited for), ``megatrain/host_rss_gib``,
-    ``megatrain/host_store_gib``, and ``grad_norm`` (pre-clip global norm from CPUAdamW) when the
-    Trainer did not log one.
+    ``megatrain/host_store_gib``, and ``grad_norm``: CPUAdamW's pre-clip global norm (with clipping),
+    replacing any figure the Trainer computed over the streamed layers' meta placeholders (dropped
+    without clipping).
     """
 
     def __init__(self):
@@ -140,8 +158,13 @@ class MegatrainCallback(TrainerCallback):
             return
         logs.update(self.metrics())
         opt = self._optimizer
-        if logs.get("grad_norm") is None and opt is not None and opt.last_grad_norm is not None:
+        # A Trainer's own grad_norm (recent transformers compute one even with max_grad_norm=0) only
+        # saw the meta placeholders of streamed layers: replace it with CPUAdamW's pre-clip global
+        # norm, or drop it where CPUAdamW computes none (no clipping: eager per-layer updates).
+        if opt is not None and opt.last_grad_norm is not None:
             logs["grad_norm"] = float(opt.last_grad_norm)
+        else:
+            logs.pop("grad_norm", None)
 
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -155,6 +178,13 @@ class MegatrainCallback(TrainerCallback):
             raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
                              "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
                              "clip_grad_norm_ only sees meta placeholders. MegatrainTrainer does this for you.")
+        if getattr(self._engine, "device", torch.device("cpu")).type != "cpu" and _device_placed(optimizer):
+            # accelerate's AcceleratedOptimizer(device_placement=True) has copied the optimizer's
+            # state_dict (every Adam moment: 8 bytes/parameter of GPU memory) to the GPU and loaded it
+            # back, which leaves CPUAdamW's per-parameter step counters as CUDA tensors.
+            raise ValueError("megatrain: with a plain Trainer on CUDA set trainer.accelerator.device_placement = False "
+                             "before train(): accelerate copies the optimizer state (all Adam moments) to the GPU "
+                             "otherwise. MegatrainTrainer does this for you.")
         try:
             from ..train.metrics import StatsWindow
 
@@ -169,11 +199,13 @@ class MegatrainCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:
             return
-        before = set(logs)
+        before = dict(logs)
         self.add_metrics(logs)
-        added = {k: logs[k] for k in logs if k not in before}
-        if added and state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(added)
+        if logs != before and state.log_history and state.log_history[-1].get("step") == state.global_step:
+            record = state.log_history[-1]  # the Trainer's copy of ``logs``
+            for k in before.keys() - logs.keys():
+                record.pop(k, None)
+            record.update({k: v for k, v in logs.items() if k not in before or before[k] is not v})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
