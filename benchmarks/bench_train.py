@@ -173,7 +173,8 @@ def _device_sync(device):
 
 def megatrain_variant(name: str) -> dict:
     """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
-    (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward).
+    (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward),
+    ``threads`` (MEGATRAIN_ADAM_THREADS: CPU threads of the fused Adam).
 
     Raises:
         ValueError: an unknown key or a malformed option.
@@ -182,8 +183,9 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "overlap"):
-            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: use slots=N, policy=P, overlap=0|1")
+        if not sep or k not in ("slots", "policy", "overlap", "threads"):
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
+                             "use slots=N, policy=P, overlap=0|1, threads=N")
         opts[k] = v
     return opts
 
@@ -193,6 +195,8 @@ def run_megatrain(spec):
     opts = megatrain_variant(spec["system"])
     if "overlap" in opts:
         os.environ["MEGATRAIN_OVERLAP"] = opts["overlap"]
+    if "threads" in opts:
+        os.environ["MEGATRAIN_ADAM_THREADS"] = opts["threads"]
     import megatrain
     dev = spec["device"]
     policy = opts.get("policy", spec["mt_policy"])
@@ -200,6 +204,7 @@ def run_megatrain(spec):
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
                     overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
+                    adam_threads=os.environ.get("MEGATRAIN_ADAM_THREADS") or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"])
@@ -687,6 +692,11 @@ def main() -> None:
         print(f"---- {r['system']}: {r.get('status')}  step {fmt(r.get('step_s'))} s  "
               f"{fmt(r.get('tokens_per_s'), '{:.0f}')} tok/s  GPU {fmt(r.get('gpu_peak_gib'), '{:.1f}')} GiB",
               file=sys.stderr, flush=True)
+        if args.out:  # rows so far, in case the run is cut short (replaced by the full document below)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(dict(benchmark="bench_train", partial=True, git_commit=git_commit(),
+                               matmul_bf16_tflops=matmul, rows=rows), f, indent=1)
 
     n_params = next((r["n_params"] for r in rows if r.get("n_params")), None)
     print()

@@ -191,6 +191,11 @@ class _Worker:
         return t
 
     def _run(self):
+        # MEGATRAIN_ADAM_THREADS: intra-op threads of this worker's kernels (default: torch's),
+        # e.g. cores - 1 so that the thread launching GPU work is never starved by the update.
+        n = os.environ.get("MEGATRAIN_ADAM_THREADS", "")
+        if n.strip():
+            torch.set_num_threads(max(1, int(n)))
         while True:
             with self._cv:
                 while not self._grads and not self._updates:
