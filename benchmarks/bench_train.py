@@ -242,7 +242,8 @@ def run_megatrain(spec):
         d2h_gbps_copy=d["d2h_bytes"] / d["d2h_time_s"] / 1e9 if d["d2h_time_s"] > 0 else None,
         adam_s_per_step=d["adam_time_s"] / n, adam_exposed_s_per_step=d["adam_exposed_s"] / n,
         host_store_gib=b["host_store_bytes"] / GiB, pinned_gib=b["pinned_bytes"] / GiB,
-        bytes_per_param=b["bytes_per_param"])
+        bytes_per_param=b["bytes_per_param"],
+        auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()])
     r.update(settings=settings, n_params=n_params)
     return r
 

@@ -27,7 +27,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine import Engine, Entry, Unit
 
-_POLICY_RE = re.compile(r"^(recompute|block:(\d+))$")
+_POLICY_RE = re.compile(r"^(recompute|store|auto|block:(\d+))$")
+
+# ``auto``: keep activations (``store``) when all layers' measured activation bytes fit in this
+# fraction of the device memory still free; the rest is left for logits, gradients, fragmentation.
+AUTO_STORE_FRACTION = 0.6
 
 
 class UnsupportedModelError(ValueError):
@@ -111,7 +115,7 @@ class _LayerCall:
     """Everything needed to re-run one layer call in backward (no weights, no activations but the inputs)."""
 
     __slots__ = ("layer", "unit", "leaves", "spec", "diff_idx", "out_spec", "out_tensor_idx", "out_other",
-                 "rng", "block", "pos", "saved")
+                 "rng", "block", "pos", "saved", "stored")
 
     def __init__(self, layer, unit, leaves, spec, diff_idx):
         self.layer = layer
@@ -126,6 +130,7 @@ class _LayerCall:
         self.block = None
         self.pos = 0
         self.saved = None
+        self.stored = None  # store policy: (layer graph outputs, bound weight leaves, detached inputs)
 
     def args_with(self, diff_inputs):
         leaves = list(self.leaves)
@@ -149,6 +154,15 @@ def _rng_state(device: torch.device):
     return cpu, cuda
 
 
+class _WeightRef:
+    """A saved tensor that was a view of a weight slot (``store`` policy): resolved in backward."""
+
+    __slots__ = ("unit", "offset", "shape", "stride")
+
+    def __init__(self, unit: int, offset: int, shape: tuple, stride: tuple):
+        self.unit, self.offset, self.shape, self.stride = unit, offset, shape, stride
+
+
 class _LayerFunction(torch.autograd.Function):
     """One decoder layer: forward on streamed weights without a graph, backward by recomputation."""
 
@@ -157,7 +171,10 @@ class _LayerFunction(torch.autograd.Function):
         ctx.eng = eng
         ctx.call = call
         call.rng = _rng_state(eng.device)
-        out = eng.execute(call, diff_inputs, grad=False)
+        if eng.store_this(call, diff_inputs):
+            out = eng.forward_stored(call, diff_inputs)
+        else:
+            out = eng.execute(call, diff_inputs, grad=False)
         leaves, spec = tree_flatten(out)
         call.out_spec = spec
         call.out_tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -166,6 +183,11 @@ class _LayerFunction(torch.autograd.Function):
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         call.out_other = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        if call.stored is not None:
+            # The layer's own graph (in call.stored) holds what backward needs; the outer graph
+            # gets graph-free aliases of its outputs.
+            ctx.saves_inputs = False
+            return tuple(o.detach() for o in outs)
         if call.block is None or call.pos == 0:
             ctx.save_for_backward(*diff_inputs)
             ctx.saves_inputs = True
@@ -178,6 +200,8 @@ class _LayerFunction(torch.autograd.Function):
         eng, call = ctx.eng, ctx.call
         if ctx.saves_inputs:
             inputs = ctx.saved_tensors
+        elif call.stored is not None:
+            inputs = None
         else:
             inputs = eng.block_input(call)
         grads = eng.backward_layer(call, inputs, grad_outs)
@@ -191,9 +215,14 @@ class WrappedEngine(Engine):
                  compute_dtype: torch.dtype, activation_policy: str, num_slots: int):
         m = _POLICY_RE.match(activation_policy)
         if m is None:
-            raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute' or 'block:K' (K >= 1), "
+            raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), "
                              f"got {activation_policy!r}")
         self.block_k = int(m.group(2)) if m.group(2) else 1
+        self.store_activations = activation_policy == "store"
+        self.auto_policy = activation_policy == "auto"
+        # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
+        self.auto_decisions: dict = {}
+        self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
         if self.block_k < 1:
             raise ValueError(f"megatrain.wrap: block:K needs K >= 1, got {activation_policy!r}")
         self.activation_policy = activation_policy
@@ -318,16 +347,7 @@ class WrappedEngine(Engine):
         unit = call.unit
         slot = self.acquire(unit)
         try:
-            # Prefetch depth = num_slots - 1: with 3 slots, forward loads i+1 and i+2 while i runs.
-            protect = [slot]
-            for d in range(1, self.num_slots):
-                nxt = self._neighbour(unit, prefetch_step * d)
-                if nxt is None:
-                    break
-                got = self.prefetch(nxt, current=protect)
-                if got is None:
-                    break
-                protect.append(got)
+            self._prefetch_after(unit, slot, prefetch_step)  # depth num_slots - 1
             bound = self.bind(unit, slot.buf, requires_grad=grad)
             try:
                 args, kwargs = call.args_with(diff_inputs)
@@ -404,17 +424,120 @@ class WrappedEngine(Engine):
                     blk.inputs[pos + 1] = x
         return blk.inputs.pop(call.pos)
 
-    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
-        """Recompute ``call`` with grad on re-streamed weights; send weight grads D2H; return input grads."""
+    def store_this(self, call: _LayerCall, diff_inputs) -> bool:
+        """Whether this layer call keeps its graph (``store``), or saves only its input.
+
+        ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
+        its graph saved); the rest of that shape follow ``store`` if every layer's activations
+        fit in ``AUTO_STORE_FRACTION`` of the free device memory, else ``recompute``.
+        """
+        if not self.auto_policy:
+            return self.store_activations
+        key = tuple(tuple(x.shape) for x in diff_inputs)
+        d = self.auto_decisions.get(key)
+        return True if d is None else d["store"]
+
+    def _decide_auto(self, key, layer_bytes: int) -> None:
+        free = self._free_device_bytes()
+        need = layer_bytes * len(self.layers)
+        self.auto_decisions[key] = dict(store=need <= AUTO_STORE_FRACTION * free, bytes_per_layer=layer_bytes,
+                                        bytes_all_layers=need, free_bytes=free)
+
+    def _free_device_bytes(self) -> int:
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        from .host_memory import host_memory_limits
+        return int(host_memory_limits().get("mem_available_bytes") or 0)
+
+    def forward_stored(self, call: _LayerCall, diff_inputs):
+        """``store`` policy: run ``call`` with grad on streamed weights and keep its graph.
+
+        Saved tensors that are views of the weight slot are packed as ``(offset, shape, stride)``
+        handles (saved-tensor hooks), so no slot stays pinned by the graph; backward re-streams the
+        weights and the handles resolve to the slot that holds them then. Returns the outputs
+        (with graph; ``_LayerFunction`` hands graph-free aliases to the outer graph).
+        """
         unit = call.unit
-        detached = [x.detach().requires_grad_(True) for x in inputs]  # every diff input required grad in forward
-        cpu_rng, cuda_rng = call.rng
-        with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, self.device)
-            with torch.enable_grad():
-                out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1)
+        detached = [x.detach().requires_grad_(True) for x in diff_inputs]
+        slot_ref = {}
+        saved_storages = {}  # data_ptr -> bytes of the activations the graph keeps
+
+        def pack(t):
+            slot = slot_ref.get("slot")
+            st = t.untyped_storage()
+            if slot is not None and t.device == slot.buf.device and \
+                    st.data_ptr() == slot.buf.untyped_storage().data_ptr():
+                return _WeightRef(unit.index, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            saved_storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        def unpack(x):
+            if isinstance(x, _WeightRef):
+                slot = self._weight_slots[x.unit]
+                return slot.buf.as_strided(x.shape, x.stride, x.offset)
+            return x
+
+        with torch.enable_grad():
+            slot = self.acquire(unit)
+            slot_ref["slot"] = slot
+            try:
+                self._prefetch_after(unit, slot, 1)
+                bound = self.bind(unit, slot.buf, requires_grad=True)
+                try:
+                    args, kwargs = call.args_with(detached)
+                    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                        out = call.layer._megatrain_orig_forward(*args, **kwargs)
+                finally:
+                    self.unbind(unit)
+            finally:
+                self.release(slot)
+        call.stored = (out, bound, detached)
+        if self.auto_policy:
+            key = tuple(tuple(x.shape) for x in diff_inputs)
+            if key not in self.auto_decisions:
+                self._decide_auto(key, sum(saved_storages.values()))
+        return out
+
+    def _prefetch_after(self, unit: Unit, slot, step: int) -> None:
+        """Prefetch up to ``num_slots - 1`` units after ``unit`` in direction ``step`` (+1 / -1)."""
+        protect = [slot]
+        for d in range(1, self.num_slots):
+            nxt = self._neighbour(unit, step * d)
+            if nxt is None:
+                break
+            got = self.prefetch(nxt, current=protect)
+            if got is None:
+                break
+            protect.append(got)
+
+    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
+        """Backward of one layer: weight grads sent D2H, input grads returned.
+
+        ``recompute`` / ``block:K``: re-run ``call`` with grad on re-streamed weights first.
+        ``store``: re-stream the weights for the kept graph's saved-weight handles.
+        """
+        unit = call.unit
+        if call.stored is not None:
+            out, bound, detached = call.stored
+            call.stored = None
+            slot = self.acquire(unit)
+            self._weight_slots[unit.index] = slot
+            try:
+                self._prefetch_after(unit, slot, -1)
+            except BaseException:
+                self._weight_slots.pop(unit.index, None)
+                self.release(slot)
+                raise
+        else:
+            detached = [x.detach().requires_grad_(True) for x in inputs]  # every diff input required grad in forward
+            cpu_rng, cuda_rng = call.rng
+            with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, self.device)
+                with torch.enable_grad():
+                    out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1)
         try:
             leaves, _ = tree_flatten(out)
             outs, gos = [], []
@@ -431,6 +554,7 @@ class WrappedEngine(Engine):
             else:
                 grads = [None] * len(targets)
         finally:
+            self._weight_slots.pop(unit.index, None)
             self.release(slot)
         in_grads = iter(grads[:len(want_in)])
         result = [next(in_grads) if x.requires_grad else None for x in detached]
@@ -455,8 +579,13 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         device: compute device. Default: ``cuda`` when available, else ``cpu``.
         compute_dtype: dtype of the streamed compute copy and of all activations:
             ``torch.bfloat16`` (default on CUDA) or ``torch.float32`` (default on CPU; exact parity).
-        activation_policy: ``"recompute"`` (save each layer input, recompute the layer in backward)
-            or ``"block:K"`` (save every K-th layer input, recompute the block).
+        activation_policy: ``"recompute"`` (save each layer input, recompute the layer in backward),
+            ``"block:K"`` (save every K-th layer input, recompute the block), ``"store"`` (keep
+            every layer's activations on the device, no recomputation: backward re-streams only
+            the weights; needs the activation memory of plain training without checkpointing) or
+            ``"auto"`` (``store`` when the activations measured on the first layer call, times the
+            number of layers, fit in 60% of the free device memory, else ``recompute``; decided
+            per input shape, recorded in ``model.megatrain.auto_decisions``).
         num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
             loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
 
@@ -484,7 +613,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         raise ValueError("megatrain.wrap: disable the model's gradient checkpointing first "
                          "(megatrain recomputes layers itself; see activation_policy)")
     if not isinstance(activation_policy, str) or _POLICY_RE.match(activation_policy) is None:
-        raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute' or 'block:K', got {activation_policy!r}")
+        raise ValueError("megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto' or 'block:K', "
+                         f"got {activation_policy!r}")
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
