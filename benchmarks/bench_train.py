@@ -160,6 +160,32 @@ def timed_loop(step, batches, spec, sync, drain=lambda: None, on_window=None):
                 window_s=window, loss=float(loss), gpu_setup_peak_gib=setup_peak)
 
 
+def profile_steps(step, batches, spec) -> dict:
+    """Run ``len(batches)`` more steps under torch.profiler (CPU + CUDA) and summarise the last one.
+
+    The first profiled step is a warm-up of the profiler; the trace of the last step (between
+    device synchronizations) is summarised by benchmarks/trace_summary.py: stream overlap, compute
+    idle gaps, host synchronizations per thread. Profiled steps are slower: not timed.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_summary import summarize
+    path = os.path.join(spec.get("trace_dir") or "/tmp", f"trace_{spec['system'].replace(':', '_')}.json")
+    n = len(batches)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=n - 1, active=1)) as prof:
+        for x in batches:
+            step(x)
+            torch.cuda.synchronize()
+            prof.step()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        out = summarize(json.load(f))
+    out["trace"] = path
+    return out
+
+
 def _device_sync(device):
     import torch
     if str(device).startswith("cuda"):
@@ -228,6 +254,8 @@ def run_megatrain(spec):
 
     try:
         r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
+        if spec.get("profile") and dev.startswith("cuda"):
+            r["profile"] = profile_steps(step, batches[-2:], spec)
     finally:
         eng.close()
     a, b = snaps["start"], snaps["end"]
@@ -635,6 +663,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=SWEEP_TOKENS)
     ap.add_argument("--peak-tflops", type=float, help="MFU denominator instead of the measured matmul rate")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token batches")
+    ap.add_argument("--profile", action="store_true",
+                    help="megatrain rows: profile one extra step, add a stream-overlap / idle-gap / host-sync summary")
     ap.add_argument("--child-timeout", type=float, default=1800, help="seconds per child before it is killed")
     ap.add_argument("--out", help="JSON path; a PNG with the same basename is written next to it")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
@@ -654,7 +684,8 @@ def main() -> None:
     model = {k: p[k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")}
     batch, seq = args.batch or p["batch"], args.seq or p["seq"]
     dtype = args.dtype or ("bf16" if cuda else "fp32")
-    base = dict(device=args.device, dtype=dtype, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy)
+    base = dict(device=args.device, dtype=dtype, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy,
+                profile=args.profile)
 
     peak, gpu = args.peak_tflops, None
     if cuda:
@@ -724,10 +755,21 @@ def main() -> None:
         if st:
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "config"))
     for r in rows:
+        pr = r.get("profile")
+        if pr:
+            syncs = {tid: {k: v["count"] for k, v in calls.items()} for tid, calls in pr["host_syncs"].items()}
+            print(f"profile {r['system']} (one step): window {pr['window_s']:.3f} s, compute busy {pr['compute_busy_s']:.3f} s, "
+                  f"idle {pr['compute_idle_s']:.3f} s in {pr['compute_idle_gaps_over_threshold']} gaps > 100 us "
+                  f"(largest {', '.join(f'{g * 1e3:.1f}' for g in pr['largest_idle_gaps_s'][:3])} ms); "
+                  f"H2D {pr['h2d_busy_s']:.3f} s ({pr['h2d_overlapped_s'] / max(pr['h2d_busy_s'], 1e-12):.0%} under compute), "
+                  f"D2H {pr['d2h_busy_s']:.3f} s ({pr['d2h_overlapped_s'] / max(pr['d2h_busy_s'], 1e-12):.0%} under compute); "
+                  f"host syncs per thread {syncs}")
+    for r in rows:
         if r.get("megatrain"):
             at = f" ({extra}={r.get(extra)})" if extra else ""
             print(f"megatrain transfers over the timed steps{at}: " +
-                  ", ".join(f"{k}={fmt(v, '{:.3g}')}" for k, v in r["megatrain"].items()))
+                  ", ".join(f"{k}={fmt(v, '{:.3g}') if isinstance(v, (int, float)) or v is None else v}"
+                            for k, v in r["megatrain"].items()))
 
     if args.out:
         doc = dict(benchmark="bench_train", sweep=args.sweep, title=title,
