@@ -18,7 +18,7 @@ def plot_cpu_adam(d, out):
     res = {k: v for k, v in d["results"].items() if "Gparam_per_s" in v}
     names = list(res)
     vals = [res[k]["Gparam_per_s"] for k in names]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(8, max(3.8, 1.2 + 0.3 * len(names))))
     bars = ax.barh(names, vals, color=["tab:blue" if n.startswith("megatrain") else "tab:gray" for n in names])
     ax.bar_label(bars, fmt="%.2f")
     ax.set_xlabel("Gparam/s (higher is better)")

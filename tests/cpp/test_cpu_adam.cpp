@@ -24,6 +24,9 @@ void PrintTo(CpuIsa isa, std::ostream* os) { *os << isa_name(isa); }
 }  // namespace common
 namespace cpu_adam {
 void PrintTo(GradDtype d, std::ostream* os) { *os << (d == GradDtype::kFloat32 ? "fp32" : "bf16"); }
+void PrintTo(OutDtype d, std::ostream* os) {
+  *os << (d == OutDtype::kFloat32 ? "fp32" : d == OutDtype::kBFloat16 ? "bf16" : "none");
+}
 }  // namespace cpu_adam
 }  // namespace megatrain
 
@@ -271,3 +274,73 @@ TEST(AdamKernels, StepBelowOneIsRejected) {
 }
 
 }  // namespace
+
+// --- non-temporal compute-copy stores and software prefetch ---------------------------------
+
+// (isa, output offset in elements from a 64-byte boundary, out dtype)
+using NtCase = std::tuple<CpuIsa, int64_t, ca::OutDtype>;
+
+class AdamStreamingStores : public ::testing::TestWithParam<NtCase> {};
+
+TEST_P(AdamStreamingStores, BitIdenticalToOrdinaryStoresAndToScalar) {
+  const auto [isa, offset, odt] = GetParam();
+  if (!megatrain::common::cpu_supports(isa)) {
+    GTEST_SKIP() << "this CPU does not support " << megatrain::common::isa_name(isa);
+  }
+  const int64_t n = 5000 + 13;  // many whole lines plus a ragged tail
+  for (ca::GradDtype gdt : {ca::GradDtype::kFloat32, ca::GradDtype::kBFloat16}) {
+    State ref = make_state(n, 4242u);
+    State plain = ref, nt = ref;
+    // Output buffers at a chosen distance (elements) from a 64-byte boundary.
+    std::vector<uint16_t> out_plain(n + 64), out_nt(n + 64, 0xABCD);
+    std::vector<float> f_plain(n + 64), f_nt(n + 64, -7.0f);
+    auto place = [&](ca::AdamArgs& a, std::vector<uint16_t>& b16, std::vector<float>& b32) {
+      if (odt == ca::OutDtype::kBFloat16) {
+        uintptr_t p = reinterpret_cast<uintptr_t>(b16.data());
+        p = (p + 63) / 64 * 64 + static_cast<uintptr_t>(offset) * 2;
+        a.compute_out = reinterpret_cast<void*>(p);
+      } else {
+        uintptr_t p = reinterpret_cast<uintptr_t>(b32.data());
+        p = (p + 63) / 64 * 64 + static_cast<uintptr_t>(offset) * 4;
+        a.compute_out = reinterpret_cast<void*>(p);
+      }
+    };
+    for (int64_t step = 1; step <= 2; ++step) {
+      const ca::AdamConstants c = ca::make_adam_constants(default_hyper(step));
+      ca::adamw_range(args_of(ref, gdt, odt), c, 0, n, CpuIsa::kScalar);
+      ca::AdamArgs ap = args_of(plain, gdt, odt);
+      place(ap, out_plain, f_plain);
+      ca::adamw_range(ap, c, 3, n, isa);  // an unaligned range start too
+      ca::adamw_range(ap, c, 0, 3, isa);
+      ca::AdamArgs an = args_of(nt, gdt, odt);
+      place(an, out_nt, f_nt);
+      an.nt_out = true;
+      an.prefetch_bytes = step == 1 ? 1024 : 0;
+      ca::adamw_range(an, c, 3, n, isa);
+      ca::adamw_range(an, c, 0, 3, isa);
+      ASSERT_EQ(0, std::memcmp(plain.master.data(), nt.master.data(), n * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(plain.exp_avg.data(), nt.exp_avg.data(), n * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(plain.exp_avg_sq.data(), nt.exp_avg_sq.data(), n * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(ref.master.data(), nt.master.data(), n * sizeof(float)));
+      const size_t out_bytes = static_cast<size_t>(n) * (odt == ca::OutDtype::kBFloat16 ? 2 : 4);
+      ASSERT_EQ(0, std::memcmp(ap.compute_out, an.compute_out, out_bytes)) << "step " << step;
+      if (odt == ca::OutDtype::kBFloat16) {
+        ASSERT_EQ(0, std::memcmp(ref.out_bf16.data(), an.compute_out, out_bytes));
+      } else {
+        ASSERT_EQ(0, std::memcmp(ref.out_f32.data(), an.compute_out, out_bytes));
+      }
+    }
+  }
+}
+
+std::string nt_case_name(const ::testing::TestParamInfo<NtCase>& info) {
+  const auto [isa, offset, odt] = info.param;
+  return isa_label(isa) + "_Offset" + std::to_string(offset) +
+         (odt == ca::OutDtype::kBFloat16 ? "_OutBf16" : "_OutFp32");
+}
+
+INSTANTIATE_TEST_SUITE_P(Alignments, AdamStreamingStores,
+                         ::testing::Combine(kIsas, ::testing::Values<int64_t>(0, 1, 5, 31),
+                                            ::testing::Values(ca::OutDtype::kBFloat16,
+                                                              ca::OutDtype::kFloat32)),
+                         nt_case_name);

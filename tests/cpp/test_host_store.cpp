@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "megatrain/common/tuning.h"
 #include "megatrain/host_store/host_memory.h"
 #include "megatrain/host_store/host_store.h"
 
@@ -211,4 +212,106 @@ TEST(HostMemory, AvailabilityIsReadFromProcMeminfo) {
   if (m.cgroup_limit_bytes) {
     EXPECT_GT(*m.cgroup_limit_bytes, 0);
   }
+}
+
+// --- transparent huge pages ----------------------------------------------------------------
+
+namespace {
+// Restores the process-wide switches after a test changes them.
+struct TuningGuard {
+  megatrain::common::Tuning saved = megatrain::common::tuning();
+  ~TuningGuard() { megatrain::common::set_tuning(saved); }
+};
+}  // namespace
+
+TEST(PinnedBuffer, LargeBufferIsTwoMiBAlignedAndHugePageAdvisedUnlessSwitchedOff) {
+  TuningGuard guard;
+  const int64_t bytes = (int64_t{6} << 20) + 12345;
+  megatrain::common::Tuning t = guard.saved;
+  t.hugepages = true;
+  megatrain::common::set_tuning(t);
+  {
+    hs::PinnedBuffer buf(bytes, /*pin=*/false);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % (uintptr_t{2} << 20), 0u);
+    EXPECT_TRUE(buf.hugepage_advised());
+    EXPECT_EQ(buf.mapped_bytes(), round_up(bytes, 4096));
+    unsigned char* p = static_cast<unsigned char*>(buf.data());
+    for (int64_t i = 0; i < bytes; i += 4096) ASSERT_EQ(p[i], 0);
+    std::memset(p, 1, static_cast<size_t>(bytes));  // the whole mapping is ours
+    const int64_t huge = hs::huge_page_bytes(p, bytes);
+    EXPECT_GE(huge, -1);
+    EXPECT_LE(huge, bytes);
+  }
+  t.hugepages = false;
+  megatrain::common::set_tuning(t);
+  {
+    hs::PinnedBuffer buf(bytes, /*pin=*/false);
+    EXPECT_FALSE(buf.hugepage_advised());
+    std::memset(buf.data(), 1, static_cast<size_t>(bytes));
+    if (hs::transparent_hugepage_mode() != "unknown") {
+      EXPECT_EQ(hs::huge_page_bytes(buf.data(), bytes), 0);  // MADV_NOHUGEPAGE
+    }
+  }
+  hs::PinnedBuffer small(10000, /*pin=*/false);  // below 2 MiB: never advised
+  EXPECT_FALSE(small.hugepage_advised());
+}
+
+TEST(Tuning, InvalidValuesAreRejected) {
+  TuningGuard guard;
+  megatrain::common::Tuning t = guard.saved;
+  t.prefetch_bytes = -1;
+  EXPECT_THROW(megatrain::common::set_tuning(t), std::invalid_argument);
+  t.prefetch_bytes = 0;
+  t.nt_min_numel = -5;
+  EXPECT_THROW(megatrain::common::set_tuning(t), std::invalid_argument);
+}
+
+TEST(HostStore, LargeUnitSectionsAreStaggeredModulo256KiBAndSmallOnesBackToBack) {
+  // 4M + 64 elements: fp32 sections of 16 MiB + 256 B (>= kSkewMinSectionBytes); the odd 64
+  // keeps back-to-back offsets off the target residues.
+  const int64_t n = (int64_t{1} << 22) + 64;
+  std::vector<hs::UnitSpec> units = {{{"norm", {3000}}}, {{"w", {n}}}, {{"v", {n}}}};
+  for (bool skew : {true, false}) {
+    hs::HostStoreOptions o;
+    o.with_grad_accum = true;
+    o.skew_sections = skew;
+    hs::HostStore store(units, o);
+    EXPECT_EQ(store.bytes_required(units, o), store.total_bytes());
+    const char* arena = static_cast<const char*>(store.arena_data());
+    const char* end_prev = arena;
+    for (int64_t u = 0; u < store.num_units(); ++u) {
+      for (int s = 0; s < hs::kNumSections; ++s) {
+        const auto sec = static_cast<hs::Section>(s);
+        const char* p = static_cast<const char*>(store.section_data(u, sec));
+        const int64_t off = p - arena;
+        EXPECT_EQ(off % 4096, 0);
+        EXPECT_GE(p, end_prev) << "unit " << u << " section " << s;  // in order, no overlap
+        if (u == 0 || !skew) {
+          EXPECT_EQ(p, end_prev) << "unit " << u << " section " << s;  // back to back
+        } else {
+          EXPECT_EQ(off % hs::HostStore::kSkewPeriodBytes,
+                    (hs::HostStore::kSkewBaseBytes + s * hs::HostStore::kSkewStepBytes) %
+                        hs::HostStore::kSkewPeriodBytes);
+          EXPECT_LT(p - end_prev, hs::HostStore::kSkewPeriodBytes);
+        }
+        end_prev = p + store.unit_section_bytes(u, sec);
+      }
+    }
+    EXPECT_LE(end_prev, arena + store.total_bytes());
+    if (!skew) {
+      EXPECT_EQ(end_prev, arena + store.total_bytes());
+    }
+    // Gaps are zero and views of one section never reach another.
+    float* master = static_cast<float*>(store.section_data(1, hs::Section::kMaster));
+    for (int64_t i = 0; i < n; ++i) master[i] = 1.0f;
+    const float* m = static_cast<const float*>(store.section_data(1, hs::Section::kExpAvg));
+    for (int64_t i = 0; i < n; i += 4099) ASSERT_EQ(m[i], 0.0f);
+  }
+  // The padding stays small next to the data.
+  hs::HostStoreOptions on, off;
+  on.skew_sections = true;
+  off.skew_sections = false;
+  const int64_t extra = hs::HostStore::bytes_required(units, on) - hs::HostStore::bytes_required(units, off);
+  EXPECT_GT(extra, 0);
+  EXPECT_LT(extra, 2 * 4 * hs::HostStore::kSkewPeriodBytes);
 }

@@ -252,3 +252,139 @@ def test_opcheck_grad_accumulate():
     torch.manual_seed(9)
     args = (torch.randn(1000), torch.randn(1000), False)
     torch.library.opcheck(torch.ops.megatrain.grad_accumulate_.default, args)
+
+
+# --- memory-bandwidth switches (csrc/megatrain/common/tuning.h) ------------------------------
+
+@pytest.fixture
+def restore_tuning():
+    before = C.tuning()
+    yield
+    C.set_tuning(**before)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["out_bf16", "out_fp32"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["grad_fp32", "grad_bf16"])
+def test_streaming_stores_and_prefetch_do_not_change_a_bit(isa, out_dtype, grad_dtype, restore_tuning):
+    """MEGATRAIN_ADAM_NT_STORES / MEGATRAIN_ADAM_PREFETCH change only how memory is written/read.
+
+    Outputs that start off a 64-byte boundary and sizes with ragged ends, above the default
+    streaming threshold (2^20 elements) and below it with the threshold lowered to 0.
+    """
+    torch.manual_seed(11)
+    for n, min_numel in ((2**20 + 4099, None), (70_001, 0)):
+        state0 = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01]
+        grads = [(torch.randn(n) * 0.1).to(grad_dtype) for _ in range(2)]
+        results = []
+        for nt, pf in ((False, 0), (True, 0), (True, 1024)):
+            C.set_tuning(nt_stores=nt, prefetch_bytes=pf,
+                         **({} if min_numel is None else {"nt_min_numel": min_numel}))
+            st = [t.clone() for t in state0]
+            base = torch.full((n + 40,), float("nan"), dtype=out_dtype)
+            out = base[5:5 + n]  # 10 or 20 bytes past a 64-byte boundary
+            for step, g in enumerate(grads, 1):
+                ops.adamw_step_(*st, g, out, lr=1e-3, weight_decay=0.1, step=step, grad_scale=0.7)
+            assert torch.equal(out, st[0].to(out_dtype))
+            assert base[:5].isnan().all() and base[5 + n:].isnan().all()  # nothing written outside
+            results.append(st + [out.clone()])
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                assert torch.equal(a, b)
+
+
+def test_gradient_read_from_the_compute_copy_it_overwrites_is_unaffected_by_streaming_stores(isa, restore_tuning):
+    """Training's direct D2H path: grad and compute_out are the same bf16 tensor."""
+    torch.manual_seed(12)
+    n = 2**20 + 777
+    state0 = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01]
+    g0 = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    results = []
+    for nt in (False, True):
+        C.set_tuning(nt_stores=nt, nt_min_numel=0)
+        st = [t.clone() for t in state0]
+        comp = g0.clone()
+        ops.adamw_step_(*st, comp, comp, lr=1e-3, weight_decay=0.1, step=1)
+        assert torch.equal(comp, st[0].to(torch.bfloat16))
+        results.append(st + [comp])
+    ref = [t.clone() for t in state0]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ops.adamw_step_(*ref, g0, out, lr=1e-3, weight_decay=0.1, step=1)  # separate buffers
+    for got in results:
+        for a, b in zip(got, ref + [out]):
+            assert torch.equal(a, b)
+
+
+def test_tuning_set_returns_previous_and_rejects_bad_values(restore_tuning):
+    before = C.tuning()
+    assert set(before) == {"hugepages", "store_skew", "nt_stores", "nt_min_numel", "prefetch_bytes"}
+    prev = C.set_tuning(nt_stores=not before["nt_stores"], prefetch_bytes=256)
+    assert prev == before
+    now = C.tuning()
+    assert now["nt_stores"] == (not before["nt_stores"]) and now["prefetch_bytes"] == 256
+    assert now["hugepages"] == before["hugepages"] and now["nt_min_numel"] == before["nt_min_numel"]
+    assert now["store_skew"] == before["store_skew"]
+    with pytest.raises(ValueError):
+        C.set_tuning(prefetch_bytes=-1)
+    with pytest.raises(ValueError):
+        C.set_tuning(nt_min_numel=-1)
+
+
+@pytest.mark.parametrize("hugepages", [True, False])
+def test_host_store_arena_huge_page_advice_follows_the_switch(hugepages, restore_tuning):
+    C.set_tuning(hugepages=hugepages)
+    store = C.HostStore([[("w", [1 << 20])]], torch.bfloat16)  # ~14 MiB arena
+    assert store.hugepage_advised == hugepages
+    master = store.section(0, "master")
+    assert master.data_ptr() % 4096 == 0
+    master.fill_(1.0)
+    hp = C.huge_page_bytes(master)
+    assert -1 <= hp <= master.numel() * 4
+    if not hugepages and C.transparent_hugepage_mode() != "unknown":
+        assert hp == 0
+    small = C.pinned_empty(1000, torch.float32)  # below 2 MiB: never advised, still usable
+    assert small.data_ptr() % 4096 == 0 and torch.equal(small, torch.zeros(1000))
+
+
+@pytest.mark.parametrize("skew", [True, False])
+def test_large_store_units_stagger_their_sections_unless_switched_off(skew, restore_tuning):
+    """MEGATRAIN_STORE_SKEW: fp32 sections of a large unit are not a power of two apart."""
+    C.set_tuning(store_skew=skew)
+    n = (1 << 22) + 64  # 16 MiB + 256 B fp32 sections
+    store = C.HostStore([[("w", [n])]], torch.bfloat16, True)
+    assert store.skew_sections == skew
+    names = ["compute", "master", "exp_avg", "exp_avg_sq", "grad_accum"]
+    ptrs = [store.section(0, s).data_ptr() for s in names]
+    sizes = [-(-store.section(0, s).numel() * store.section(0, s).element_size() // 4096) * 4096 for s in names]
+    assert all(p % 4096 == 0 for p in ptrs)
+    gaps = [ptrs[k + 1] - (ptrs[k] + sizes[k]) for k in range(len(names) - 1)]
+    if skew:
+        assert all(0 <= g < 256 << 10 for g in gaps) and any(g > 0 for g in gaps)
+        fp32 = ptrs[1:]
+        assert all((a - b) % (256 << 10) != 0 for a in fp32 for b in fp32 if a != b)
+    else:
+        assert gaps == [0, 0, 0, 0]
+    assert C.HostStore.bytes_required([[("w", [n])]], torch.bfloat16, True) == store.total_bytes
+    # Sections stay independent: writing one leaves the others (and the gaps) zero.
+    store.section(0, "master").fill_(1.0)
+    assert store.section(0, "exp_avg").abs().sum() == 0 and store.section(0, "compute").abs().sum() == 0
+
+
+def test_bench_stream_kernels_compute_and_count_bytes():
+    n = 70_001
+    p, m, v = torch.randn(n), torch.randn(n), torch.rand(n)
+    g = torch.randn(n)
+    for nt in (False, True):
+        dst = torch.zeros(n)
+        assert torch.ops.megatrain.bench_stream("copy", [dst, p], nt) == 8 * n
+        assert torch.equal(dst, p)
+        a = torch.zeros(n)
+        assert torch.ops.megatrain.bench_stream("triad", [a, p, m], nt) == 12 * n
+        assert torch.equal(a, p + 3.0 * m)
+        pp, mm, vv = p.clone(), m.clone(), v.clone()
+        out = torch.zeros(n, dtype=torch.bfloat16)
+        assert torch.ops.megatrain.bench_stream("adam", [pp, mm, vv, g, out], nt) == 30 * n
+        assert torch.equal(pp, p * 0.5 + g) and torch.equal(mm, m * 0.5 + g)
+        assert torch.equal(vv, v * 0.5 + g * g)
+        assert torch.ops.megatrain.bench_stream("adam", [pp, mm, vv, g.to(torch.bfloat16), out], nt) == 28 * n
+    with pytest.raises(Exception):
+        torch.ops.megatrain.bench_stream("scale", [p, m], False)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "megatrain/common/cpu_features.h"
+#include "megatrain/common/tuning.h"
 #include "megatrain/host_store/host_memory.h"
 #include "megatrain/host_store/host_store.h"
 
@@ -80,6 +81,16 @@ py::dict build_info() {
     d["cpu_isa_error"] = e.what();
   }
   d["git_sha"] = MEGATRAIN_GIT_SHA_STR;
+  return d;
+}
+
+py::dict tuning_dict(const megatrain::common::Tuning& t) {
+  py::dict d;
+  d["hugepages"] = t.hugepages;
+  d["store_skew"] = t.store_skew;
+  d["nt_stores"] = t.nt_stores;
+  d["nt_min_numel"] = t.nt_min_numel;
+  d["prefetch_bytes"] = t.prefetch_bytes;
   return d;
 }
 
@@ -166,6 +177,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Host memory limits: MemAvailable, cgroup limit (None: unlimited), RLIMIT_MEMLOCK (None: unlimited).");
 
+  m.def("tuning", [] { return tuning_dict(megatrain::common::tuning()); },
+        "Memory-bandwidth switches now in force: hugepages (MEGATRAIN_HUGEPAGES), store_skew "
+        "(MEGATRAIN_STORE_SKEW), nt_stores "
+        "(MEGATRAIN_ADAM_NT_STORES), nt_min_numel (MEGATRAIN_ADAM_NT_MIN_NUMEL), prefetch_bytes "
+        "(MEGATRAIN_ADAM_PREFETCH); see csrc/megatrain/common/tuning.h.");
+  m.def("set_tuning",
+        [](std::optional<bool> hugepages, std::optional<bool> store_skew, std::optional<bool> nt_stores,
+           std::optional<int64_t> nt_min_numel, std::optional<int64_t> prefetch_bytes) {
+          const megatrain::common::Tuning before = megatrain::common::tuning();
+          megatrain::common::Tuning t = before;
+          if (hugepages) t.hugepages = *hugepages;
+          if (store_skew) t.store_skew = *store_skew;
+          if (nt_stores) t.nt_stores = *nt_stores;
+          if (nt_min_numel) t.nt_min_numel = *nt_min_numel;
+          if (prefetch_bytes) t.prefetch_bytes = *prefetch_bytes;
+          megatrain::common::set_tuning(t);
+          return tuning_dict(before);
+        },
+        py::arg("hugepages") = py::none(), py::arg("store_skew") = py::none(),
+        py::arg("nt_stores") = py::none(),
+        py::arg("nt_min_numel") = py::none(), py::arg("prefetch_bytes") = py::none(),
+        "Overrides the given switches for this process (benchmarks, tests); returns the previous "
+        "values as a dict. hugepages and store_skew apply to later allocations, the others to later "
+        "Adam steps.");
+  m.def("huge_page_bytes",
+        [](const at::Tensor& t) {
+          return megatrain::host_store::huge_page_bytes(t.data_ptr(), t.numel() * t.element_size());
+        },
+        py::arg("tensor"),
+        "Bytes of transparent huge pages backing a CPU tensor's data (AnonHugePages of the "
+        "overlapping mappings in /proc/self/smaps, clamped to the overlap; -1 if unreadable).");
+  m.def("transparent_hugepage_mode", &megatrain::host_store::transparent_hugepage_mode,
+        "The kernel's THP mode: always | madvise | never | unknown.");
+
   m.def("pinned_empty",
         [](int64_t numel, at::ScalarType dtype) {
           if (numel < 0) {
@@ -230,6 +275,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            },
            py::arg("u"), py::arg("i"), py::arg("name"))
       .def_property_readonly("is_pinned", &HostStore::is_pinned)
+      .def_property_readonly("hugepage_advised", &HostStore::hugepage_advised,
+                             "Arena mapped 2 MiB-aligned and advised MADV_HUGEPAGE.")
+      .def_property_readonly("skew_sections",
+                             [](const HostStore& s) { return s.options().skew_sections; },
+                             "Large units' sections staggered (MEGATRAIN_STORE_SKEW).")
       .def_property_readonly("total_bytes", &HostStore::total_bytes)
       .def_property_readonly("pinned_bytes", &HostStore::pinned_bytes)
       .def_property_readonly("section_bytes",

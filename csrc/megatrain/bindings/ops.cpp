@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "megatrain/common/cpu_features.h"
+#include "megatrain/common/tuning.h"
 #include "megatrain/cpu_adam/adam_kernels.h"
 
 namespace megatrain {
@@ -95,6 +96,21 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
   a.grad_dtype = gdt;
   a.compute_out = out_ptr;
   a.out_dtype = odt;
+  // Bandwidth switches (common/tuning.h): streaming stores only for outputs far larger than the
+  // caches, where the compute copy is not read again before it is evicted anyway, and not when
+  // the gradient is read from the output itself (training's direct D2H into the compute
+  // section): the kernel has just loaded those lines, so there is no read-for-ownership to save.
+  const common::Tuning tune = common::tuning();
+  bool grad_in_out = false;
+  if (out_ptr != nullptr) {
+    const char* g0 = static_cast<const char*>(grad.data_ptr());
+    const char* g1 = g0 + n * static_cast<int64_t>(grad.element_size());
+    const char* o0 = static_cast<const char*>(out_ptr);
+    const char* o1 = o0 + n * static_cast<int64_t>(compute_out->element_size());
+    grad_in_out = g0 < o1 && o0 < g1;
+  }
+  a.nt_out = tune.nt_stores && odt != OutDtype::kNone && n >= tune.nt_min_numel && !grad_in_out;
+  a.prefetch_bytes = tune.prefetch_bytes;
   const common::CpuIsa isa = common::active_isa();
   const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {

@@ -56,6 +56,14 @@ struct AdamArgs {
   GradDtype grad_dtype;
   void* compute_out;    ///< [n] nullptr, fp32 or bf16 (out_dtype): receives the updated master
   OutDtype out_dtype;
+  /// Vector kernels: write compute_out with non-temporal (streaming) stores, whole 64-byte lines
+  /// from the first 64-byte boundary on (the elements before it, and the tail, are stored
+  /// normally). Saves the read-for-ownership of a write-only output; meant for outputs much
+  /// larger than the caches. Same values as ordinary stores; the scalar kernel ignores it.
+  bool nt_out = false;
+  /// Vector kernels: software-prefetch master / exp_avg / exp_avg_sq / grad this many bytes (of
+  /// fp32 state) ahead; 0 = off. The scalar kernel ignores it.
+  int64_t prefetch_bytes = 0;
 };
 
 /// \brief One fused AdamW pass over elements [begin, end) of `a`, single threaded.

@@ -2,6 +2,9 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -164,6 +167,44 @@ void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit
          "LimitMEMLOCK=infinity) or create the store with pin=False (H2D copies then run at "
          "pageable speed).");
   }
+}
+
+int64_t huge_page_bytes(const void* addr, int64_t bytes) {
+  std::ifstream f("/proc/self/smaps");
+  if (!f) return -1;
+  const uint64_t lo = reinterpret_cast<uintptr_t>(addr);
+  const uint64_t hi = lo + static_cast<uint64_t>(bytes < 0 ? 0 : bytes);
+  int64_t total = 0;
+  uint64_t overlap = 0;  // bytes of the current mapping inside [lo, hi)
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    const auto dash = line.find('-');
+    const auto space = line.find(' ');
+    if (dash != std::string::npos && space != std::string::npos && dash < space &&
+        std::isxdigit(static_cast<unsigned char>(line[0]))) {
+      // A mapping header: "start-end perms offset dev inode [path]".
+      const uint64_t start = std::stoull(line.substr(0, dash), nullptr, 16);
+      const uint64_t end = std::stoull(line.substr(dash + 1, space - dash - 1), nullptr, 16);
+      const uint64_t a = std::max(start, lo), b = std::min(end, hi);
+      overlap = b > a ? b - a : 0;
+      continue;
+    }
+    if (overlap > 0 && line.compare(0, 14, "AnonHugePages:") == 0) {
+      const int64_t kib = std::stoll(line.substr(14));
+      total += std::min<int64_t>(kib * 1024, static_cast<int64_t>(overlap));
+    }
+  }
+  return total;
+}
+
+std::string transparent_hugepage_mode() {
+  auto line = read_first_line("/sys/kernel/mm/transparent_hugepage/enabled");
+  if (!line) return "unknown";
+  const auto open = line->find('[');
+  const auto close = line->find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return "unknown";
+  return line->substr(open + 1, close - open - 1);
 }
 
 }  // namespace host_store

@@ -55,5 +55,15 @@ bool host_memory_check_disabled();
 void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit_bytes,
                        const std::string& what);
 
+/// \brief Bytes of transparent huge pages backing [addr, addr + bytes): the AnonHugePages of
+/// every mapping (/proc/self/smaps) that overlaps the range, each clamped to its overlap (exact
+/// when the range is one whole mapping, an estimate when a mapping is shared with other data).
+/// \return -1 if /proc/self/smaps cannot be read.
+int64_t huge_page_bytes(const void* addr, int64_t bytes);
+
+/// \brief The kernel's THP mode: the bracketed word of /sys/kernel/mm/transparent_hugepage/enabled
+/// ("always", "madvise", "never"), or "unknown".
+std::string transparent_hugepage_mode();
+
 }  // namespace host_store
 }  // namespace megatrain

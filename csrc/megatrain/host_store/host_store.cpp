@@ -5,10 +5,12 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
 #include "megatrain/common/cuda_utils.h"
+#include "megatrain/common/tuning.h"
 
 namespace megatrain {
 namespace host_store {
@@ -35,6 +37,29 @@ int64_t page_size() {
   return p;
 }
 
+constexpr int64_t kHugePageBytes = int64_t{2} << 20;
+
+// Anonymous zero-filled mapping of `bytes` (a multiple of the page size). With `huge_aligned`,
+// the start is 2 MiB aligned (map 2 MiB more, trim both ends) so that every whole 2 MiB of the
+// buffer can be a transparent huge page; mmap alone only guarantees 4 KiB alignment.
+void* map_anonymous(int64_t bytes, bool huge_aligned) {
+  const size_t len = static_cast<size_t>(bytes);
+  if (!huge_aligned) {
+    return mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
+  const size_t over = len + static_cast<size_t>(kHugePageBytes);
+  void* raw = mmap(nullptr, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return raw;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + static_cast<uintptr_t>(kHugePageBytes) - 1) &
+                            ~(static_cast<uintptr_t>(kHugePageBytes) - 1);
+  const size_t head = aligned - start;
+  const size_t tail = over - head - len;
+  if (head > 0) munmap(raw, head);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + len), tail);
+  return reinterpret_cast<void*>(aligned);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -48,8 +73,8 @@ PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
   const bool will_pin = pin && common::cuda_device_present();
   check_host_budget(mapped_, will_pin, memory_limit_bytes, what);
   if (mapped_ == 0) return;
-  void* p = mmap(nullptr, static_cast<size_t>(mapped_), PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const bool huge = common::tuning().hugepages;
+  void* p = map_anonymous(mapped_, huge && mapped_ >= kHugePageBytes);
   if (p == MAP_FAILED) {
     const int err = errno;
     throw HostMemoryError("megatrain " + what + ": mmap of " + std::to_string(mapped_) +
@@ -57,9 +82,15 @@ PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
                               ". Free host memory or reduce the model size.",
                           mapped_, -1, "mmap");
   }
-#ifdef MADV_HUGEPAGE
-  // Fewer page faults when the arena is first touched / registered; a hint only.
-  if (mapped_ >= (int64_t{2} << 20)) madvise(p, static_cast<size_t>(mapped_), MADV_HUGEPAGE);
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  // A hint only (THP mode "madvise" needs it; "never" ignores it). Huge pages: fewer page faults
+  // when the arena is first touched / registered and fewer TLB misses in the Adam pass.
+  // MEGATRAIN_HUGEPAGES=0 asks for 4 KiB pages even under THP "always" (A/B benchmarks).
+  if (mapped_ >= kHugePageBytes) {
+    hugepage_advised_ =
+        madvise(p, static_cast<size_t>(mapped_), huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0 &&
+        huge;
+  }
 #endif
   if (will_pin) {
     try {
@@ -140,6 +171,7 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
     L.numel = off;
     L.base_bytes = cursor;
     int64_t rel = 0;
+    const bool skew = options.skew_sections && checked_mul(L.numel, 4) >= kSkewMinSectionBytes;
     for (int s = 0; s < kNumSections; ++s) {
       const Section sec = static_cast<Section>(s);
       int64_t bytes = 0;
@@ -147,6 +179,11 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
         const int64_t esize =
             (sec == Section::kCompute && options.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
         bytes = round_up(checked_mul(L.numel, esize), kSectionAlignBytes);
+      }
+      if (skew && bytes > 0) {
+        const int64_t want = (kSkewBaseBytes + s * kSkewStepBytes) % kSkewPeriodBytes;
+        const int64_t have = checked_add(cursor, rel) % kSkewPeriodBytes;
+        rel = checked_add(rel, ((want - have) % kSkewPeriodBytes + kSkewPeriodBytes) % kSkewPeriodBytes);
       }
       L.section_offset_bytes[s] = rel;
       L.section_bytes[s] = bytes;

@@ -1,7 +1,8 @@
 // Host-resident training state: one page-aligned arena holding, per unit (a decoder layer or a
 // resident group), one contiguous block of sections
 //   [compute (bf16|fp32)] [master fp32] [exp_avg fp32] [exp_avg_sq fp32] [grad_accum fp32]?
-// ("layer-contiguous tiling", DESIGN.md section 1). Torch-free.
+// ("layer-contiguous tiling", DESIGN.md section 1); in large units the sections are staggered
+// by a small gap (kSkewMinSectionBytes). Torch-free.
 #pragma once
 
 #include <array>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "megatrain/common/tuning.h"
 #include "megatrain/host_store/host_memory.h"
 
 namespace megatrain {
@@ -36,6 +38,10 @@ class PinnedBuffer {
   int64_t bytes() const { return bytes_; }          ///< requested size
   int64_t mapped_bytes() const { return mapped_; }  ///< page-rounded size actually mapped
   bool is_pinned() const { return pinned_; }
+  /// \brief Whether the mapping is 2 MiB aligned and advised MADV_HUGEPAGE (buffers >= 2 MiB,
+  /// MEGATRAIN_HUGEPAGES not 0). Whether the kernel then backs it with huge pages depends on its
+  /// THP mode (/sys/kernel/mm/transparent_hugepage/enabled); see huge_page_bytes().
+  bool hugepage_advised() const { return hugepage_advised_; }
 
   /// \brief Number of successful mappings made by PinnedBuffer in this process (tests use it to
   /// prove a failed budget check allocated nothing).
@@ -46,6 +52,7 @@ class PinnedBuffer {
   int64_t bytes_ = 0;
   int64_t mapped_ = 0;
   bool pinned_ = false;
+  bool hugepage_advised_ = false;
 };
 
 /// \brief One tensor of a unit: name and shape.
@@ -70,6 +77,9 @@ struct HostStoreOptions {
   bool with_grad_accum = false;  ///< add the fp32 gradient accumulator section
   bool pin = false;              ///< page-lock the whole arena (one registration)
   int64_t memory_limit_bytes = -1;  ///< budget override; -1: MemAvailable / cgroup / memlock
+  /// Stagger the sections of large units (MEGATRAIN_STORE_SKEW, common/tuning.h): see
+  /// HostStore::kSkewMinSectionBytes.
+  bool skew_sections = common::tuning().store_skew;
 };
 
 /// \brief A tensor's place in its unit: same element offset in every section.
@@ -84,6 +94,18 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
  public:
   static constexpr int64_t kAlignElements = 64;
   static constexpr int64_t kSectionAlignBytes = 4096;
+  /// With skew_sections, a unit whose fp32 sections are >= kSkewMinSectionBytes starts section s
+  /// at an arena offset == kSkewBaseBytes + s * kSkewStepBytes (mod kSkewPeriodBytes), padding
+  /// before it as needed (< kSkewPeriodBytes, zero, unused): element i of master / exp_avg /
+  /// exp_avg_sq / grad_accum is then never a multiple of a large power of two away from the same
+  /// element of another section (model dimensions make back-to-back sections exactly that, and
+  /// streaming such arrays together loses a large share of the host bandwidth to cache-set and
+  /// DRAM-bank conflicts), and the bf16 compute section is off the 2 MiB-aligned staging buffers
+  /// (pinned_empty) that carry bf16 gradients. Smaller units stay back to back.
+  static constexpr int64_t kSkewMinSectionBytes = int64_t{16} << 20;
+  static constexpr int64_t kSkewPeriodBytes = int64_t{256} << 10;
+  static constexpr int64_t kSkewStepBytes = 17 * 4096;
+  static constexpr int64_t kSkewBaseBytes = 8 * 4096;
 
   /// \brief Plans the layout, checks the host budget, then maps (and optionally pins) one arena.
   /// \throws std::invalid_argument for negative dimensions or sizes that overflow int64.
@@ -106,7 +128,8 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   void* section_data(int64_t u, Section s) const;
   /// \brief Bytes per element of section s (2 for a bf16 compute section, else 4).
   int64_t element_size(Section s) const;
-  /// \brief Bytes of section s in unit u including its padding up to 4 KiB.
+  /// \brief Bytes of section s in unit u including its padding up to 4 KiB (not the skew gap
+  /// before it, see kSkewMinSectionBytes).
   int64_t unit_section_bytes(int64_t u, Section s) const;
   /// \brief Bytes of section s summed over all units (0 when absent).
   int64_t section_bytes(Section s) const;
@@ -119,6 +142,7 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   double bytes_per_param() const;
   const HostStoreOptions& options() const { return options_; }
   void* arena_data() const { return arena_ ? arena_->data() : nullptr; }
+  bool hugepage_advised() const { return arena_ && arena_->hugepage_advised(); }
 
  private:
   struct UnitLayout {

@@ -33,52 +33,111 @@ inline __m512 load16_grad(const void* grad, GradDtype dt, int64_t i) {
 }
 
 // Round-to-nearest-even fp32 -> bf16, NaN -> 0x7FC0 (bit-identical to detail::float_to_bf16_rne).
-inline void store16_bf16(uint16_t* out, __m512 p) {
+inline __m256i bf16x16(__m512 p) {
   const __m512i u = _mm512_castps_si512(p);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   r = _mm512_srli_epi32(r, 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+struct Consts {
+  __m512 gs, decay, w, wm1, b2, omb2, ss, bc2s, eps;
+  bool lerp_low;
+};
+
+inline Consts make_consts(const AdamConstants& c) {
+  Consts k;
+  k.gs = _mm512_set1_ps(c.grad_scale);
+  k.decay = _mm512_set1_ps(c.decay);
+  k.w = _mm512_set1_ps(c.lerp_weight);
+  k.wm1 = _mm512_set1_ps(c.lerp_weight - 1.0f);
+  k.b2 = _mm512_set1_ps(c.beta2);
+  k.omb2 = _mm512_set1_ps(c.one_minus_beta2);
+  k.ss = _mm512_set1_ps(c.step_size);
+  k.bc2s = _mm512_set1_ps(c.bc2_sqrt);
+  k.eps = _mm512_set1_ps(c.eps);
+  k.lerp_low = c.lerp_low;
+  return k;
+}
+
+// Updates master / exp_avg / exp_avg_sq at [i, i + 16); returns the new master.
+inline __m512 step16(const AdamArgs& a, const Consts& k, int64_t i) {
+  const __m512 g = _mm512_mul_ps(load16_grad(a.grad, a.grad_dtype, i), k.gs);
+  __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), k.decay);
+  __m512 m = _mm512_loadu_ps(a.exp_avg + i);
+  if (k.lerp_low) {
+    m = _mm512_fmadd_ps(k.w, _mm512_sub_ps(g, m), m);  // torch.lerp: one fma
+  } else {
+    m = _mm512_fmadd_ps(k.wm1, _mm512_sub_ps(g, m), g);
+  }
+  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(k.omb2, g), g,
+                                    _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), k.b2));  // as torch addcmul
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), k.bc2s), k.eps);
+  p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.ss, m), denom));
+  _mm512_storeu_ps(a.master + i, p);
+  _mm512_storeu_ps(a.exp_avg + i, m);
+  _mm512_storeu_ps(a.exp_avg_sq + i, v);
+  return p;
+}
+
+// One 64-byte line of each fp32 stream (and the grad bytes of the same 16 elements), `d`
+// elements ahead of i.
+inline void prefetch16(const AdamArgs& a, int64_t i, int64_t d) {
+  _mm_prefetch(reinterpret_cast<const char*>(a.master + i + d), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + i + d), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + i + d), _MM_HINT_T0);
+  const char* g = static_cast<const char*>(a.grad) + (i + d) * (a.grad_dtype == GradDtype::kFloat32 ? 4 : 2);
+  _mm_prefetch(g, _MM_HINT_T0);
 }
 
 }  // namespace
 
 void adamw_avx512(const AdamArgs& a, const AdamConstants& c, int64_t begin, int64_t end) {
-  const __m512 gs = _mm512_set1_ps(c.grad_scale);
-  const __m512 decay = _mm512_set1_ps(c.decay);
-  const __m512 w = _mm512_set1_ps(c.lerp_weight);
-  const __m512 wm1 = _mm512_set1_ps(c.lerp_weight - 1.0f);
-  const __m512 b2 = _mm512_set1_ps(c.beta2);
-  const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
-  const __m512 ss = _mm512_set1_ps(c.step_size);
-  const __m512 bc2s = _mm512_set1_ps(c.bc2_sqrt);
-  const __m512 eps = _mm512_set1_ps(c.eps);
+  const Consts k = make_consts(c);
+  const int64_t pf = a.prefetch_bytes / 4;  // distance in elements
   int64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    const __m512 g = _mm512_mul_ps(load16_grad(a.grad, a.grad_dtype, i), gs);
-    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), decay);
-    __m512 m = _mm512_loadu_ps(a.exp_avg + i);
-    if (c.lerp_low) {
-      m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), m);  // torch.lerp: one fma
-    } else {
-      m = _mm512_fmadd_ps(wm1, _mm512_sub_ps(g, m), g);
+  const int64_t esize = a.out_dtype == OutDtype::kBFloat16 ? 2 : 4;
+  const uintptr_t out_addr = reinterpret_cast<uintptr_t>(a.compute_out);
+  const bool nt = a.nt_out && a.out_dtype != OutDtype::kNone && out_addr % esize == 0;
+  if (nt) {
+    // Scalar head up to the output's first 64-byte boundary, then 32 elements per iteration:
+    // one whole output line (bf16) or two (fp32), streamed past the caches.
+    while (i < end && (out_addr + static_cast<uintptr_t>(i * esize)) % 64 != 0) {
+      detail::adamw_one(a, c, i);
+      ++i;
     }
-    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
-                                      _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2));  // as torch addcmul
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
-    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(ss, m), denom));
-    _mm512_storeu_ps(a.master + i, p);
-    _mm512_storeu_ps(a.exp_avg + i, m);
-    _mm512_storeu_ps(a.exp_avg_sq + i, v);
+    for (; i + 32 <= end; i += 32) {
+      if (pf > 0) {
+        prefetch16(a, i, pf);
+        prefetch16(a, i + 16, pf);
+      }
+      const __m512 p0 = step16(a, k, i);
+      const __m512 p1 = step16(a, k, i + 16);
+      if (a.out_dtype == OutDtype::kBFloat16) {
+        const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(p0)), bf16x16(p1), 1);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(static_cast<uint16_t*>(a.compute_out) + i), line);
+      } else {
+        _mm512_stream_ps(static_cast<float*>(a.compute_out) + i, p0);
+        _mm512_stream_ps(static_cast<float*>(a.compute_out) + i + 16, p1);
+      }
+    }
+  }
+  for (; i + 16 <= end; i += 16) {
+    if (pf > 0) prefetch16(a, i, pf);
+    const __m512 p = step16(a, k, i);
     if (a.out_dtype == OutDtype::kBFloat16) {
-      store16_bf16(static_cast<uint16_t*>(a.compute_out) + i, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.compute_out) + i), bf16x16(p));
     } else if (a.out_dtype == OutDtype::kFloat32) {
       _mm512_storeu_ps(static_cast<float*>(a.compute_out) + i, p);
     }
   }
   for (; i < end; ++i) detail::adamw_one(a, c, i);
+  // Streaming stores are weakly ordered: make them globally visible before this returns (the
+  // caller then signals other threads / a DMA engine that the output is ready).
+  if (nt) _mm_sfence();
 }
 
 double grad_accumulate_avx512(float* accum, const void* grad, GradDtype grad_dtype, bool overwrite,
