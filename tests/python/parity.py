@@ -64,8 +64,9 @@ def train_reference(model, batches, *, lr, wd, betas, max_grad_norm, groups, dev
 
 
 def train_megatrain(model, batches, *, lr, wd, betas, max_grad_norm, groups, device="cpu",
-                    compute_dtype=torch.float32, activation_policy="recompute"):
-    model = megatrain.wrap(model, device=device, compute_dtype=compute_dtype, activation_policy=activation_policy)
+                    compute_dtype=torch.float32, activation_policy="recompute", **wrap_kw):
+    model = megatrain.wrap(model, device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
+                           **wrap_kw)
     opt = megatrain.optim.CPUAdamW(param_groups(model, groups, lr, wd), lr=lr, betas=betas, weight_decay=wd,
                                    eps=PARITY_EPS, max_grad_norm=max_grad_norm,
                                    gradient_accumulation_steps=len(batches[0]))

@@ -48,11 +48,11 @@ def tiny(arch: str, **over):
 
 
 def run_pair(model, *, micro_batches=1, max_grad_norm=None, groups="one", policy="recompute", lr=1e-3, wd=0.1,
-             batch=2, seq=16, steps=STEPS):
+             batch=2, seq=16, steps=STEPS, **wrap_kw):
     batches = make_batches(model.config.vocab_size, steps, micro_batches, batch, seq, seed=1)
     kw = dict(lr=lr, wd=wd, betas=(0.9, 0.95), max_grad_norm=max_grad_norm, groups=groups)
     ref = train_reference(copy.deepcopy(model), batches, **kw)
-    got, wrapped, opt = train_megatrain(model, batches, activation_policy=policy, **kw)
+    got, wrapped, opt = train_megatrain(model, batches, activation_policy=policy, **kw, **wrap_kw)
     return ref, got, wrapped, opt
 
 
@@ -342,7 +342,7 @@ def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):
 # overwrites must come back whenever something needs them before the update rewrites them.
 # ------------------------------------------------------------------------------------------------
 
-def _script_pair(model, script, *, max_grad_norm=1.0, ga_declared=1, steps=4):
+def _script_pair(model, script, *, max_grad_norm=1.0, ga_declared=1, steps=4, **wrap_kw):
     """Run ``script`` (a list of ops per step) on plain PyTorch and on megatrain; return both logs.
 
     Ops: ``"bwd"`` forward + backward of the next micro-batch (loss / micro-batches), ``"eval"``
@@ -379,7 +379,7 @@ def _script_pair(model, script, *, max_grad_norm=1.0, ga_declared=1, steps=4):
                                 foreach=False)
     ref_log = run(ref_model, ref_opt, lambda m: max_grad_norm and torch.nn.utils.clip_grad_norm_(
         m.parameters(), max_grad_norm))
-    wrapped = megatrain.wrap(model, device="cpu")
+    wrapped = megatrain.wrap(model, device="cpu", **wrap_kw)
     opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6,
                                    max_grad_norm=max_grad_norm, gradient_accumulation_steps=ga_declared)
     got_log = run(wrapped, opt, lambda m: None)
@@ -441,3 +441,42 @@ def test_worker_runs_gradient_tasks_first_then_updates_by_deadline():
     w.drain()
     w.close()
     assert order == [("grad", 0), ("grad", 1), ("update", 1), ("update", 3), ("update", 5)]
+
+
+# ------------------------------------------------------------------------------------------------
+# grad_accumulator=False: 14 B/param, one backward per step, every gradient through the compute copy
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,clip,policy", [("llama", 1.0, "recompute"), ("gpt2", None, "recompute"),
+                                              ("qwen2_moe", 1.0, "store")])
+def test_parity_without_gradient_accumulator(arch, clip, policy):
+    ref, got, wrapped, _ = run_pair(tiny(arch), max_grad_norm=clip, policy=policy, grad_accumulator=False)
+    check(ref, got)
+    with_acc = megatrain.wrap(tiny(arch), device="cpu").megatrain
+    n = with_acc.store.total_numel
+    assert with_acc.store.total_bytes - wrapped.megatrain.store.total_bytes >= 4 * n  # the fp32 accumulator
+
+
+def test_without_accumulator_eval_between_backward_and_step_and_zero_grad():
+    ref_log, got_log, ref_p, got_p, _ = _script_pair(
+        tiny("llama"), ["bwd", "eval", "zero", "bwd", "eval", "step", "eval"], grad_accumulator=False)
+    _check_script(ref_log, got_log, ref_p, got_p)
+
+
+def test_without_accumulator_a_second_backward_raises_before_changing_anything():
+    model = megatrain.wrap(tiny("llama"), device="cpu", grad_accumulator=False)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    x = torch.randint(0, 96, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
+    with pytest.raises(RuntimeError, match="grad_accumulator=False"):
+        model(input_ids=x, labels=x).loss.backward()
+    opt.zero_grad()  # drop the half-done step; training goes on
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before) is False
+    eng = model.megatrain
+    eng.flush()
+    for u in eng.units:  # the compute copy is the masters' again everywhere
+        assert torch.equal(eng.section(u, "compute"), eng.section(u, "master").to(eng.compute_dtype))

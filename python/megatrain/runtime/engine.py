@@ -88,9 +88,13 @@ class Unit:
     micro_batches: int = 0
     seen_grad: List[bool] = field(default_factory=list)
     eager_queued: bool = False
-    # Main thread only: the store's compute section holds this unit's last gradients (one
-    # micro-batch, D2H'd there directly) instead of its weights, until the update rewrites it.
-    grads_in_compute: bool = False
+    # Main thread only: entry i's slice of the store's compute section holds its gradient (the
+    # first of this step, D2H'd there directly) instead of its weights, until the update.
+    direct: List[bool] = field(default_factory=list)
+
+    @property
+    def grads_in_compute(self) -> bool:
+        return any(self.direct)
 
     @property
     def update_key(self) -> int:
@@ -102,6 +106,7 @@ class Unit:
         self.has_grad = [False] * len(self.entries)
         self.grad_sq = [0.0] * len(self.entries)
         self.seen_grad = [False] * len(self.entries)
+        self.direct = [False] * len(self.entries)
 
 
 class Slot:
@@ -272,13 +277,16 @@ class Engine:
             (``torch.bfloat16`` or ``torch.float32``).
         num_slots: device slots per distinct layer template (>= 2 for prefetch).
         staging_buffers: pinned staging buffers for layer gradients (bounded pool).
+        grad_accumulator: allocate the fp32 gradient accumulator section (4 B/param). Without it
+            every optimizer step must have exactly one backward pass (gradients go straight into
+            the compute section; see ``submit_grads``).
 
     Raises:
         HostMemoryError: if the host store does not fit (raised before anything is allocated).
     """
 
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
-                 num_slots: int = 2, staging_buffers: int = 4):
+                 num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: bool = True):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.units = units
@@ -289,13 +297,14 @@ class Engine:
         self.cuda = device.type == "cuda"
         tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
         elem = torch.tensor([], dtype=compute_dtype).element_size()
-        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, True))
+        self.has_accumulator = bool(grad_accumulator)
+        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, self.has_accumulator))
         staging_bytes = staging_buffers * elem * max((sum(-(-e.numel // 64) * 64 for e in u.entries)
                                                       for u in units), default=0)
         check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
                           "host store")
         with checked_in_python():
-            self.store = _C.HostStore(tables, compute_dtype, True, self.cuda)
+            self.store = _C.HostStore(tables, compute_dtype, self.has_accumulator, self.cuda)
         for u in units:
             for e, (_, _, numel, off) in zip(u.entries, self.store.entries(u.index)):
                 assert e.numel == numel, (e.name, e.numel, numel)
@@ -370,8 +379,13 @@ class Engine:
     def copy_h2d(self, dst: torch.Tensor, unit: Unit, ready_event=None, free_event=None) -> None:
         """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream)."""
         self.wait_update(unit)
-        self.ensure_weights(unit)
         src = self.section(unit, "compute")
+        if unit.grads_in_compute:
+            # A load between backward and step() (e.g. an evaluation forward): the compute
+            # section holds gradients; stream the weights rebuilt from the fp32 masters instead.
+            src = self.section(unit, "master").to(self.compute_dtype)
+            if self.cuda:
+                src = src.pin_memory()
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
             dst.copy_(src)
@@ -478,23 +492,24 @@ class Engine:
         """Hand weight gradients of ``unit`` (device tensors, one per entry or None) to D2H + the worker.
 
         Called on the thread running backward, right after the gradients were produced on the
-        compute stream. Where they land:
+        compute stream. Where an entry's gradient lands:
 
-        * *direct* (a layer's first backward since the last step, ``gradient_accumulation_steps``
-          of the optimizer is 1): D2H straight into the unit's compute section in the host store,
-          whose weights are not needed again before the update rewrites them. No staging buffer,
-          no fp32 accumulation pass: the fused Adam reads the bf16 gradient there and writes the
-          new compute copy in place. The squared norms (for clipping) are reduced on the device.
-          If another forward needs the unit before the update, ``ensure_weights`` moves the
-          gradient to the fp32 accumulator and restores the weights.
-        * otherwise: D2H into a pinned staging buffer (bounded pool), and the worker accumulates
-          it into the fp32 ``grad_accum`` section.
+        * *direct* (its first gradient since the last step, and the optimizer's
+          ``gradient_accumulation_steps`` is 1): D2H straight into the entry's slice of the
+          compute section in the host store, whose weights are not needed again before the
+          update rewrites them. No staging buffer, no fp32 accumulation pass: the fused Adam reads
+          the bf16 gradient there and writes the new compute copy in place. Squared norms (for
+          clipping) are reduced on the device. A load before the update streams weights rebuilt
+          from the masters; a second gradient moves the first one to the fp32 accumulator.
+        * otherwise: D2H into a pinned staging buffer (``staging``, or one of the bounded pool),
+          and the worker accumulates it into the fp32 ``grad_accum`` section.
 
         The update is queued now when the optimizer plans it (no clipping, the last micro-batch).
 
         Raises:
-            RuntimeError: no ``CPUAdamW`` was created for the model, or a backward pass came after
-                this unit's update was already queued (checked before anything is changed).
+            RuntimeError: no ``CPUAdamW`` was created for the model; a backward pass came after
+                this unit's update was already queued; or a second gradient before ``step()``
+                on a store without a gradient accumulator (all checked before anything changes).
         """
         opt = self.optimizer
         if opt is None:
@@ -504,12 +519,17 @@ class Engine:
                 "only see the layers' meta placeholders and train nothing)")
         if unit.eager_queued:
             opt.raise_extra_backward()  # before anything is mutated or taken from the pool
-        if unit.grads_in_compute:
-            self.ensure_weights(unit)  # a second backward without a forward in between (not expected)
         present = [g is not None for g in grads]
-        first_micro = unit.micro_batches == 0
-        direct = (first_micro and unit.kind == "layer" and staging is None
-                  and getattr(opt, "gradient_accumulation_steps", 1) == 1)
+        ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
+        direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
+        if not self.has_accumulator and any(p and not d for p, d in zip(present, direct)):
+            raise RuntimeError(
+                "megatrain: a second backward pass before optimizer.step() (gradient accumulation), but the model "
+                "was wrapped with grad_accumulator=False and CPUAdamW has gradient_accumulation_steps="
+                f"{getattr(opt, 'gradient_accumulation_steps', 1)}: call step() after every backward, or wrap with "
+                "grad_accumulator=True (4 more bytes of host memory per parameter)")
+        if any(unit.direct[i] and present[i] for i in range(len(present))):
+            self.ensure_weights(unit)  # a second gradient: the first one moves to the fp32 accumulator
         unit.micro_batches += 1
         unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
         # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
@@ -518,23 +538,32 @@ class Engine:
             unit.eager_queued = True
             unit.update_done.clear()
             unit.version += 1
-        need_norm = direct and plan is None and getattr(opt, "max_grad_norm", None) is not None
-        own_staging = staging is None and not direct
-        if direct:
-            dst = self.section(unit, "compute")
-            unit.grads_in_compute = True
-        else:
-            if own_staging:
-                staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
-            dst = staging
+        need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
+        staged = [p and not d for p, d in zip(present, direct)]
+        own_staging = staging is None and any(staged)
+        if own_staging:
+            staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
+        compute = self.section(unit, "compute") if any(direct) else None
+        for i, d in enumerate(direct):
+            if d:
+                unit.direct[i] = True
         norms = None
+        norm_idx = [i for i, d in enumerate(direct) if d]
         if need_norm:
-            idx = [i for i, p in enumerate(present) if p]
             with torch.no_grad():
-                dev_norms = torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64) for i in idx]) \
-                    if idx else None
+                dev_norms = torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64) for i in norm_idx])
         ev = None
         nbytes = 0
+
+        def copies(non_blocking: bool):
+            n = 0
+            for i, (e, g) in enumerate(zip(unit.entries, grads)):
+                if g is not None:
+                    dst = compute if direct[i] else staging
+                    dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=non_blocking)
+                    n += g.numel() * g.element_size()
+            return n
+
         if self.cuda:
             backward_done = torch.cuda.Event()
             backward_done.record(self._compute_stream())
@@ -543,12 +572,11 @@ class Engine:
                 if self.debug:
                     torch.cuda._sleep(2_000_000)
                 end = self._timed("d2h", self.d2h_stream)
-                for e, g in zip(unit.entries, grads):
+                nbytes = copies(True)
+                for g in grads:
                     if g is not None:
-                        dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=True)
                         g.record_stream(self.d2h_stream)
-                        nbytes += g.numel() * g.element_size()
-                if need_norm and dev_norms is not None:
+                if need_norm:
                     norms = torch.empty(dev_norms.shape, dtype=dev_norms.dtype, pin_memory=True)
                     norms.copy_(dev_norms, non_blocking=True)
                     dev_norms.record_stream(self.d2h_stream)
@@ -556,11 +584,8 @@ class Engine:
                 ev = torch.cuda.Event()
                 ev.record(self.d2h_stream)
         else:
-            for e, g in zip(unit.entries, grads):
-                if g is not None:
-                    dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
-                    nbytes += g.numel() * g.element_size()
-            if need_norm and dev_norms is not None:
+            nbytes = copies(False)
+            if need_norm:
                 norms = dev_norms
         self._stats["d2h_bytes"] += nbytes
 
@@ -568,16 +593,13 @@ class Engine:
             if ev is not None:
                 ev.synchronize()
             t0 = time.perf_counter()
-            if direct:
-                if norms is not None:
-                    for k, i in enumerate(i for i, p in enumerate(present) if p):
-                        unit.grad_sq[i] = float(norms[k]) ** 2
-                for i, p in enumerate(present):
-                    unit.has_grad[i] = unit.has_grad[i] or p
-            else:
-                for i, e in enumerate(unit.entries):
-                    if not present[i]:
-                        continue
+            if norms is not None:
+                for k, i in enumerate(norm_idx):
+                    unit.grad_sq[i] = float(norms[k]) ** 2
+            for i, e in enumerate(unit.entries):
+                if direct[i]:
+                    unit.has_grad[i] = True
+                elif staged[i]:
                     acc = self.entry_view(unit, i, "grad_accum").view(-1)
                     sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
                     unit.grad_sq[i] = float(sq)
@@ -600,29 +622,28 @@ class Engine:
         self._worker.submit(grad_task_and_signal, ready=ev.query if ev is not None else None)
         if plan is not None:
             items, scale = plan
-            unit.grads_in_compute = False  # the update below rewrites the compute section
-            self._submit_adam(unit, items, scale, from_compute=direct, present=present, after=grad_done)
+            self._submit_adam(unit, items, scale, after=grad_done)
 
-    def _submit_adam(self, unit: Unit, items, scale: float, from_compute: bool, present=None,
-                     after: Optional[threading.Event] = None) -> None:
+    def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None) -> None:
         """Queue ``unit``'s fused AdamW (worker, by deadline); ``update_done`` is set when it ran.
 
-        ``from_compute``: the gradient is the bf16 one in the compute section (direct D2H); entries
-        that got a gradient there but are not updated (not in this optimizer) get their weights back.
-        ``after``: set when the unit's gradient task ran (the update is not started before).
+        Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
+        accumulator; direct entries that are not updated (not in this optimizer) get their weights
+        back. ``after``: set when the unit's gradient task ran (the update is not started before).
+        Takes over (and clears) ``unit.direct``: the compute section holds weights after the update.
         """
-        restore = []
-        if from_compute:
-            updated = {it[0] for it in items}
-            restore = [i for i, p in enumerate(present or unit.has_grad) if p and i not in updated]
+        direct = list(unit.direct)
+        unit.direct = [False] * len(unit.entries)
+        updated = {it[0] for it in items}
+        restore = [i for i, d in enumerate(direct) if d and i not in updated]
+
+        def grad_src(i):
+            return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
 
         def task():
             t0 = time.perf_counter()
             try:
-                src = None
-                if from_compute:
-                    src = lambda i: self.entry_view(unit, i, "compute").view(-1)  # noqa: E731
-                run_adam(self, unit, items, scale, src)
+                run_adam(self, unit, items, scale, grad_src)
                 for i in restore:
                     self.entry_view(unit, i, "compute").copy_(self.entry_view(unit, i, "master"))
                 unit.has_grad = [False] * len(unit.entries)
@@ -636,25 +657,24 @@ class Engine:
                             ready=after.is_set if after is not None else None)
 
     def ensure_weights(self, unit: Unit) -> None:
-        """Make ``unit``'s compute section hold weights again (main thread; waits).
+        """Move ``unit``'s direct gradients from the compute section to the fp32 accumulator (waits).
 
-        Needed when a unit whose last gradient sits in its compute section (direct D2H) is loaded
-        before the optimizer stepped: a forward between backward and ``step()``, or gradient
-        accumulation the optimizer was not told about. The gradient moves to the fp32 accumulator
-        (it still counts) and the compute copy is rewritten from the fp32 master weights.
+        Needed when an entry gets a second gradient before the optimizer stepped (gradient
+        accumulation the optimizer was not told about): the first one still counts, and the
+        compute copy is rewritten from the fp32 master weights.
         """
-        if not unit.grads_in_compute:
+        direct = [i for i, d in enumerate(unit.direct) if d]
+        if not direct:
             return
-        unit.grads_in_compute = False
+        unit.direct = [False] * len(unit.entries)
         done = threading.Event()
 
         def task():
             try:
-                for i, e in enumerate(unit.entries):
+                for i in direct:
                     comp = self.entry_view(unit, i, "compute")
-                    if unit.has_grad[i]:
-                        acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                        unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp.view(-1), True))
+                    acc = self.entry_view(unit, i, "grad_accum").view(-1)
+                    unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp.view(-1), True))
                     comp.copy_(self.entry_view(unit, i, "master"))
             finally:
                 done.set()
@@ -697,13 +717,13 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators)."""
-        restore = [u for u in self.units if u.grads_in_compute]
+        restore = [(u, [i for i, d in enumerate(u.direct) if d]) for u in self.units if u.grads_in_compute]
         for u in self.units:
             u.micro_batches = 0
             u.seen_grad = [False] * len(u.entries)
             u.eager_queued = False
-            u.grads_in_compute = False
-        for u in restore:  # gradients D2H'd into the compute section and never used: weights back
+            u.direct = [False] * len(u.entries)
+        for u, _ in restore:  # gradients D2H'd into the compute section and never used: weights back
             u.update_done.clear()
 
         def task():
@@ -711,10 +731,11 @@ class Engine:
                 for u in self.units:
                     u.has_grad = [False] * len(u.entries)
                     u.grad_sq = [0.0] * len(u.entries)
-                for u in restore:
-                    self.section(u, "compute").copy_(self.section(u, "master"))
+                for u, idx in restore:
+                    for i in idx:
+                        self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
             finally:
-                for u in restore:
+                for u, _ in restore:
                     u.update_done.set()
         self._worker.submit(task)
 
@@ -725,9 +746,7 @@ class Engine:
         """
         unit.update_done.clear()
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
-        from_compute = unit.grads_in_compute
-        unit.grads_in_compute = False
-        self._submit_adam(unit, items, scale, from_compute=from_compute)
+        self._submit_adam(unit, items, scale)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:

@@ -212,7 +212,7 @@ class WrappedEngine(Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
-                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int):
+                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int, grad_accumulator: bool = True):
         m = _POLICY_RE.match(activation_policy)
         if m is None:
             raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), "
@@ -252,7 +252,7 @@ class WrappedEngine(Engine):
         self.resident = Unit(len(units), "resident", res_entries, 0, ("resident",)) if res_entries else None
         if self.resident is not None:
             units.append(self.resident)
-        super().__init__(units, device, compute_dtype, num_slots=num_slots)
+        super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator)
 
         # Initialise the store from the model's weights: master (fp32) and compute copy.
         with torch.no_grad():
@@ -328,8 +328,8 @@ class WrappedEngine(Engine):
             if prev is not None:
                 self.wait_event(prev)  # the worker still reads this entry's staging region from the last backward
             done = threading.Event()
-            self._resident_consumed[i] = done
             self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
+            self._resident_consumed[i] = done  # only once submitted: a refused gradient leaves nothing to wait for
         return hook
 
     def begin_forward(self) -> None:
@@ -569,7 +569,7 @@ class WrappedEngine(Engine):
 
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
-         activation_policy: str = "recompute", num_slots: int = 2) -> nn.Module:
+         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: bool = True) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -588,6 +588,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             per input shape, recorded in ``model.megatrain.auto_decisions``).
         num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
             loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
+        grad_accumulator: keep an fp32 gradient accumulator in the host store (4 B/param;
+            18 B/param in all). ``False`` (14 B/param) is for training with one backward pass per
+            optimizer step: each gradient goes straight into the store's bf16 compute copy and is
+            read from there by the update; a second backward before ``step()`` raises.
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
@@ -628,6 +632,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
-    engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots)
+    engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
+                           grad_accumulator=bool(grad_accumulator))
     object.__setattr__(model, "megatrain", engine)
     return model
