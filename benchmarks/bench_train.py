@@ -181,7 +181,12 @@ def profile_steps(step, batches, spec) -> dict:
             prof.step()
     prof.export_chrome_trace(path)
     with open(path) as f:
-        out = summarize(json.load(f))
+        trace = json.load(f)
+    try:
+        out = summarize(trace)
+    except ValueError as e:  # e.g. no CUPTI activity in this environment: keep the row's timings
+        cats = collections.Counter(ev.get("cat") for ev in trace.get("traceEvents", []))
+        out = dict(error=str(e), event_categories=dict(cats.most_common(12)))
     out["trace"] = path
     return out
 
@@ -255,7 +260,10 @@ def run_megatrain(spec):
     try:
         r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
         if spec.get("profile") and dev.startswith("cuda"):
-            r["profile"] = profile_steps(step, batches[-2:], spec)
+            try:  # after the timed window: a profiler problem must not lose the timings
+                r["profile"] = profile_steps(step, batches[-2:], spec)
+            except Exception as e:
+                r["profile"] = dict(error=f"{type(e).__name__}: {e}")
     finally:
         eng.close()
     a, b = snaps["start"], snaps["end"]
@@ -511,6 +519,9 @@ def finish_row(row: dict, spec: dict, peak_tflops: float | None) -> dict:
 
 
 def git_commit() -> str | None:
+    """HEAD (+ "-dirty"), or $MEGATRAIN_GIT_COMMIT when set (a copied tree whose .git is stale)."""
+    if os.environ.get("MEGATRAIN_GIT_COMMIT"):
+        return os.environ["MEGATRAIN_GIT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
@@ -756,7 +767,9 @@ def main() -> None:
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "config"))
     for r in rows:
         pr = r.get("profile")
-        if pr:
+        if pr and "error" in pr:
+            print(f"profile {r['system']}: failed: {pr['error']} {pr.get('event_categories', '')}")
+        elif pr:
             syncs = {tid: {k: v["count"] for k, v in calls.items()} for tid, calls in pr["host_syncs"].items()}
             print(f"profile {r['system']} (one step): window {pr['window_s']:.3f} s, compute busy {pr['compute_busy_s']:.3f} s, "
                   f"idle {pr['compute_idle_s']:.3f} s in {pr['compute_idle_gaps_over_threshold']} gaps > 100 us "
