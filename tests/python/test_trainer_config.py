@@ -44,7 +44,7 @@ def test_gpu_preset_differs_from_default():
         ("train: [1, 2]\n", "must be a mapping"),
         ("data:\n  eval_fraction: 1.0\n", "data.eval_fraction must be between 0 and 1"),
         ("data:\n  seq_len: 4096\n", "above the model's limit max_position_embeddings"),
-        ("runtime:\n  activation_policy: block:0\n", "activation_policy must be recompute or block:K"),
+        ("runtime:\n  activation_policy: block:0\n", "activation_policy must be recompute, store or block:K"),
         ("runtime:\n  compute_dtype: fp16\n", "compute_dtype must be auto, bf16 or fp32"),
         ("model:\n  hidden_size: 100\n  num_heads: 3\n", "divisible by model.num_heads"),
         ("train:\n  warmup_steps: -1\n", "train.warmup_steps must be >= 0"),

@@ -99,7 +99,7 @@ class RuntimeConfig:
 
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    activation_policy: str = "recompute"  # recompute | block:K
+    activation_policy: str = "recompute"  # recompute | store | block:K
 
 
 @dataclass
@@ -351,8 +351,8 @@ def validate(cfg: Config) -> None:
     if not (r.device in ("auto", "cpu", "cuda") or (r.device.startswith("cuda:") and r.device[5:].isdigit())):
         raise UsageError(f"runtime.device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
     policy = r.activation_policy
-    if not (policy == "recompute" or (policy.startswith("block:") and policy[6:].isdigit() and int(policy[6:]) > 0)):
-        raise UsageError(f"runtime.activation_policy must be recompute or block:K (K > 0), got {policy!r}")
+    if not (policy in ("recompute", "store") or (policy.startswith("block:") and policy[6:].isdigit() and int(policy[6:]) > 0)):
+        raise UsageError(f"runtime.activation_policy must be recompute, store or block:K (K > 0), got {policy!r}")
 
 
 def load_yaml(path: str) -> dict:
