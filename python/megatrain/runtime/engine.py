@@ -330,7 +330,7 @@ class Engine:
                 self._staging.put(self._host_buffer(max_numel))
         self._worker = _Worker()
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
-                           grad_accum_time_s=0.0, h2d_copies=0, slot_hits=0)
+                           grad_accum_time_s=0.0, grad_wait_s=0.0, h2d_copies=0, slot_hits=0)
         self._timed_copies: list = []  # (kind, start_event, end_event) awaiting readout
         self._h2d_time_s = 0.0
         self._d2h_time_s = 0.0
@@ -712,8 +712,8 @@ class Engine:
             return self.flush()
         t0 = time.perf_counter()
         self._worker.wait_grads()
-        with self._stats_lock:
-            self._stats["adam_exposed_s"] += time.perf_counter() - t0
+        with self._stats_lock:  # mostly the GPU finishing backward: not CPU Adam time
+            self._stats["grad_wait_s"] += time.perf_counter() - t0
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators)."""
@@ -754,7 +754,8 @@ class Engine:
 
         Keys: ``h2d_bytes``, ``d2h_bytes`` (bytes copied), ``h2d_time_s``, ``d2h_time_s`` (time the
         copies took on their streams), ``adam_time_s`` (CPU Adam), ``grad_accum_time_s``,
-        ``adam_exposed_s`` (time the main thread waited for the CPU worker), ``slot_hits``,
+        ``adam_exposed_s`` (time the main thread waited for CPU updates), ``grad_wait_s`` (time
+        ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
         ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
         ``streamed_layers``. Reading the copy times waits for the copies already issued.
         """
