@@ -242,6 +242,11 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "engine") else optimizer
         if getattr(optimizer, "engine", None) is not eng:
             raise ValueError("megatrain.save_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
+    if any(u.eager_queued for u in eng.units):
+        # Without clipping the layers' updates start during backward: a checkpoint now would hold
+        # some units after this step's update and the others before it.
+        raise ValueError("megatrain.save_checkpoint: called between backward() and optimizer.step() while updates "
+                         "are already running (no max_grad_norm); save after optimizer.step()")
     try:
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:

@@ -480,3 +480,45 @@ def test_without_accumulator_a_second_backward_raises_before_changing_anything()
     eng.flush()
     for u in eng.units:  # the compute copy is the masters' again everywhere
         assert torch.equal(eng.section(u, "compute"), eng.section(u, "master").to(eng.compute_dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# Misuse that used to train wrongly in silence (found by a review): now a clear error
+# ------------------------------------------------------------------------------------------------
+
+def test_a_second_cpu_adamw_for_other_parameters_is_refused():
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    named = list(model.named_parameters())
+    megatrain.optim.CPUAdamW([p for n, p in named if "layers" in n], lr=1e-3)
+    with pytest.raises(ValueError, match="already has a CPUAdamW for other parameters"):
+        megatrain.optim.CPUAdamW([p for n, p in named if "layers" not in n], lr=1e-3)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # a replacement covering them all is fine
+
+
+def test_accumulation_steps_without_accumulator_refused_at_construction():
+    model = megatrain.wrap(tiny("llama"), device="cpu", grad_accumulator=False)
+    with pytest.raises(ValueError, match="needs the fp32 gradient accumulator"):
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+
+
+@pytest.mark.parametrize("policy", ["store", "block:2"])
+def test_second_backward_through_a_kept_graph_is_a_clear_error(policy):
+    model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy=policy)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    x = torch.randint(0, 96, (2, 8))
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same forward"):
+        loss.backward()
+
+
+def test_checkpoint_between_backward_and_eager_step_is_refused(tmp_path):
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: updates start in backward
+    x = torch.randint(0, 96, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(ValueError, match="between backward\\(\\) and optimizer.step\\(\\)"):
+        megatrain.save_checkpoint(str(tmp_path / "c"), model, opt)
+    assert not (tmp_path / "c").exists()
+    opt.step()
+    megatrain.save_checkpoint(str(tmp_path / "c"), model, opt)

@@ -92,6 +92,16 @@ class CPUAdamW(torch.optim.Optimizer):
                 }
         if self.engine is None:
             raise ValueError("megatrain.optim.CPUAdamW: got an empty parameter list")
+        prev = self.engine.optimizer
+        if prev is not None and not set(prev._entry) <= set(self._entry):
+            # One optimizer per model: the engine routes every gradient to it (and step()/zero_grad()
+            # act on the whole model). A replacement that covers the old one's parameters is fine.
+            raise ValueError("megatrain.optim.CPUAdamW: this model already has a CPUAdamW for other parameters; use one "
+                             "CPUAdamW with several param groups (each group can have its own lr, weight_decay, betas)")
+        if gradient_accumulation_steps > 1 and not self.engine.has_accumulator:
+            raise ValueError(f"megatrain.optim.CPUAdamW: gradient_accumulation_steps={gradient_accumulation_steps} needs the "
+                             "fp32 gradient accumulator, but the model was wrapped with grad_accumulator=False; wrap with "
+                             "grad_accumulator=True (the default)")
         self.engine.optimizer = self
         self.last_grad_norm: Optional[float] = None
 

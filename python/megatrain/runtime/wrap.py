@@ -202,8 +202,13 @@ class _LayerFunction(torch.autograd.Function):
             inputs = ctx.saved_tensors
         elif call.stored is not None:
             inputs = None
-        else:
+        elif call.block is not None and (call.pos in call.block.inputs or call.block.first_inputs is not None):
             inputs = eng.block_input(call)
+        else:
+            raise RuntimeError(
+                f"megatrain: a second backward through the same forward (retain_graph=True) is not supported with "
+                f"activation_policy={eng.activation_policy!r} (the layer's saved state was freed by the first one); "
+                "use activation_policy='recompute', or run the forward again")
         grads = eng.backward_layer(call, inputs, grad_outs)
         return (None, None, None) + tuple(grads)
 
