@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "megatrain/common/cpu_features.h"
@@ -21,12 +22,23 @@ using cpu_adam::OutDtype;
 // on a 64-element boundary) independent of the thread count: results are deterministic.
 constexpr int64_t kChunkNumel = 64 * 1024;
 
+// "[a, b, c]" built with std::to_string only: on the H200 build, streaming c10 types into the
+// error message is the suspect of a crash (SIGSEGV instead of ValueError; see the session notes).
+std::string int_list(c10::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
 void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
-                    t.device());
+                    t.device().str());
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name,
                     " must be contiguous (in-place ops never work on a hidden copy), got sizes ",
-                    t.sizes(), " and strides ", t.strides());
+                    int_list(t.sizes()), " and strides ", int_list(t.strides()));
 }
 
 void check_fp32_state(const at::Tensor& t, const char* op, const char* name, int64_t numel) {
