@@ -522,3 +522,29 @@ def test_checkpoint_between_backward_and_eager_step_is_refused(tmp_path):
     assert not (tmp_path / "c").exists()
     opt.step()
     megatrain.save_checkpoint(str(tmp_path / "c"), model, opt)
+
+
+def test_autograd_grad_for_inputs_only_leaves_the_optimizer_alone():
+    # torch.autograd.grad(loss, [x]) must not feed the layers' weight gradients to the optimizer.
+    model = tiny("llama")
+    ref = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu")
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    x = torch.randint(0, 96, (2, 8))
+    for m in (wrapped, ref):
+        emb = m.get_input_embeddings()(x).detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(inputs_embeds=emb, labels=x).loss, [emb])
+        assert g.abs().sum() > 0
+    eng = wrapped.megatrain
+    eng.flush()
+    assert not any(any(u.has_grad) for u in eng.units)
+    for m, o in ((wrapped, opt), (ref, ref_opt)):
+        m(input_ids=x, labels=x).loss.backward()
+        if o is ref_opt:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        o.step()
+        o.zero_grad()
+    got = megatrain.master_state_dict(wrapped)
+    for n, p in ref.named_parameters():
+        assert_close_rel(got[n], p.detach(), RTOL, n)

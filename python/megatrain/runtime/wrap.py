@@ -300,6 +300,10 @@ class WrappedEngine(Engine):
         self._pending_block: Optional[_Block] = None
         self._last_call: Optional[_LayerCall] = None
         self._dummy = torch.empty(0, requires_grad=True)
+        # Its AccumulateGrad node, held so that it stays the node of every graph: backward asks the
+        # autograd engine whether the running graph task reaches it, i.e. whether this backward
+        # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
+        self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
         model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
 
     # ------------------------------------------------------------------ resident unit
@@ -516,6 +520,17 @@ class WrappedEngine(Engine):
                 break
             protect.append(got)
 
+    def _weights_wanted(self) -> bool:
+        """Whether the running backward accumulates parameter gradients (False for
+        ``torch.autograd.grad(loss, inputs)`` or ``backward(inputs=...)`` that exclude them)."""
+        will = getattr(torch._C, "_will_engine_execute_node", None)
+        if will is None:
+            return True
+        try:
+            return bool(will(self._dummy_node))
+        except RuntimeError:  # not inside a backward graph task
+            return True
+
     def backward_layer(self, call: _LayerCall, inputs, grad_outs):
         """Backward of one layer: weight grads sent D2H, input grads returned.
 
@@ -523,6 +538,7 @@ class WrappedEngine(Engine):
         ``store``: re-stream the weights for the kept graph's saved-weight handles.
         """
         unit = call.unit
+        want_weights = self._weights_wanted()
         if call.stored is not None:
             out, bound, detached = call.stored
             call.stored = None
@@ -552,7 +568,7 @@ class WrappedEngine(Engine):
                     outs.append(o)
                     gos.append(go)
             want_in = [x for x in detached if x.requires_grad]
-            want_w = [(k, b) for k, b in enumerate(bound) if b.requires_grad]
+            want_w = [(k, b) for k, b in enumerate(bound) if b.requires_grad] if want_weights else []
             targets = want_in + [b for _, b in want_w]
             if outs and targets:
                 grads = torch.autograd.grad(outs, targets, gos, allow_unused=True)
