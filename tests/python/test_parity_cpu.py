@@ -548,3 +548,20 @@ def test_autograd_grad_for_inputs_only_leaves_the_optimizer_alone():
     got = megatrain.master_state_dict(wrapped)
     for n, p in ref.named_parameters():
         assert_close_rel(got[n], p.detach(), RTOL, n)
+
+
+def test_layer_called_twice_in_one_forward_without_clipping_names_the_cause():
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
+    layer = model.model.layers[1]
+    orig = type(layer).forward
+
+    def twice(self, *args, **kwargs):  # the same layer applied twice (weight sharing across calls)
+        out = orig(self, *args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        return orig(self, hidden, *args[1:], **kwargs)
+
+    layer.forward = twice.__get__(layer)
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(RuntimeError, match="second gradient in the same backward pass"):
+        model(input_ids=x, labels=x).loss.backward()

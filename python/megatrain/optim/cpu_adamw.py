@@ -122,8 +122,17 @@ class CPUAdamW(torch.optim.Optimizer):
                           float(group["weight_decay"]), int(st["step"].item())))
         return items
 
-    def raise_extra_backward(self):
-        """Raise the error for a backward pass after a unit's update was already queued (no clipping)."""
+    def raise_extra_backward(self, same_backward: bool = False):
+        """Raise the error for a gradient after a unit's update was already queued (no clipping).
+
+        ``same_backward``: the gradient comes from the backward pass that queued the update (a
+        layer called more than once in one forward).
+        """
+        if same_backward:
+            raise RuntimeError(
+                "megatrain: a decoder layer received a second gradient in the same backward pass (the layer is "
+                "called more than once per forward); without max_grad_norm its update starts at its first gradient. "
+                "Set max_grad_norm in CPUAdamW (updates then wait for step() and the gradients are summed)")
         raise RuntimeError(
             f"megatrain: more backward passes than gradient_accumulation_steps="
             f"{self.gradient_accumulation_steps} before optimizer.step(); pass the right "

@@ -88,6 +88,7 @@ class Unit:
     micro_batches: int = 0
     seen_grad: List[bool] = field(default_factory=list)
     eager_queued: bool = False
+    eager_task: Optional[int] = None  # autograd graph task that queued the eager update
     # Main thread only: entry i's slice of the store's compute section holds its gradient (the
     # first of this step, D2H'd there directly) instead of its weights, until the update.
     direct: List[bool] = field(default_factory=list)
@@ -517,8 +518,9 @@ class Engine:
                 "megatrain: backward() on a wrapped model needs megatrain.optim.CPUAdamW(model.parameters(), ...) "
                 "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
-        if unit.eager_queued:
-            opt.raise_extra_backward()  # before anything is mutated or taken from the pool
+        task_id = _graph_task_id()
+        if unit.eager_queued:  # before anything is mutated or taken from the pool
+            opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.eager_task)
         present = [g is not None for g in grads]
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
         direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
@@ -536,6 +538,7 @@ class Engine:
         plan = opt.plan_eager(unit)
         if plan is not None:
             unit.eager_queued = True
+            unit.eager_task = task_id
             unit.update_done.clear()
             unit.version += 1
         need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
@@ -785,6 +788,16 @@ class Engine:
 
     def close(self) -> None:
         self._worker.close()
+
+
+def _graph_task_id() -> Optional[int]:
+    """Id of the autograd graph task (backward pass) running now, or None (unknown / outside one)."""
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    try:
+        i = f() if f is not None else -1
+    except RuntimeError:
+        return None
+    return None if i < 0 else int(i)
 
 
 def _C_ops():
