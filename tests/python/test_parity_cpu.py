@@ -550,9 +550,13 @@ def test_autograd_grad_for_inputs_only_leaves_the_optimizer_alone():
         assert_close_rel(got[n], p.detach(), RTOL, n)
 
 
-def test_layer_called_twice_in_one_forward_without_clipping_names_the_cause():
-    model = megatrain.wrap(tiny("llama"), device="cpu")
-    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
+@pytest.mark.parametrize("accumulator,clip,message", [
+    (True, None, "second gradient in the same backward pass.*Set max_grad_norm"),
+    (False, 1.0, "second gradient in the same backward pass.*grad_accumulator=True"),
+])
+def test_layer_called_twice_in_one_forward_names_the_cause(accumulator, clip, message):
+    model = megatrain.wrap(tiny("llama"), device="cpu", grad_accumulator=accumulator)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=clip)
     layer = model.model.layers[1]
     orig = type(layer).forward
 
@@ -563,5 +567,5 @@ def test_layer_called_twice_in_one_forward_without_clipping_names_the_cause():
 
     layer.forward = twice.__get__(layer)
     x = torch.randint(0, 96, (2, 8))
-    with pytest.raises(RuntimeError, match="second gradient in the same backward pass"):
+    with pytest.raises(RuntimeError, match=message):
         model(input_ids=x, labels=x).loss.backward()

@@ -89,6 +89,7 @@ class Unit:
     seen_grad: List[bool] = field(default_factory=list)
     eager_queued: bool = False
     eager_task: Optional[int] = None  # autograd graph task that queued the eager update
+    last_task: Optional[int] = None  # autograd graph task of the last gradient handed over
     # Main thread only: entry i's slice of the store's compute section holds its gradient (the
     # first of this step, D2H'd there directly) instead of its weights, until the update.
     direct: List[bool] = field(default_factory=list)
@@ -525,6 +526,11 @@ class Engine:
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
         direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
         if not self.has_accumulator and any(p and not d for p, d in zip(present, direct)):
+            if task_id is not None and task_id == unit.last_task:
+                raise RuntimeError(
+                    "megatrain: a decoder layer received a second gradient in the same backward pass (it is called "
+                    "more than once per forward); summing them needs the fp32 gradient accumulator: wrap with "
+                    "grad_accumulator=True (the default)")
             raise RuntimeError(
                 "megatrain: a second backward pass before optimizer.step() (gradient accumulation), but the model "
                 "was wrapped with grad_accumulator=False and CPUAdamW has gradient_accumulation_steps="
@@ -533,6 +539,7 @@ class Engine:
         if any(unit.direct[i] and present[i] for i in range(len(present))):
             self.ensure_weights(unit)  # a second gradient: the first one moves to the fp32 accumulator
         unit.micro_batches += 1
+        unit.last_task = task_id
         unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
         # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
         plan = opt.plan_eager(unit)
