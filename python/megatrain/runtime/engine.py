@@ -88,8 +88,8 @@ class Unit:
     micro_batches: int = 0
     seen_grad: List[bool] = field(default_factory=list)
     eager_queued: bool = False
-    eager_task: Optional[int] = None  # autograd graph task that queued the eager update
     last_task: Optional[int] = None  # autograd graph task of the last gradient handed over
+    grad_task_done: threading.Event = field(default_factory=threading.Event)  # set: the last gradient task ran
     # Main thread only: entry i's slice of the store's compute section holds its gradient (the
     # first of this step, D2H'd there directly) instead of its weights, until the update.
     direct: List[bool] = field(default_factory=list)
@@ -105,6 +105,7 @@ class Unit:
 
     def __post_init__(self):
         self.update_done.set()
+        self.grad_task_done.set()
         self.has_grad = [False] * len(self.entries)
         self.grad_sq = [0.0] * len(self.entries)
         self.seen_grad = [False] * len(self.entries)
@@ -330,6 +331,13 @@ class Engine:
         with checked_in_python():
             for _ in range(staging_buffers if self.layers else 0):
                 self._staging.put(self._host_buffer(max_numel))
+        # Squared-norm readback of direct gradients: one pinned row per unit, allocated once (the
+        # unit's previous gradient task, which reads its row, is waited for before it is rewritten).
+        max_entries = max((len(u.entries) for u in units), default=0)
+        self._norm_rows = None
+        if self.cuda:
+            with checked_in_python():
+                self._norm_rows = _C.pinned_empty(len(units) * max_entries, torch.float64).view(len(units), max_entries)
         self._worker = _Worker()
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
                            grad_accum_time_s=0.0, grad_wait_s=0.0, h2d_copies=0, slot_hits=0)
@@ -382,12 +390,12 @@ class Engine:
         """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream)."""
         self.wait_update(unit)
         src = self.section(unit, "compute")
-        if unit.grads_in_compute:
+        rebuilt = unit.grads_in_compute
+        if rebuilt:
             # A load between backward and step() (e.g. an evaluation forward): the compute
-            # section holds gradients; stream the weights rebuilt from the fp32 masters instead.
+            # section holds gradients; stream the weights rebuilt from the fp32 masters instead
+            # (a rare path: pageable memory, copied synchronously, so the temporary may die after).
             src = self.section(unit, "master").to(self.compute_dtype)
-            if self.cuda:
-                src = src.pin_memory()
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
             dst.copy_(src)
@@ -398,7 +406,7 @@ class Engine:
                 if self.debug:
                     torch.cuda._sleep(2_000_000)  # ~1 ms: make copy races visible
                 end = self._timed("h2d", self.h2d_stream)
-                dst.copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=not rebuilt)
                 end.record(self.h2d_stream)
                 if ready_event is not None:
                     ready_event.record(self.h2d_stream)
@@ -521,7 +529,8 @@ class Engine:
                 "only see the layers' meta placeholders and train nothing)")
         task_id = _graph_task_id()
         if unit.eager_queued:  # before anything is mutated or taken from the pool
-            opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.eager_task)
+            # last_task is the backward that queued the update (later gradients raise here, before it changes)
+            opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
         present = [g is not None for g in grads]
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
         direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
@@ -545,7 +554,6 @@ class Engine:
         plan = opt.plan_eager(unit)
         if plan is not None:
             unit.eager_queued = True
-            unit.eager_task = task_id
             unit.update_done.clear()
             unit.version += 1
         need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
@@ -587,7 +595,8 @@ class Engine:
                     if g is not None:
                         g.record_stream(self.d2h_stream)
                 if need_norm:
-                    norms = torch.empty(dev_norms.shape, dtype=dev_norms.dtype, pin_memory=True)
+                    self.wait_event(unit.grad_task_done)  # it read this row; almost always long done
+                    norms = self._norm_rows[unit.index, :len(norm_idx)]
                     norms.copy_(dev_norms, non_blocking=True)
                     dev_norms.record_stream(self.d2h_stream)
                 end.record(self.d2h_stream)
@@ -599,7 +608,16 @@ class Engine:
                 norms = dev_norms
         self._stats["d2h_bytes"] += nbytes
 
+        grad_done = threading.Event()
+        unit.grad_task_done = grad_done
+
         def grad_task():
+            try:
+                accumulate()
+            finally:
+                grad_done.set()
+
+        def accumulate():
             if ev is not None:
                 ev.synchronize()
             t0 = time.perf_counter()
@@ -621,15 +639,7 @@ class Engine:
             if on_done is not None:
                 on_done()
 
-        grad_done = threading.Event()
-
-        def grad_task_and_signal():
-            try:
-                grad_task()
-            finally:
-                grad_done.set()
-
-        self._worker.submit(grad_task_and_signal, ready=ev.query if ev is not None else None)
+        self._worker.submit(grad_task, ready=ev.query if ev is not None else None)
         if plan is not None:
             items, scale = plan
             self._submit_adam(unit, items, scale, after=grad_done)
@@ -654,8 +664,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 run_adam(self, unit, items, scale, grad_src)
-                for i in restore:
-                    self.entry_view(unit, i, "compute").copy_(self.entry_view(unit, i, "master"))
+                self._weights_back(unit, restore)
                 unit.has_grad = [False] * len(unit.entries)
                 unit.grad_sq = [0.0] * len(unit.entries)
             finally:
@@ -665,6 +674,11 @@ class Engine:
 
         self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
                             ready=after.is_set if after is not None else None)
+
+    def _weights_back(self, unit: Unit, entries) -> None:
+        """Worker: rewrite entries' compute copy from the fp32 masters (gradients held there are dropped)."""
+        for i in entries:
+            self.entry_view(unit, i, "compute").copy_(self.entry_view(unit, i, "master"))
 
     def ensure_weights(self, unit: Unit) -> None:
         """Move ``unit``'s direct gradients from the compute section to the fp32 accumulator (waits).
@@ -682,10 +696,10 @@ class Engine:
         def task():
             try:
                 for i in direct:
-                    comp = self.entry_view(unit, i, "compute")
+                    comp = self.entry_view(unit, i, "compute").view(-1)
                     acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                    unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp.view(-1), True))
-                    comp.copy_(self.entry_view(unit, i, "master"))
+                    unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp, True))
+                self._weights_back(unit, direct)
             finally:
                 done.set()
 
@@ -742,8 +756,7 @@ class Engine:
                     u.has_grad = [False] * len(u.entries)
                     u.grad_sq = [0.0] * len(u.entries)
                 for u, idx in restore:
-                    for i in idx:
-                        self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
+                    self._weights_back(u, idx)
             finally:
                 for u, _ in restore:
                     u.update_done.set()
