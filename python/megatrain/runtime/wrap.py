@@ -16,6 +16,7 @@ so autograd sums both contributions before the hook fires).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import weakref
@@ -152,6 +153,11 @@ def _rng_state(device: torch.device):
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, cuda
+
+
+def _shape_key(tensors) -> tuple:
+    """``auto`` policy: decisions are per shape of a layer call's differentiable inputs."""
+    return tuple(tuple(x.shape) for x in tensors)
 
 
 class _WeightRef:
@@ -351,8 +357,9 @@ class WrappedEngine(Engine):
         j = unit.index + step
         return self.layers[j] if 0 <= j < len(self.layers) else None
 
-    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1):
-        """Run ``call``'s layer once on streamed weights. Returns its output (and bound leaves if grad)."""
+    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1, around=None):
+        """Run ``call``'s layer once on streamed weights. Returns its output (and bound leaves and
+        the still-held slot if grad). ``around(slot)``: a context manager entered around the call."""
         unit = call.unit
         slot = self.acquire(unit)
         try:
@@ -360,7 +367,8 @@ class WrappedEngine(Engine):
             bound = self.bind(unit, slot.buf, requires_grad=grad)
             try:
                 args, kwargs = call.args_with(diff_inputs)
-                out = call.layer._megatrain_orig_forward(*args, **kwargs)
+                with around(slot) if around is not None else contextlib.nullcontext():
+                    out = call.layer._megatrain_orig_forward(*args, **kwargs)
             finally:
                 self.unbind(unit)
         except BaseException:
@@ -442,8 +450,7 @@ class WrappedEngine(Engine):
         """
         if not self.auto_policy:
             return self.store_activations
-        key = tuple(tuple(x.shape) for x in diff_inputs)
-        d = self.auto_decisions.get(key)
+        d = self.auto_decisions.get(_shape_key(diff_inputs))
         return True if d is None else d["store"]
 
     def _decide_auto(self, key, layer_bytes: int) -> None:
@@ -469,17 +476,7 @@ class WrappedEngine(Engine):
         """
         unit = call.unit
         detached = [x.detach().requires_grad_(True) for x in diff_inputs]
-        slot_ref = {}
         saved_storages = {}  # data_ptr -> bytes of the activations the graph keeps
-
-        def pack(t):
-            slot = slot_ref.get("slot")
-            st = t.untyped_storage()
-            if slot is not None and t.device == slot.buf.device and \
-                    st.data_ptr() == slot.buf.untyped_storage().data_ptr():
-                return _WeightRef(unit.index, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-            saved_storages[st.data_ptr()] = st.nbytes()
-            return t
 
         def unpack(x):
             if isinstance(x, _WeightRef):
@@ -487,23 +484,24 @@ class WrappedEngine(Engine):
                 return slot.buf.as_strided(x.shape, x.stride, x.offset)
             return x
 
+        def hooks(slot):
+            weights = slot.buf.untyped_storage().data_ptr()
+
+            def pack(t):
+                st = t.untyped_storage()
+                if t.device == slot.buf.device and st.data_ptr() == weights:
+                    return _WeightRef(unit.index, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                saved_storages[st.data_ptr()] = st.nbytes()
+                return t
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
         with torch.enable_grad():
-            slot = self.acquire(unit)
-            slot_ref["slot"] = slot
-            try:
-                self._prefetch_after(unit, slot, 1)
-                bound = self.bind(unit, slot.buf, requires_grad=True)
-                try:
-                    args, kwargs = call.args_with(detached)
-                    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                        out = call.layer._megatrain_orig_forward(*args, **kwargs)
-                finally:
-                    self.unbind(unit)
-            finally:
-                self.release(slot)
+            out, bound, slot = self.execute(call, detached, grad=True, around=hooks)
+        self.release(slot)
         call.stored = (out, bound, detached)
         if self.auto_policy:
-            key = tuple(tuple(x.shape) for x in diff_inputs)
+            key = _shape_key(diff_inputs)
             if key not in self.auto_decisions:
                 self._decide_auto(key, sum(saved_storages.values()))
         return out
