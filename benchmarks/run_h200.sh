@@ -3,8 +3,8 @@
 # benchmark stages. Logs go to $OUT (or ./out); a short table is printed last.
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
-# DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (g++ -march=native
-# -fopenmp, no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
+# DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
+# host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
 # bench runs it first when .whl/ exists and deepspeed is not importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
