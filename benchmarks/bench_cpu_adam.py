@@ -29,8 +29,8 @@ csrc/megatrain/common/tuning.h in one run:
     store_4k        HostStore with staggered sections, 4 KiB pages (MEGATRAIN_HUGEPAGES=0)
     store_hp        staggered sections, huge pages (2 MiB-aligned arena, MADV_HUGEPAGE)
     store_4k_nt     staggered, 4 KiB pages, non-temporal stores for the bf16 compute copy
-    store_hp_nt     staggered, huge pages, non-temporal stores (the defaults now)
-    store_hp_nt_pf  the same + software prefetch 1024 B ahead (MEGATRAIN_ADAM_PREFETCH=1024)
+    store_hp_nt     staggered, huge pages, non-temporal stores, no software prefetch
+    store_hp_nt_pf  the same + software prefetch 1024 B ahead (the defaults now)
     NAME:hp=0|1:sk=0|1:nt=0|1:pf=BYTES   a preset (or "store" / "torchmem") with overrides,
                     e.g. store:hp=1:sk=1:nt=1:pf=512
 Each variant is timed with three gradient sources, as training has them: "fp32", the store's
@@ -73,7 +73,7 @@ PRESETS = {
     "store_4k_nt": dict(alloc="store", hp=0, sk=1, nt=1, pf=0),
     "store_hp_nt": dict(alloc="store", hp=1, sk=1, nt=1, pf=0),
     "store_hp_nt_pf": dict(alloc="store", hp=1, sk=1, nt=1, pf=1024),
-    "store": dict(alloc="store", hp=1, sk=1, nt=1, pf=0),
+    "store": dict(alloc="store", hp=1, sk=1, nt=1, pf=1024),
 }
 DEFAULT_VARIANTS = "torchmem,store_old,store_4k,store_hp,store_hp_nt,store_hp_nt_pf"
 

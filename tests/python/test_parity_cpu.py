@@ -569,3 +569,27 @@ def test_layer_called_twice_in_one_forward_names_the_cause(accumulator, clip, me
     x = torch.randint(0, 96, (2, 8))
     with pytest.raises(RuntimeError, match=message):
         model(input_ids=x, labels=x).loss.backward()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_resident_entries_update_during_backward_without_clipping(clip):
+    # Without clipping each resident entry (embedding, final norm, LM head) is queued as its
+    # gradient arrives, so the next forward does not wait for the LM head's update; with
+    # clipping nothing is queued before step(). Either way the result is torch's (run_pair tests).
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=clip)
+    eng = model.megatrain
+    x = torch.randint(0, 96, (2, 8))
+    before = eng.resident.version
+    model(input_ids=x, labels=x).loss.backward()
+    n = len(eng.resident.entries)
+    if clip is None:
+        assert eng.resident.eager == [True] * n
+        assert eng.resident.version == before + n  # one queued update per entry
+    else:
+        assert eng.resident.eager == [False] * n and eng.resident.version == before
+    opt.step()
+    opt.wait()
+    assert eng.resident.eager == [False] * n and eng.resident.update_done.is_set()
+    steps = {int(opt.state[e.param]["step"].item()) for e in eng.resident.entries}
+    assert steps == {1}

@@ -14,7 +14,7 @@ std::atomic<bool> g_hugepages{true};
 std::atomic<bool> g_store_skew{true};
 std::atomic<bool> g_nt_stores{true};
 std::atomic<int64_t> g_nt_min_numel{int64_t{1} << 20};
-std::atomic<int64_t> g_prefetch_bytes{0};
+std::atomic<int64_t> g_prefetch_bytes{1024};
 std::once_flag g_env_once;
 
 bool env_bool(const char* name, bool dflt) {

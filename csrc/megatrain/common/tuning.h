@@ -18,8 +18,12 @@
 //                                    MEGATRAIN_ADAM_NT_MIN_NUMEL elements (default 1048576) and the
 //                                    gradient is not read from that output itself: no
 //                                    read-for-ownership of the output. Results are bit-identical.
-//   MEGATRAIN_ADAM_PREFETCH=<bytes>  (default 0 = off) software prefetch distance, in bytes of fp32
-//                                    state, for the fused AdamW's input streams.
+//   MEGATRAIN_ADAM_PREFETCH=<bytes>  (default 1024; 0 = off) software prefetch distance, in bytes
+//                                    of fp32 state, for the fused AdamW's input streams. On the
+//                                    H200 machine's 16-core Xeon (2026-11-29, 256M params) 1024 B
+//                                    took the bf16-gradient-in-compute-section update from 4.26 to
+//                                    5.41 Gparam/s and the fp32-gradient one from 3.77 to 3.88
+//                                    (docs/benchmarks/cpu_adam_h200_variants.json).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +36,7 @@ struct Tuning {
   bool store_skew = true;
   bool nt_stores = true;
   int64_t nt_min_numel = int64_t{1} << 20;
-  int64_t prefetch_bytes = 0;
+  int64_t prefetch_bytes = 1024;
 };
 
 /// \brief Current switches (the environment on first call, then whatever set_tuning() stored).

@@ -138,17 +138,20 @@ class CPUAdamW(torch.optim.Optimizer):
             f"{self.gradient_accumulation_steps} before optimizer.step(); pass the right "
             "gradient_accumulation_steps to CPUAdamW (or call step() after each accumulation window)")
 
-    def plan_eager(self, unit):
-        """Called by the engine when ``unit``'s gradients of one backward are handed to D2H.
+    def plan_eager(self, unit, present):
+        """Called by the engine when gradients of ``unit``'s entries (``present[i]``) are handed to D2H.
 
-        Returns ``(items, scale)`` when the update can start now (no clipping, a layer unit, the
-        last micro-batch), else None.
+        Returns ``(items, scale)`` when the update of those entries can start now (no clipping and
+        this backward is their last micro-batch), else None. A layer hands over all its entries
+        at once; the resident unit (embedding, final norm, LM head) one entry at a time, as
+        autograd finishes each: the LM head's update then runs during backward instead of
+        delaying the next forward.
         """
-        if self.max_grad_norm is not None or unit.kind != "layer":
+        if self.max_grad_norm is not None:
             return None
-        if unit.micro_batches < self.gradient_accumulation_steps:
+        if any(p and unit.batches[i] < self.gradient_accumulation_steps for i, p in enumerate(present)):
             return None
-        return self._items(unit, unit.seen_grad), 1.0
+        return self._items(unit, present), 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget gradients accumulated since the last step (the next backward starts afresh)."""
@@ -167,10 +170,13 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         eng = self.engine
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
-        pending = [u for u in eng.units if not u.eager_queued]
+        # Entries whose update was not queued during backward (all of them with clipping). An
+        # eagerly queued entry may still be running: its has_grad is the worker's to reset.
+        pending = [(u, [i for i in range(len(u.entries)) if not u.eager[i]]) for u in eng.units]
+        pending = [(u, idx) for u, idx in pending if idx]
         scale = 1.0
         if self.max_grad_norm is not None:
-            sq = sum(u.grad_sq[i] for u in pending for i in range(len(u.entries))
+            sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
                      if u.has_grad[i] and (u.index, i) in self._entry)
             self.last_grad_norm = math.sqrt(sq)
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
@@ -178,10 +184,11 @@ class CPUAdamW(torch.optim.Optimizer):
         else:
             self.last_grad_norm = None
         # Resident unit first (the next forward needs the embedding first), then layers in forward order.
-        for unit in sorted(pending, key=lambda u: (u.kind != "resident", u.index)):
-            items = self._items(unit, unit.has_grad)
-            if items or unit.grads_in_compute:
-                eng.submit_update(unit, items, scale)
+        for unit, idx in sorted(pending, key=lambda ui: (ui[0].kind != "resident", ui[0].index)):
+            todo = set(idx)
+            items = self._items(unit, [unit.has_grad[i] and i in todo for i in range(len(unit.entries))])
+            if items or any(unit.direct[i] for i in idx):
+                eng.submit_update(unit, items, scale, entries=idx)
         eng.zero_grad()
         return loss
 

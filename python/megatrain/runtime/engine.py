@@ -83,11 +83,12 @@ class Unit:
     # Written only on the worker thread: entry i received a gradient since the last step/zero_grad.
     has_grad: List[bool] = field(default_factory=list)
     grad_sq: List[float] = field(default_factory=list)
-    # Main thread only: backward passes that delivered gradients since the last step, the
-    # entries that got one, and whether this unit's update was already queued (eager mode).
-    micro_batches: int = 0
+    # Main thread only, per entry: backward passes that delivered it a gradient since the last
+    # step, whether it got one, and whether its update was already queued (eager mode; layers
+    # queue all their entries at once, the resident unit each entry as its gradient arrives).
+    batches: List[int] = field(default_factory=list)
     seen_grad: List[bool] = field(default_factory=list)
-    eager_queued: bool = False
+    eager: List[bool] = field(default_factory=list)
     last_task: Optional[int] = None  # autograd graph task of the last gradient handed over
     grad_task_done: threading.Event = field(default_factory=threading.Event)  # set: the last gradient task ran
     # Main thread only: entry i's slice of the store's compute section holds its gradient (the
@@ -99,6 +100,24 @@ class Unit:
         return any(self.direct)
 
     @property
+    def eager_queued(self) -> bool:
+        """Some entry's update was queued during backward (before ``step()``)."""
+        return any(self.eager)
+
+    def begin_update(self) -> None:
+        """Main thread: one more update task of this unit is in flight (``update_done`` cleared)."""
+        with self._lock:
+            self._in_flight += 1
+            self.update_done.clear()
+
+    def end_update(self) -> None:
+        """Worker: an update task of this unit finished; ``update_done`` is set when none is left."""
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.update_done.set()
+
+    @property
     def update_key(self) -> int:
         """Position in the next forward (resident unit first): the worker's update priority."""
         return 0 if self.kind == "resident" else 1 + self.index
@@ -106,10 +125,15 @@ class Unit:
     def __post_init__(self):
         self.update_done.set()
         self.grad_task_done.set()
-        self.has_grad = [False] * len(self.entries)
-        self.grad_sq = [0.0] * len(self.entries)
-        self.seen_grad = [False] * len(self.entries)
-        self.direct = [False] * len(self.entries)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        n = len(self.entries)
+        self.has_grad = [False] * n
+        self.grad_sq = [0.0] * n
+        self.batches = [0] * n
+        self.seen_grad = [False] * n
+        self.eager = [False] * n
+        self.direct = [False] * n
 
 
 class Slot:
@@ -528,10 +552,10 @@ class Engine:
                 "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
         task_id = _graph_task_id()
-        if unit.eager_queued:  # before anything is mutated or taken from the pool
+        present = [g is not None for g in grads]
+        if any(p and e for p, e in zip(present, unit.eager)):  # before anything is mutated or taken from the pool
             # last_task is the backward that queued the update (later gradients raise here, before it changes)
             opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
-        present = [g is not None for g in grads]
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
         direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
         if not self.has_accumulator and any(p and not d for p, d in zip(present, direct)):
@@ -547,14 +571,18 @@ class Engine:
                 "grad_accumulator=True (4 more bytes of host memory per parameter)")
         if any(unit.direct[i] and present[i] for i in range(len(present))):
             self.ensure_weights(unit)  # a second gradient: the first one moves to the fp32 accumulator
-        unit.micro_batches += 1
         unit.last_task = task_id
-        unit.seen_grad = [a or b for a, b in zip(unit.seen_grad, present)]
-        # Overlap with backward: the optimizer may plan this unit's update now (its last micro-batch).
-        plan = opt.plan_eager(unit)
+        for i, p in enumerate(present):
+            if p:
+                unit.batches[i] += 1
+                unit.seen_grad[i] = True
+        # Overlap with backward: the optimizer may plan the update of these entries now (their last
+        # micro-batch).
+        plan = opt.plan_eager(unit, present)
         if plan is not None:
-            unit.eager_queued = True
-            unit.update_done.clear()
+            for i, p in enumerate(present):
+                unit.eager[i] = unit.eager[i] or p
+            unit.begin_update()
             unit.version += 1
         need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
         staged = [p and not d for p, d in zip(present, direct)]
@@ -642,20 +670,25 @@ class Engine:
         self._worker.submit(grad_task, ready=ev.query if ev is not None else None)
         if plan is not None:
             items, scale = plan
-            self._submit_adam(unit, items, scale, after=grad_done)
+            self._submit_adam(unit, items, scale, after=grad_done, entries=[i for i, p in enumerate(present) if p])
 
-    def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None) -> None:
-        """Queue ``unit``'s fused AdamW (worker, by deadline); ``update_done`` is set when it ran.
+    def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None,
+                     entries: Optional[List[int]] = None) -> None:
+        """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
 
+        The caller has called ``unit.begin_update()``; ``unit.end_update()`` runs when it ran.
         Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
         back. ``after``: set when the unit's gradient task ran (the update is not started before).
-        Takes over (and clears) ``unit.direct``: the compute section holds weights after the update.
+        Takes over (and clears) ``unit.direct`` of those entries: the compute section holds
+        weights after the update.
         """
+        entries = list(range(len(unit.entries))) if entries is None else list(entries)
         direct = list(unit.direct)
-        unit.direct = [False] * len(unit.entries)
+        for i in entries:
+            unit.direct[i] = False
         updated = {it[0] for it in items}
-        restore = [i for i, d in enumerate(direct) if d and i not in updated]
+        restore = [i for i in entries if direct[i] and i not in updated]
 
         def grad_src(i):
             return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
@@ -665,10 +698,11 @@ class Engine:
             try:
                 run_adam(self, unit, items, scale, grad_src)
                 self._weights_back(unit, restore)
-                unit.has_grad = [False] * len(unit.entries)
-                unit.grad_sq = [0.0] * len(unit.entries)
+                for i in entries:
+                    unit.has_grad[i] = False
+                    unit.grad_sq[i] = 0.0
             finally:
-                unit.update_done.set()
+                unit.end_update()
                 with self._stats_lock:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
@@ -743,12 +777,13 @@ class Engine:
         """Forget accumulated gradients (the next backward overwrites the accumulators)."""
         restore = [(u, [i for i, d in enumerate(u.direct) if d]) for u in self.units if u.grads_in_compute]
         for u in self.units:
-            u.micro_batches = 0
-            u.seen_grad = [False] * len(u.entries)
-            u.eager_queued = False
-            u.direct = [False] * len(u.entries)
+            n = len(u.entries)
+            u.batches = [0] * n
+            u.seen_grad = [False] * n
+            u.eager = [False] * n
+            u.direct = [False] * n
         for u, _ in restore:  # gradients D2H'd into the compute section and never used: weights back
-            u.update_done.clear()
+            u.begin_update()
 
         def task():
             try:
@@ -759,17 +794,18 @@ class Engine:
                     self._weights_back(u, idx)
             finally:
                 for u, _ in restore:
-                    u.update_done.set()
+                    u.end_update()
         self._worker.submit(task)
 
-    def submit_update(self, unit: Unit, items, scale: float) -> None:
-        """Queue ``unit``'s AdamW update (worker, by deadline); bump the unit's version now.
+    def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None) -> None:
+        """Queue the AdamW update of ``unit``'s ``entries`` (default all; worker, by deadline).
 
-        The gradient is the fp32 accumulator, or the compute section after a direct D2H.
+        Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
+        after a direct D2H.
         """
-        unit.update_done.clear()
+        unit.begin_update()
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
-        self._submit_adam(unit, items, scale)
+        self._submit_adam(unit, items, scale, entries=entries)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
