@@ -100,6 +100,22 @@ def _c_string(s):
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# A second, static copy of libstdc++ inside _C (an interpreter built with -static-libstdc++ in its
+# LDSHARED/LDFLAGS passes it on to every extension) crashes the process the first time _C formats a
+# number into an error message (its std::ostream meets the locale of the libstdc++.so that torch
+# loaded): seen on the H200 machine's Python. Extensions must share torch's C++ runtime.
+STATIC_RUNTIME_FLAGS = ("-static-libstdc++", "-static-libgcc")
+
+
+def _drop_static_runtime_flags(compiler):
+    for key in ("compiler", "compiler_so", "compiler_cxx", "linker_so", "linker_so_cxx", "linker_exe", "linker_exe_cxx"):
+        cmd = getattr(compiler, key, None)
+        if isinstance(cmd, list) and any(f in cmd for f in STATIC_RUNTIME_FLAGS):
+            print(f"megatrain setup.py: dropping {[f for f in cmd if f in STATIC_RUNTIME_FLAGS]} from {key} "
+                  "(the extension must use torch's shared libstdc++)")
+            setattr(compiler, key, [f for f in cmd if f not in STATIC_RUNTIME_FLAGS])
+
+
 class BuildExt(cpp_extension.BuildExtension):
     """Writes the build-info header (compiled into _C) and _build_info.json before compiling."""
 
@@ -121,6 +137,7 @@ class BuildExt(cpp_extension.BuildExtension):
             path.write_text(text)
         for ext in self.extensions:
             ext.include_dirs.append(str(gen_dir))
+        _drop_static_runtime_flags(self.compiler)
 
         payload = json.dumps(BUILD_INFO, indent=2) + "\n"
         targets = [ROOT / "python" / "megatrain" / "_build_info.json"]
