@@ -173,13 +173,15 @@ def profile_steps(step, batches, spec) -> dict:
     from trace_summary import summarize
     path = os.path.join(spec.get("trace_dir") or "/tmp", f"trace_{spec['system'].replace(':', '_')}.json")
     n = len(batches)
+    # Export from on_trace_ready, when the active step ends: after the with-block the profiler has
+    # begun a new (empty) cycle, and an export there held no GPU events (seen on the H200).
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=0, warmup=n - 1, active=1)) as prof:
+                 schedule=schedule(wait=0, warmup=n - 1, active=1, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)):
         for x in batches:
             step(x)
             torch.cuda.synchronize()
             prof.step()
-    prof.export_chrome_trace(path)
     with open(path) as f:
         trace = json.load(f)
     try:
