@@ -12,6 +12,7 @@ Environment:
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +101,17 @@ def _c_string(s):
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-# A second, static copy of libstdc++ inside _C (an interpreter built with -static-libstdc++ in its
-# LDSHARED/LDFLAGS passes it on to every extension) crashes the process the first time _C formats a
-# number into an error message (its std::ostream meets the locale of the libstdc++.so that torch
-# loaded): seen on the H200 machine's Python. Extensions must share torch's C++ runtime.
+# A second, static copy of libstdc++ inside _C crashes the process the first time _C formats a
+# number into an error message (its std::ostream code runs against the std::locale state of the
+# libstdc++.so.6 that torch loaded; Ubuntu's -Wl,-Bsymbolic-functions binds our calls to our copy
+# while data still resolves to the shared one): seen on the H200 machine (NEEDED had libm but no
+# libstdc++.so.6, i.e. a g++ link that took libstdc++ from an archive). Two ways in: a
+# -static-libstdc++ in the inherited flags (dropped below), or a lone libstdc++.a in a directory
+# searched before the toolchain's (any -L on the link line). SHARED_LIBSTDCXX names the shared
+# runtime itself, ahead of the driver's own -lstdc++, so neither can pull a static copy in, and
+# BuildExt checks the linked file. Extensions must share torch's C++ runtime.
 STATIC_RUNTIME_FLAGS = ("-static-libstdc++", "-static-libgcc")
+SHARED_LIBSTDCXX = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def _drop_static_runtime_flags(compiler):
@@ -114,6 +121,21 @@ def _drop_static_runtime_flags(compiler):
             print(f"megatrain setup.py: dropping {[f for f in cmd if f in STATIC_RUNTIME_FLAGS]} from {key} "
                   "(the extension must use torch's shared libstdc++)")
             setattr(compiler, key, [f for f in cmd if f not in STATIC_RUNTIME_FLAGS])
+
+
+def _check_shared_runtime(path):
+    """Fail the build (not the first error message at run time) if libstdc++ got linked into _C."""
+    if not SHARED_LIBSTDCXX or shutil.which("readelf") is None:
+        return
+    dyn = subprocess.run(["readelf", "-d", path], capture_output=True, text=True).stdout
+    syms = subprocess.run(["readelf", "-W", "--dyn-syms", path], capture_output=True, text=True).stdout
+    own = [ln.split()[-1] for ln in syms.splitlines() if "_ZNSo9_M_insert" in ln and " UND " not in ln]
+    if "libstdc++.so" not in dyn or own:
+        raise RuntimeError(
+            f"{path} does not share torch's libstdc++.so.6 (in NEEDED: {'libstdc++.so' in dyn}; defines "
+            f"{own[:3]} itself): a static copy crashes formatting error messages. Look for -static-libstdc++ or "
+            "a libstdc++.a under a -L directory in the link command (pip install -v ...)."
+        )
 
 
 class BuildExt(cpp_extension.BuildExtension):
@@ -147,6 +169,8 @@ class BuildExt(cpp_extension.BuildExtension):
             t.parent.mkdir(parents=True, exist_ok=True)
             t.write_text(payload)
         super().build_extensions()
+        for ext in self.extensions:
+            _check_shared_runtime(self.get_ext_fullpath(ext.name))
 
 
 def make_extension():
@@ -155,7 +179,7 @@ def make_extension():
         sources=SOURCES,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": list(CXX_FLAGS)},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX,
     )
     if WITH_CUDA:
         kwargs["define_macros"] = [("MEGATRAIN_WITH_CUDA", None)]
