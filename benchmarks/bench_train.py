@@ -177,7 +177,7 @@ def profile_steps(step, batches, spec) -> dict:
     # begun a new (empty) cycle, and an export there held no GPU events (seen on the H200).
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  schedule=schedule(wait=0, warmup=n - 1, active=1, repeat=1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(path)):
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
         for x in batches:
             step(x)
             torch.cuda.synchronize()
