@@ -582,7 +582,6 @@ class Engine:
         if plan is not None:
             for i, p in enumerate(present):
                 unit.eager[i] = unit.eager[i] or p
-            unit.begin_update()
             unit.version += 1
         need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
         staged = [p and not d for p, d in zip(present, direct)]
@@ -676,7 +675,8 @@ class Engine:
                      entries: Optional[List[int]] = None) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
 
-        The caller has called ``unit.begin_update()``; ``unit.end_update()`` runs when it ran.
+        ``unit.begin_update()`` here, when the task is queued (not before: a worker failure raised by
+        an earlier submit must not leave the unit "in flight" forever); ``unit.end_update()`` when it ran.
         Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
         back. ``after``: set when the unit's gradient task ran (the update is not started before).
@@ -706,8 +706,13 @@ class Engine:
                 with self._stats_lock:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
-        self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
-                            ready=after.is_set if after is not None else None)
+        unit.begin_update()
+        try:
+            self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
+                                ready=after.is_set if after is not None else None)
+        except BaseException:
+            unit.end_update()  # not queued (the worker failed): nothing will end it
+            raise
 
     def _weights_back(self, unit: Unit, entries) -> None:
         """Worker: rewrite entries' compute copy from the fp32 masters (gradients held there are dropped)."""
@@ -795,7 +800,12 @@ class Engine:
             finally:
                 for u, _ in restore:
                     u.end_update()
-        self._worker.submit(task)
+        try:
+            self._worker.submit(task)
+        except BaseException:
+            for u, _ in restore:
+                u.end_update()
+            raise
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None) -> None:
         """Queue the AdamW update of ``unit``'s ``entries`` (default all; worker, by deadline).
@@ -803,7 +813,6 @@ class Engine:
         Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
         after a direct D2H.
         """
-        unit.begin_update()
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
         self._submit_adam(unit, items, scale, entries=entries)
 
