@@ -42,6 +42,7 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
     with pytest.raises(RuntimeError, match="CPU worker failed.*simulated adam failure"):
         model(input_ids=x, labels=x).loss.backward()
     monkeypatch.setattr(engine_mod, "_C_ops", real)
+    eng._worker._error = None  # look behind the (sticky) failure: what did the hand-over leave?
     eng.flush()
     stuck = [u.index for u in eng.units if not u.update_done.is_set()]
     assert not stuck, f"units {stuck} wait for an update that was never queued"
@@ -127,3 +128,45 @@ def test_parity_lm_head_outside_the_optimizer_and_a_skipped_partial_window():
     # weights stay; zero_grad() after the first of two micro-batches drops that micro-batch.
     _pair("llama", 2, lambda s: ["ids", "zero", "ids", "ids", "step"],
           groups=lambda m: [p for n, p in m.named_parameters() if not n.startswith("lm_head")])
+
+
+def test_after_a_worker_failure_every_later_call_raises_instead_of_hanging(monkeypatch):
+    # A failed task skips the ones queued after it; their waiters (the next forward's load, step())
+    # must get the error again, not wait forever.
+    import threading
+    from megatrain.runtime import engine as engine_mod
+
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    real = engine_mod._C_ops
+
+    class Broken:
+        def __getattr__(self, name):
+            if name == "adamw_step_":
+                def fail(*a, **k):
+                    raise RuntimeError("simulated adam failure")
+                return fail
+            return getattr(real(), name)
+
+    monkeypatch.setattr(engine_mod, "_C_ops", lambda: Broken())
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(RuntimeError, match="CPU worker failed.*simulated adam failure"):
+        for _ in range(3):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    monkeypatch.setattr(engine_mod, "_C_ops", real)
+    errors = []
+
+    def train_on():
+        try:
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=train_on, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the next training step hung after a CPU worker failure"
+    assert errors and "cannot train on" in errors[0]

@@ -279,9 +279,14 @@ class _Worker:
         self._wait(lambda: self._unfinished == 0)
 
     def check(self) -> None:
+        """Raise if a task failed. Sticky: the tasks queued after the failed one were skipped (their
+        waiters would otherwise wait forever), so every later call raises as well."""
         if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"megatrain CPU worker failed: {err!r}") from err
+            err = self._error
+            raise RuntimeError(
+                f"megatrain CPU worker failed: {err!r}. The tasks queued after it were not run, so the host-memory "
+                "training state may be partly updated and this model cannot train on: build it again "
+                "(megatrain.wrap) and load the last checkpoint (megatrain.load_checkpoint)") from err
 
     def close(self) -> None:
         """Run what is queued, then stop the thread (idempotent)."""
