@@ -170,3 +170,56 @@ def test_after_a_worker_failure_every_later_call_raises_instead_of_hanging(monke
     t.join(30)
     assert not t.is_alive(), "the next training step hung after a CPU worker failure"
     assert errors and "cannot train on" in errors[0]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_parity_resident_parameter_unfrozen_after_wrap(clip):
+    # The embedding is frozen when the model is wrapped and unfrozen after the first step: its
+    # gradients must reach the optimizer from then on (not pile up in .grad).
+    model = tiny("llama")
+    model.get_input_embeddings().weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu")
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), max_grad_norm=clip, **kw)
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        if step == 1:
+            for m in (ref, wrapped):
+                m.get_input_embeddings().weight.requires_grad_(True)
+        x = torch.randint(0, 96, (2, 12), generator=g)
+        for m, o in ((ref, ref_opt), (wrapped, opt)):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            if clip is not None and m is ref:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            o.step()
+            o.zero_grad()
+    opt.wait()
+    got = megatrain.master_state_dict(wrapped)
+    for n, p in ref.named_parameters():
+        assert_close_rel(got[n], p.detach(), RTOL, n)
+    assert wrapped.get_input_embeddings().weight.grad is None
+
+
+def test_inner_model_called_directly_after_step_sees_the_new_weights():
+    # The resident device copy is refreshed by any module that owns resident weights, not only by
+    # the outer model's forward.
+    model = tiny("llama")
+    ref = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-2)
+    x = torch.randint(0, 96, (2, 12))
+    for m, o in ((ref, ref_opt), (wrapped, opt)):
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+        o.zero_grad()
+    with torch.no_grad():
+        want = ref.model(input_ids=x).last_hidden_state
+        got = wrapped.model(input_ids=x).last_hidden_state
+        emb_want = ref.get_input_embeddings()(x)
+        emb_got = wrapped.get_input_embeddings()(x)
+    assert_close_rel(emb_got, emb_want, RTOL, "embedding output")
+    assert_close_rel(got, want, RTOL, "inner model output")

@@ -296,11 +296,18 @@ class WrappedEngine(Engine):
             self.resident_loaded_version = -1
             self.resident_staging = self._host_buffer(self.resident.numel)
             self._resident_consumed = {}
+            self._resident_hooked = set()
+            owners_seen = set()
             for i, e in enumerate(self.resident.entries):
                 e.param.data = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
                 e.param._megatrain = (self, self.resident, i)
-                if e.param.requires_grad:
-                    e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
+                # Modules that own resident weights refresh the device copy when called, so calling
+                # an inner module directly (model.model(...)) after step() sees the new weights too.
+                for mod, _ in e.owners:
+                    if id(mod) not in owners_seen and mod is not model:
+                        owners_seen.add(id(mod))
+                        mod.register_forward_pre_hook(lambda m, a: self.load_resident())
+            self._hook_resident_grads()
         _move_buffers(model, device)
         self.load_resident()
         self._pending_block: Optional[_Block] = None
@@ -347,9 +354,22 @@ class WrappedEngine(Engine):
             self._resident_consumed[i] = done  # only once submitted: a refused gradient leaves nothing to wait for
         return hook
 
+    def _hook_resident_grads(self) -> None:
+        """Hand each resident parameter's gradient to the engine as autograd finishes it.
+
+        A hook needs ``requires_grad``: a parameter unfrozen after ``wrap`` is hooked at the next
+        forward (without it its gradient would pile up in ``.grad``, never applied).
+        """
+        for i, e in enumerate(self.resident.entries):
+            if e.param.requires_grad and i not in self._resident_hooked:
+                e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
+                self._resident_hooked.add(i)
+
     def begin_forward(self) -> None:
         self._pending_block = None
         self._last_call = None
+        if self.resident is not None:
+            self._hook_resident_grads()
         self.load_resident()
 
     # ------------------------------------------------------------------ layer execution
