@@ -41,6 +41,7 @@ the input embedding; at the 3b preset that is ~3% less.
     python benchmarks/bench_train.py --systems megatrain torch_ckpt --mt-policy block:2
     python benchmarks/bench_train.py --sweep tokens --out docs/benchmarks/sweep_tokens.json
     python benchmarks/bench_train.py --sweep depth --out docs/benchmarks/sweep_depth.json
+    python benchmarks/bench_train.py --sweep size --out docs/benchmarks/sweep_size.json
     python benchmarks/bench_train.py --preset tiny --device cpu --systems megatrain torch_ckpt \\
         --steps 2 --warmup 1 --out /tmp/b.json                                     # CPU smoke test
 """
@@ -77,12 +78,32 @@ PRESETS = {
 OPT = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 SWEEP_TOKENS = [2048, 4096, 8192, 16384, 32768, 65536]
 SWEEP_DEPTHS = [16, 32, 64, 128]
+# --sweep size: Llama shapes (vocab 32000, untied); the largest that fits the host runs.
+SIZE_SHAPES = {
+    "tiny": PRESETS["tiny"],
+    "1b": PRESETS["1b"],
+    "3b": PRESETS["3b"],
+    "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv_heads=32),   # 6.74B
+    "13b": dict(hidden=5120, layers=40, inter=13824, vocab=32000, heads=40, kv_heads=40),  # 13.0B
+}
+SWEEP_SIZES = ["1b", "3b", "7b", "13b"]
+# Host bytes per parameter a megatrain child needs at its peak: the host store (fp32 master,
+# exp_avg, exp_avg_sq, fp32 gradient accumulator, bf16 compute copy: 18 B; 14 B with acc=0) plus
+# the fp32 model built on the CPU before wrap() moves it into the store (4 B).
+HOST_BYTES_PER_PARAM = {True: 18 + 4, False: 14 + 4}
 GiB = 1024 ** 3
 
 
 # ----------------------------------------------------------------------------------------------
 # shared by the children
 # ----------------------------------------------------------------------------------------------
+
+def llama_params(m: dict) -> int:
+    """Parameters of a Llama with shape ``m`` (untied embeddings, RMSNorm, no biases)."""
+    h, kv = m["hidden"], m["hidden"] // m["heads"] * m["kv_heads"]
+    layer = h * h * 2 + h * kv * 2 + 3 * h * m["inter"] + 2 * h
+    return m["layers"] * layer + 2 * m["vocab"] * h + h
+
 
 def model_flops_per_step(n_params: int, m: dict, batch: int, seq: int) -> float:
     head_dim = m["hidden"] // m["heads"]
@@ -675,7 +696,10 @@ def main() -> None:
                     help="compute dtype of megatrain / autocast of torch_* (default: bf16 on cuda, fp32 on cpu, "
                          "where bf16 matmuls are emulated and very slow); fsdp2/deepspeed always bf16")
     ap.add_argument("--device", default="cuda", help="cuda | cpu (cpu: megatrain and torch_* only; smoke test)")
-    ap.add_argument("--sweep", choices=["tokens", "depth"], help="tokens: 2K..64K tokens/step; depth: 16..128 layers at 1b width")
+    ap.add_argument("--sweep", choices=["tokens", "depth", "size"],
+                    help="tokens: 2K..64K tokens/step; depth: 16..128 layers at 1b width; size: Llama 1b/3b/7b/13b "
+                         "shapes, those whose host memory need exceeds the machine's recorded as skipped")
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZE_SHAPES), default=SWEEP_SIZES)
     ap.add_argument("--depths", type=int, nargs="+", default=SWEEP_DEPTHS)
     ap.add_argument("--tokens", type=int, nargs="+", default=SWEEP_TOKENS)
     ap.add_argument("--peak-tflops", type=float, help="MFU denominator instead of the measured matmul rate")
@@ -726,17 +750,32 @@ def main() -> None:
         systems = args.systems or ["megatrain"]
         specs = [dict(base, system=n, model=dict(model, layers=L), batch=batch, seq=seq)
                  for L in args.depths for n in systems]
+    elif args.sweep == "size":
+        systems = args.systems or ["megatrain"]
+        specs = [dict(base, system=n, size=name,
+                      model={k: SIZE_SHAPES[name][k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")},
+                      batch=batch, seq=seq) for name in args.sizes for n in systems]
     else:
         systems = args.systems or SYSTEMS
         specs = [dict(base, system=n, model=model, batch=batch, seq=seq) for n in systems]
 
     rows = []
+    host_gib = machine_info()["host_mem_gib"]
     for spec in specs:
+        need_gib = None
+        if spec.get("size") and spec["system"].startswith("megatrain"):
+            acc = megatrain_variant(spec["system"]).get("acc", "1") != "0"
+            need_gib = llama_params(spec["model"]) * HOST_BYTES_PER_PARAM[acc] / GiB
         if spec["system"] in CUDA_ONLY and not cuda:
             row = dict(system=spec["system"], status="skipped: needs CUDA")
+        elif need_gib is not None and host_gib is not None and need_gib > 0.92 * host_gib:
+            row = dict(system=spec["system"], status=f"skipped: needs ~{need_gib:.0f} GiB of host memory "
+                       f"({llama_params(spec['model']) / 1e9:.2f}B params), the machine has {host_gib:.0f} GiB")
         else:
             row = spawn(spec, args.child_timeout)
         rows.append(finish_row(row, spec, peak))
+        if spec.get("size"):
+            rows[-1].update(size=spec["size"], params_b=(rows[-1].get("n_params") or llama_params(spec["model"])) / 1e9)
         r = rows[-1]
         print(f"---- {r['system']}: {r.get('status')}  step {fmt(r.get('step_s'))} s  "
               f"{fmt(r.get('tokens_per_s'), '{:.0f}')} tok/s  GPU {fmt(r.get('gpu_peak_gib'), '{:.1f}')} GiB",
@@ -756,10 +795,12 @@ def main() -> None:
         title = f"sweep tokens/step: {preset} preset{size}, {shape}, {args.device} {dtype}"
     elif args.sweep == "depth":
         title = f"sweep depth: {preset} preset width (hidden {model['hidden']}), {toks}, {args.device} {dtype}"
+    elif args.sweep == "size":
+        title = f"sweep model size: Llama {', '.join(args.sizes)}, {toks}, {args.device} {dtype}"
     else:
         title = f"{preset} preset{size}, {shape}, {toks}, {args.device} {dtype}"
     print(title)
-    extra = {"tokens": "tokens_per_step", "depth": "layers"}.get(args.sweep)
+    extra = {"tokens": "tokens_per_step", "depth": "layers", "size": "size"}.get(args.sweep)
     print_table(rows, extra)
     rat = [] if args.sweep else ratios(rows)
     if rat:
@@ -807,6 +848,8 @@ def main() -> None:
                 plot_sweep(rows, png, "tokens_per_step", "tokens / step", title)
             elif args.sweep == "depth":
                 plot_sweep(rows, png, "layers", "decoder layers", title)
+            elif args.sweep == "size":
+                plot_sweep(rows, png, "params_b", "parameters, billions", title)
             else:
                 plot_bars(rows, png, title)
             print(f"\nwrote {args.out} and {png}")

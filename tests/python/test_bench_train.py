@@ -1,0 +1,41 @@
+"""The end-to-end benchmark harness (benchmarks/bench_train.py) on CPU: size sweep bookkeeping."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_train  # noqa: E402
+
+
+def test_llama_params_matches_the_models_it_describes():
+    # 1b is TinyLlama's shape: 1,100,048,384 parameters as loaded by from_pretrained on the H200.
+    assert bench_train.llama_params(bench_train.SIZE_SHAPES["1b"]) == 1_100_048_384
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = bench_train.SIZE_SHAPES["tiny"]
+    cfg = LlamaConfig(hidden_size=m["hidden"], num_hidden_layers=m["layers"], intermediate_size=m["inter"],
+                      vocab_size=m["vocab"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+                      tie_word_embeddings=False)
+    assert bench_train.llama_params(m) == sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+
+@pytest.mark.skipif((bench_train.machine_info()["host_mem_gib"] or 0) > 250,
+                    reason="13b would fit in this host's memory and run on the CPU")
+def test_size_sweep_runs_what_fits_and_records_what_does_not(tmp_path):
+    out = tmp_path / "size.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--sweep", "size",
+                        "--sizes", "tiny", "13b", "--device", "cpu", "--systems", "megatrain", "--steps", "1",
+                        "--warmup", "1", "--batch", "2", "--seq", "32", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["size"] for row in rows] == ["tiny", "13b"]
+    assert rows[0]["status"] == "ok" and rows[0]["n_params"] == bench_train.llama_params(bench_train.SIZE_SHAPES["tiny"])
+    assert rows[0]["step_s"] > 0 and rows[0]["tokens_per_step"] == 64
+    assert rows[1]["status"].startswith("skipped: needs ~267 GiB of host memory (13.02B params)")
+    assert (tmp_path / "size.png").stat().st_size > 0
