@@ -2,6 +2,7 @@
 # One call on the H200 machine: build, C++ tests (AVX-512 there), GPU tests, then the named
 # benchmark stages. Logs go to $OUT (or ./out); a short table is printed last.
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
+#                                               profile sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -59,6 +60,18 @@ for s in "${stages[@]}"; do
       cp /tmp/run1b/summary.json "$OUT/train_summary.json" 2>/dev/null; cp /tmp/run1b/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null ;;
     deepspeed)
       ds_install ;;
+    profile)  # one profiled step of megatrain at 3b: stream overlap, idle gaps, host syncs (~2 min)
+      run profile timeout 400 python3 benchmarks/bench_train.py --systems megatrain --profile --steps 3 --warmup 1 \
+        --out docs/benchmarks/train_3b_profile.json ;;
+    sweep_tokens)  # 2K..64K tokens/step at 3b, megatrain + torch_ckpt (~10 min: split with --tokens)
+      run sweep_tokens python3 benchmarks/bench_train.py --sweep tokens --steps 3 --warmup 1 ${SWEEP_ARGS:-} \
+        --out docs/benchmarks/sweep_tokens.json ;;
+    sweep_depth)  # 16..128 layers at 1b width; acc=0 (14 B/param) so that 128 layers (5.6B) fits 125 GiB
+      run sweep_depth python3 benchmarks/bench_train.py --sweep depth --systems megatrain:acc=0 --steps 3 --warmup 1 \
+        ${SWEEP_ARGS:-} --out docs/benchmarks/sweep_depth.json ;;
+    sweep_size)  # Llama 1b/3b/7b/13b; what does not fit the host is recorded as skipped
+      run sweep_size python3 benchmarks/bench_train.py --sweep size --systems megatrain:acc=0 --steps 3 --warmup 1 \
+        ${SWEEP_ARGS:-} --out docs/benchmarks/sweep_size.json ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;
