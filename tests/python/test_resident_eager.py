@@ -223,3 +223,24 @@ def test_inner_model_called_directly_after_step_sees_the_new_weights():
         emb_got = wrapped.get_input_embeddings()(x)
     assert_close_rel(emb_got, emb_want, RTOL, "embedding output")
     assert_close_rel(got, want, RTOL, "inner model output")
+
+
+def test_parity_parameter_frozen_between_backward_and_step():
+    # torch.optim.AdamW updates every parameter that holds a gradient at step(), frozen since or
+    # not; so does CPUAdamW (clipping on: nothing is updated before step()).
+    model = tiny("llama")
+    ref = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-2, max_grad_norm=1e9)
+    x = torch.randint(0, 96, (2, 12))
+    for m, o in ((ref, ref_opt), (wrapped, opt)):
+        m(input_ids=x, labels=x).loss.backward()
+        m.lm_head.weight.requires_grad_(False)
+        m.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+        o.step()
+        o.zero_grad()
+    opt.wait()
+    got = megatrain.master_state_dict(wrapped)
+    for n, p in ref.named_parameters():
+        assert_close_rel(got[n], p.detach(), RTOL, n)

@@ -112,9 +112,7 @@ class CPUAdamW(torch.optim.Optimizer):
             gp = self._entry.get((unit.index, i))
             if gp is None or not has_grad[i]:
                 continue
-            group, p = gp
-            if not p.requires_grad:
-                continue
+            group, p = gp  # a gradient that arrived counts even if p was frozen since (as in torch)
             st = self.state[p]
             st["step"] += 1
             b1, b2 = group["betas"]
