@@ -215,6 +215,39 @@ def _set_rng_state(st: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- save
+def _is_checkpoint_dir(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(path: str, what: str, looks_right, expected: str) -> str:
+    """Refuse (before anything is written) a destination that a save would destroy by mistake.
+
+    ``path`` may be new, an empty directory, or a directory ``looks_right(path)`` accepts (the
+    previous output of the same kind, replaced atomically). A file, a directory holding
+    something else, or a parent that is not a directory raises ``ValueError`` naming what was
+    found and what to do. Returns the absolute path.
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    p = parent
+    while p and not os.path.exists(p):
+        p = os.path.dirname(p)
+    if p and not os.path.isdir(p):
+        raise ValueError(f"{what}: cannot create {path!r}: {p!r} is a file, not a directory; choose another path")
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise ValueError(f"{what}: {path!r} exists and is not a directory; it would be replaced: "
+                             "choose another path or remove it first")
+        if os.listdir(path) and not looks_right(path):
+            raise ValueError(f"{what}: {path!r} is not empty and is not {expected}; saving would delete what is "
+                             "there: choose a new or empty directory, or remove it first")
+    return path
+
+
 def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: Optional[dict] = None) -> str:
     """Save every training state of a wrapped model to ``directory`` (replaced atomically).
 
@@ -228,7 +261,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
     renamed into place when complete: a crash leaves any previous checkpoint there intact.
 
     Args:
-        directory: destination directory.
+        directory: destination directory: new, empty, or an earlier megatrain checkpoint (replaced).
         model: a model wrapped by ``megatrain.wrap``.
         optimizer: its ``megatrain.optim.CPUAdamW`` (None: weights only, no optimizer state).
         lr_scheduler: an object with ``state_dict()`` (e.g. a ``torch.optim.lr_scheduler``), or None.
@@ -236,8 +269,14 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
 
     Returns:
         ``directory`` (absolute).
+
+    Raises:
+        ValueError: ``directory`` is a file or a non-empty directory that is not a megatrain
+            checkpoint (it would be deleted), the optimizer is not this model's, the call falls
+            between backward() and step() while updates run, or ``extra`` is not JSON-serialisable.
     """
     eng = _engine(model)
+    check_replaceable(directory, "megatrain.save_checkpoint", _is_checkpoint_dir, "a megatrain checkpoint")
     if optimizer is not None:
         optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "engine") else optimizer
         if getattr(optimizer, "engine", None) is not eng:

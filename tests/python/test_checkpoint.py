@@ -374,3 +374,35 @@ def test_cuda_bf16_save_load_continues_identically(tmp_path):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "..", "..", "python"))
     _worker(sys.argv[1:])
+
+
+# --- destinations that a save would destroy by mistake ------------------------------------------
+
+def test_save_and_export_refuse_to_replace_what_they_did_not_write(tmp_path):
+    import megatrain
+
+    model, opt, _ = _setup()
+    other = tmp_path / "work"
+    other.mkdir()
+    (other / "corpus.txt").write_text("user data")
+    (tmp_path / "afile").write_text("x")
+    for call, name in ((lambda d: megatrain.save_checkpoint(str(d), model, opt), "save_checkpoint"),
+                       (lambda d: megatrain.export_pretrained(model, str(d)), "export_pretrained")):
+        with pytest.raises(ValueError, match=f"megatrain.{name}: .* is not empty and is not .*remove it first"):
+            call(other)
+        assert (other / "corpus.txt").read_text() == "user data" and os.listdir(other) == ["corpus.txt"]
+        with pytest.raises(ValueError, match="exists and is not a directory"):
+            call(tmp_path / "afile")
+        with pytest.raises(ValueError, match="is a file, not a directory"):
+            call(tmp_path / "afile" / "sub")
+        assert (tmp_path / "afile").read_text() == "x"
+    # their own earlier output (and empty directories) are replaced as before
+    (tmp_path / "empty").mkdir()
+    megatrain.save_checkpoint(str(tmp_path / "empty"), model, opt)
+    megatrain.save_checkpoint(str(tmp_path / "empty"), model, opt)
+    megatrain.export_pretrained(model, str(tmp_path / "model"))
+    megatrain.export_pretrained(model, str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="is not empty and is not a megatrain checkpoint"):
+        megatrain.save_checkpoint(str(tmp_path / "model"), model, opt)  # an export is not a checkpoint
+    with pytest.raises(ValueError, match="is not empty and is not an exported model"):
+        megatrain.export_pretrained(model, str(tmp_path / "empty"))  # nor a checkpoint an export
