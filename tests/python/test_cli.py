@@ -122,6 +122,14 @@ def test_non_empty_out_dir_is_refused(tmp_path, capsys):
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
 
 
+def test_out_dir_under_a_file_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    out_dir = tmp_path / "afile" / "sub"
+    code, _, err = _run_main(["train", "--out", str(out_dir)], capsys)
+    _assert_usage_error(code, err, out_dir, "is a file; choose another --out")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def _subprocess(args, cwd):
     env = dict(os.environ, PYTHONPATH=_PY + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "megatrain", *args], cwd=cwd, env=env, capture_output=True,

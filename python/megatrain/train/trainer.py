@@ -160,6 +160,13 @@ def prepare(cfg: Config) -> Plan:
             raise UsageError(
                 f"output directory {out_dir!r} is not empty; choose another --out or pass --set log.overwrite=true"
             )
+    ancestor = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is a file; choose another --out")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is not writable; choose another --out")
     tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
