@@ -593,3 +593,14 @@ def test_resident_entries_update_during_backward_without_clipping(clip):
     assert eng.resident.eager == [False] * n and eng.resident.update_done.is_set()
     steps = {int(opt.state[e.param]["step"].item()) for e in eng.resident.entries}
     assert steps == {1}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_wrap_on_cuda_without_cuda_says_what_to_do():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="CUDA is not available.*use device='cpu'"):
+        megatrain.wrap(model, device="cuda")
+    with pytest.raises(ValueError, match="device must be a CUDA device or 'cpu'"):
+        megatrain.wrap(model, device="meta")
+    assert getattr(model, "megatrain", None) is None
+    megatrain.wrap(model, device="cpu")  # the model was left untouched

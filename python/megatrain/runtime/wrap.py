@@ -638,7 +638,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
 
     Raises:
         UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
-        ValueError: bad ``activation_policy`` / ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
+        ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
+            ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
         HostMemoryError: the host store does not fit in host memory (nothing is allocated).
     """
     if getattr(model, "megatrain", None) is not None:
@@ -646,8 +647,17 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"megatrain.wrap: device must be a CUDA device or 'cpu', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but CUDA is not available (torch "
+                         f"{torch.__version__}, built with CUDA {torch.version.cuda}): use device='cpu', or install "
+                         "a CUDA build of torch on a machine with a GPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but only {torch.cuda.device_count()} "
+                         "CUDA device(s) are visible")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if compute_dtype not in (torch.bfloat16, torch.float32):
