@@ -224,6 +224,20 @@ def test_plain_trainer_refuses_trainer_side_clipping(tmp_path):
         tr.train()
 
 
+def test_plain_trainer_refuses_saving_before_training(tmp_path):
+    import megatrain
+    from megatrain.integrations import MegatrainCallback, create_optimizer
+    from transformers import Trainer
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    args = _args(str(tmp_path / "plain"), max_grad_norm=0.0, save_strategy="steps", save_steps=2)
+    tr = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                 optimizers=(create_optimizer(model, args), None))
+    with pytest.raises(ValueError, match="save_strategy='no'"):
+        tr.train()
+    assert tr.state.global_step == 0
+
+
 def _run(*args):
     e = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=600, env=e)

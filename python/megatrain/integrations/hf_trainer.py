@@ -178,6 +178,12 @@ class MegatrainCallback(TrainerCallback):
             raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
                              "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
                              "clip_grad_norm_ only sees meta placeholders. MegatrainTrainer does this for you.")
+        plain = not getattr(self, "_clip_handled", False)  # a plain transformers.Trainer, not MegatrainTrainer
+        if plain and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+            raise ValueError("megatrain: with a plain Trainer set save_strategy='no' in TrainingArguments: its "
+                             "checkpoints and save_model() only see the layers' meta placeholders and would fail at "
+                             "the first save, after training time was spent. Save with megatrain.save_checkpoint / "
+                             "megatrain.export_pretrained, or use MegatrainTrainer, which saves both.")
         if getattr(self._engine, "device", torch.device("cpu")).type != "cpu" and _device_placed(optimizer):
             # accelerate's AcceleratedOptimizer(device_placement=True) has copied the optimizer's
             # state_dict (every Adam moment: 8 bytes/parameter of GPU memory) to the GPU and loaded it
