@@ -53,6 +53,14 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
     assert done.is_set(), "the next forward hangs"
 
 
+def _assert_masters_match(wrapped, opt, ref):
+    """Every fp32 master weight of ``wrapped`` equals ``ref``'s parameter (after the queued updates)."""
+    opt.wait()
+    got = megatrain.master_state_dict(wrapped)
+    for n, p in ref.named_parameters():
+        assert_close_rel(got[n], p.detach(), RTOL, n)
+
+
 def _pair(arch, ga, plan, *, groups=None, sched=None, ckpt=None, steps=3):
     """Train ``arch`` with torch AdamW and with megatrain (no clipping: eager resident entries).
 
@@ -196,10 +204,7 @@ def test_parity_resident_parameter_unfrozen_after_wrap(clip):
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             o.step()
             o.zero_grad()
-    opt.wait()
-    got = megatrain.master_state_dict(wrapped)
-    for n, p in ref.named_parameters():
-        assert_close_rel(got[n], p.detach(), RTOL, n)
+    _assert_masters_match(wrapped, opt, ref)
     assert wrapped.get_input_embeddings().weight.grad is None
 
 
@@ -240,7 +245,4 @@ def test_parity_parameter_frozen_between_backward_and_step():
         m.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
         o.step()
         o.zero_grad()
-    opt.wait()
-    got = megatrain.master_state_dict(wrapped)
-    for n, p in ref.named_parameters():
-        assert_close_rel(got[n], p.detach(), RTOL, n)
+    _assert_masters_match(wrapped, opt, ref)
