@@ -84,10 +84,9 @@ class Unit:
     has_grad: List[bool] = field(default_factory=list)
     grad_sq: List[float] = field(default_factory=list)
     # Main thread only, per entry: backward passes that delivered it a gradient since the last
-    # step, whether it got one, and whether its update was already queued (eager mode; layers
-    # queue all their entries at once, the resident unit each entry as its gradient arrives).
+    # step, and whether its update was already queued (eager mode; layers queue all their
+    # entries at once, the resident unit each entry as its gradient arrives).
     batches: List[int] = field(default_factory=list)
-    seen_grad: List[bool] = field(default_factory=list)
     eager: List[bool] = field(default_factory=list)
     last_task: Optional[int] = None  # autograd graph task of the last gradient handed over
     grad_task_done: threading.Event = field(default_factory=threading.Event)  # set: the last gradient task ran
@@ -131,7 +130,6 @@ class Unit:
         self.has_grad = [False] * n
         self.grad_sq = [0.0] * n
         self.batches = [0] * n
-        self.seen_grad = [False] * n
         self.eager = [False] * n
         self.direct = [False] * n
 
@@ -562,7 +560,7 @@ class Engine:
             # last_task is the backward that queued the update (later gradients raise here, before it changes)
             opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
-        direct = [p and ga_one and not unit.seen_grad[i] for i, p in enumerate(present)]
+        direct = [p and ga_one and unit.batches[i] == 0 for i, p in enumerate(present)]
         if not self.has_accumulator and any(p and not d for p, d in zip(present, direct)):
             if task_id is not None and task_id == unit.last_task:
                 raise RuntimeError(
@@ -580,7 +578,6 @@ class Engine:
         for i, p in enumerate(present):
             if p:
                 unit.batches[i] += 1
-                unit.seen_grad[i] = True
         # Overlap with backward: the optimizer may plan the update of these entries now (their last
         # micro-batch).
         plan = opt.plan_eager(unit, present)
@@ -789,7 +786,6 @@ class Engine:
         for u in self.units:
             n = len(u.entries)
             u.batches = [0] * n
-            u.seen_grad = [False] * n
             u.eager = [False] * n
             u.direct = [False] * n
         for u, _ in restore:  # gradients D2H'd into the compute section and never used: weights back
