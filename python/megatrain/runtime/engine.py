@@ -677,8 +677,7 @@ class Engine:
                      entries: Optional[List[int]] = None) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
 
-        ``unit.begin_update()`` here, when the task is queued (not before: a worker failure raised by
-        an earlier submit must not leave the unit "in flight" forever); ``unit.end_update()`` when it ran.
+        The unit is "in flight" from when the task is queued (``_submit_updating``) until it ran.
         Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
         back. ``after``: set when the unit's gradient task ran (the update is not started before).
@@ -708,13 +707,8 @@ class Engine:
                 with self._stats_lock:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
-        unit.begin_update()
-        try:
-            self._worker.submit(task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
-                                ready=after.is_set if after is not None else None)
-        except BaseException:
-            unit.end_update()  # not queued (the worker failed): nothing will end it
-            raise
+        self._submit_updating([unit], task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
+                              ready=after.is_set if after is not None else None)
 
     def _weights_back(self, unit: Unit, entries) -> None:
         """Worker: rewrite entries' compute copy from the fp32 masters (gradients held there are dropped)."""
@@ -788,10 +782,8 @@ class Engine:
             u.batches = [0] * n
             u.eager = [False] * n
             u.direct = [False] * n
-        for u, _ in restore:  # gradients D2H'd into the compute section and never used: weights back
-            u.begin_update()
 
-        def task():
+        def task():  # gradients D2H'd into the compute section and never used: weights back
             try:
                 for u in self.units:
                     u.has_grad = [False] * len(u.entries)
@@ -801,10 +793,20 @@ class Engine:
             finally:
                 for u, _ in restore:
                     u.end_update()
+        self._submit_updating([u for u, _ in restore], task)
+
+    def _submit_updating(self, units: List[Unit], task: Callable[[], None], *args, **kwargs) -> None:
+        """Queue ``task`` (which ends with ``end_update()`` of each of ``units``) as in flight for them.
+
+        ``begin_update()`` happens here, when the task is queued: if the worker refuses it (an
+        earlier failure), nothing would ever end the update and the next load would wait forever.
+        """
+        for u in units:
+            u.begin_update()
         try:
-            self._worker.submit(task)
+            self._worker.submit(task, *args, **kwargs)
         except BaseException:
-            for u, _ in restore:
+            for u in units:
                 u.end_update()
             raise
 
