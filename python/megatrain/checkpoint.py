@@ -223,6 +223,14 @@ def _is_checkpoint_dir(path: str) -> bool:
         return False
 
 
+def existing_ancestor(path: str) -> str:
+    """The nearest existing path above ``path`` (absolute): where creating ``path`` would start."""
+    p = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
+
+
 def check_replaceable(path: str, what: str, looks_right, expected: str) -> str:
     """Refuse (before anything is written) a destination that a save would destroy by mistake.
 
@@ -232,11 +240,8 @@ def check_replaceable(path: str, what: str, looks_right, expected: str) -> str:
     found and what to do. Returns the absolute path.
     """
     path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    p = parent
-    while p and not os.path.exists(p):
-        p = os.path.dirname(p)
-    if p and not os.path.isdir(p):
+    p = existing_ancestor(path)
+    if not os.path.isdir(p):
         raise ValueError(f"{what}: cannot create {path!r}: {p!r} is a file, not a directory; choose another path")
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):

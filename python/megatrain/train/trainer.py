@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from megatrain.checkpoint import existing_ancestor
 from megatrain.train.config import Config, UsageError, to_yaml
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
@@ -160,9 +161,7 @@ def prepare(cfg: Config) -> Plan:
             raise UsageError(
                 f"output directory {out_dir!r} is not empty; choose another --out or pass --set log.overwrite=true"
             )
-    ancestor = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
+    ancestor = existing_ancestor(out_dir)
     if not os.path.isdir(ancestor):
         raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is a file; choose another --out")
     if not os.access(ancestor, os.W_OK | os.X_OK):
