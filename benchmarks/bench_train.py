@@ -121,8 +121,13 @@ def host_peak_rss_gib() -> float | None:
     return None
 
 
-def build_model(m: dict, seq: int):
-    """fp32 Llama on the CPU, seeded (identical initial weights in every child)."""
+def build_model(m: dict, seq: int, init_device: str = "cpu"):
+    """fp32 Llama on the CPU, seeded (identical initial weights in every child of a run).
+
+    With ``init_device`` a CUDA device, the weights are created and initialised there (torch's
+    CPU ``normal_`` runs at ~0.1 Gparam/s on one core: ~40 s of a 3.4B child's setup) and then moved
+    to the CPU, where every system starts from; the GPU memory is released before training.
+    """
     import torch
     import transformers
     cfg = transformers.LlamaConfig(
@@ -131,7 +136,11 @@ def build_model(m: dict, seq: int):
         max_position_embeddings=max(seq, 2048), tie_word_embeddings=False, use_cache=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.device(init_device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if str(init_device) != "cpu":
+        model = model.to("cpu")
+        torch.cuda.empty_cache()
     model.train()
     return model
 
@@ -228,6 +237,7 @@ def _device_sync(device):
 def megatrain_variant(name: str) -> dict:
     """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
     (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward),
+    ``d2h`` (0: MEGATRAIN_D2H_OVERLAP=0, the compute stream waits for each layer's gradient D2H),
     ``threads`` (MEGATRAIN_ADAM_THREADS: CPU threads of the fused Adam), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step).
 
@@ -238,9 +248,9 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "overlap", "threads", "acc"):
+        if not sep or k not in ("slots", "policy", "overlap", "d2h", "threads", "acc"):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, threads=N, acc=0|1")
+                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, threads=N, acc=0|1")
         opts[k] = v
     return opts
 
@@ -252,6 +262,8 @@ def run_megatrain(spec):
         os.environ["MEGATRAIN_OVERLAP"] = opts["overlap"]
     if "threads" in opts:
         os.environ["MEGATRAIN_ADAM_THREADS"] = opts["threads"]
+    if "d2h" in opts:
+        os.environ["MEGATRAIN_D2H_OVERLAP"] = opts["d2h"]
     import megatrain
     dev = spec["device"]
     policy = opts.get("policy", spec["mt_policy"])
@@ -261,10 +273,11 @@ def run_megatrain(spec):
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
                     grad_accumulator=accumulator,
                     overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
+                    d2h_overlap=os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0",
                     adam_threads=os.environ.get("MEGATRAIN_ADAM_THREADS") or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
-    model = build_model(spec["model"], spec["seq"])
+    model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, num_slots=slots,
                            grad_accumulator=accumulator)
@@ -319,7 +332,7 @@ def run_torch(spec, ckpt: bool):
     bf16 = spec["dtype"] == "bf16"
     settings = dict(master="fp32 on device", autocast="bf16" if bf16 else "off (fp32)", optimizer="torch.optim.AdamW(fused=True)", **OPT,
                     gradient_checkpointing="HF, use_reentrant=False" if ckpt else "off")
-    model = build_model(spec["model"], spec["seq"])
+    model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -357,7 +370,7 @@ def run_fsdp2(spec):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     torch.cuda.set_device(0)
     _init_single_rank_pg("cpu:gloo,cuda:nccl")
-    model = build_model(spec["model"], spec["seq"])
+    model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -427,7 +440,7 @@ def run_deepspeed(spec):
         "wall_clock_breakdown": False,
         "steps_per_print": 10 ** 9,
     }
-    model = build_model(spec["model"], spec["seq"])
+    model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = DeepSpeedCPUAdam(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],

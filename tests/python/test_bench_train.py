@@ -39,3 +39,13 @@ def test_size_sweep_runs_what_fits_and_records_what_does_not(tmp_path):
     assert rows[0]["step_s"] > 0 and rows[0]["tokens_per_step"] == 64
     assert rows[1]["status"].startswith("skipped: needs ~267 GiB of host memory (13.02B params)")
     assert (tmp_path / "size.png").stat().st_size > 0
+
+
+def test_megatrain_variant_options_parse_and_bad_ones_are_refused():
+    assert bench_train.megatrain_variant("megatrain") == {}
+    assert bench_train.megatrain_variant("megatrain:slots=1,d2h=0,policy=store") == \
+        {"slots": "1", "d2h": "0", "policy": "store"}
+    with pytest.raises(ValueError, match="bad megatrain variant option"):
+        bench_train.megatrain_variant("megatrain:prefetch=2")
+    with pytest.raises(ValueError, match="bad megatrain variant option"):
+        bench_train.megatrain_variant("megatrain:slots")

@@ -344,6 +344,9 @@ class Engine:
         # MEGATRAIN_OVERLAP=0 (benchmarks' "before"): updates in submission order and step()
         # waits for all of them, so no update overlaps the next forward.
         self.overlap = os.environ.get("MEGATRAIN_OVERLAP", "1") != "0"
+        # MEGATRAIN_D2H_OVERLAP=0 (benchmarks' "before"): the compute stream waits for each unit's
+        # gradient D2H before the next layer's backward, so copies never run under compute.
+        self.d2h_overlap = os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0"
         # Device slots, per layer template.
         self.slots: dict = {}
         for u in self.layers:
@@ -631,6 +634,8 @@ class Engine:
                 end.record(self.d2h_stream)
                 ev = torch.cuda.Event()
                 ev.record(self.d2h_stream)
+            if not self.d2h_overlap:
+                self._compute_stream().wait_event(ev)
         else:
             nbytes = copies(False)
             if need_norm:
