@@ -18,12 +18,17 @@ export DS_SKIP_CUDA_CHECK=${DS_SKIP_CUDA_CHECK:-1}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build ctest cuda adam memory)
 summary=()
+touch "$OUT/.t0"
+collect() {  # results written under docs/benchmarks by this call -> $OUT after every stage (a cut-short call keeps them)
+  find docs/benchmarks -type f -newer "$OUT/.t0" -exec cp {} "$OUT/" \; 2>/dev/null
+}
 run() {  # name, command...
   local name=$1; shift
   local t0=$(date +%s)
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-8s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)")")
+  collect
   return $rc
 }
 ds_install() {  # offline: every wheel deepspeed needs is in .whl/ (torch, numpy are already there)
@@ -83,5 +88,5 @@ for s in "${stages[@]}"; do
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;
   esac
 done
-for f in $(git status --porcelain --untracked-files=all docs/benchmarks | awk '{print $2}'); do cp "$f" "$OUT/" 2>/dev/null; done
+collect
 echo "==== summary"; printf '%s\n' "${summary[@]}"
