@@ -238,6 +238,7 @@ def megatrain_variant(name: str) -> dict:
     """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
     (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward),
     ``d2h`` (0: MEGATRAIN_D2H_OVERLAP=0, the compute stream waits for each layer's gradient D2H),
+    ``eager`` (0: MEGATRAIN_EAGER_UPDATES=0, no update starts during backward: all wait for step()),
     ``threads`` (MEGATRAIN_ADAM_THREADS: CPU threads of the fused Adam), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step).
 
@@ -248,9 +249,9 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "overlap", "d2h", "threads", "acc"):
+        if not sep or k not in ("slots", "policy", "overlap", "d2h", "eager", "threads", "acc"):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, threads=N, acc=0|1")
+                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, acc=0|1")
         opts[k] = v
     return opts
 
@@ -264,6 +265,8 @@ def run_megatrain(spec):
         os.environ["MEGATRAIN_ADAM_THREADS"] = opts["threads"]
     if "d2h" in opts:
         os.environ["MEGATRAIN_D2H_OVERLAP"] = opts["d2h"]
+    if "eager" in opts:
+        os.environ["MEGATRAIN_EAGER_UPDATES"] = opts["eager"]
     import megatrain
     dev = spec["device"]
     policy = opts.get("policy", spec["mt_policy"])
@@ -274,6 +277,7 @@ def run_megatrain(spec):
                     grad_accumulator=accumulator,
                     overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
                     d2h_overlap=os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0",
+                    eager_updates=os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0",
                     adam_threads=os.environ.get("MEGATRAIN_ADAM_THREADS") or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")

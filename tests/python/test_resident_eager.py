@@ -246,3 +246,10 @@ def test_parity_parameter_frozen_between_backward_and_step():
         o.step()
         o.zero_grad()
     _assert_masters_match(wrapped, opt, ref)
+
+
+@pytest.mark.parametrize("env", ["MEGATRAIN_EAGER_UPDATES", "MEGATRAIN_D2H_OVERLAP", "MEGATRAIN_OVERLAP"])
+def test_parity_with_each_benchmark_before_switch(env, monkeypatch):
+    # The "before" switches of bench_train's ratios change scheduling only: training must not change.
+    monkeypatch.setenv(env, "0")
+    _pair("llama", 2, lambda s: ["ids", "ids", "step"])

@@ -347,6 +347,9 @@ class Engine:
         # MEGATRAIN_D2H_OVERLAP=0 (benchmarks' "before"): the compute stream waits for each unit's
         # gradient D2H before the next layer's backward, so copies never run under compute.
         self.d2h_overlap = os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0"
+        # MEGATRAIN_EAGER_UPDATES=0 (benchmarks' "before"): no update starts during backward; all
+        # are queued by step() (as with clipping), so CPU Adam overlaps only the next forward.
+        self.eager_updates = os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0"
         # Device slots, per layer template.
         self.slots: dict = {}
         for u in self.layers:
@@ -583,7 +586,7 @@ class Engine:
                 unit.batches[i] += 1
         # Overlap with backward: the optimizer may plan the update of these entries now (their last
         # micro-batch).
-        plan = opt.plan_eager(unit, present)
+        plan = opt.plan_eager(unit, present) if self.eager_updates else None
         if plan is not None:
             for i, p in enumerate(present):
                 unit.eager[i] = unit.eager[i] or p
