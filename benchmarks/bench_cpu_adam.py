@@ -56,7 +56,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -64,6 +63,8 @@ import torch
 
 import megatrain.ops as ops
 from megatrain._ext import _C as C
+
+from bench_common import git_commit
 
 PRESETS = {
     "torchmem": dict(alloc="torch", hp=None, sk=None, nt=0, pf=0),
@@ -142,14 +143,6 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return C.build_info().get("git_sha", "unknown")
 
 
 def time_it(fn, steps, warmup):
@@ -377,7 +370,7 @@ def main(argv=None):
         "benchmark": "cpu_adam",
         "machine": {"hostname": socket.gethostname(), "cpu": cpu_model(), "logical_cpus": os.cpu_count()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": git_commit() or C.build_info().get("git_sha", "unknown"),
         "torch_version": torch.__version__,
         "megatrain_build": C.build_info(),
         "threads": torch.get_num_threads(),

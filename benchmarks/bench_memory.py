@@ -10,12 +10,13 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 
 import torch
 import transformers
 
 import megatrain
+
+from bench_common import git_commit
 
 
 def measure(layers: int, hidden: int, inter: int, batch: int, seq: int, steps: int = 2) -> dict:
@@ -76,8 +77,7 @@ def main():
     print(f"peak excluding saved layer inputs: {non_saved[0]/gib:.2f} vs {non_saved[1]/gib:.2f} GiB (ratio {ratio:.3f})")
     if a.out:
         meta = dict(machine=platform.node(), gpu=torch.cuda.get_device_name(), date=str(datetime.date.today()),
-                    commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True).stdout.strip(), torch=torch.__version__)
+                    commit=git_commit(), torch=torch.__version__)
         with open(a.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows, non_saved_ratio=ratio), f, indent=2)
     return ratio

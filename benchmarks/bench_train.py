@@ -62,6 +62,8 @@ import threading
 import time
 import traceback
 
+from bench_common import git_commit
+
 SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3"]
 CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3"}
 RESULT_TAG = "BENCH_RESULT "
@@ -560,20 +562,6 @@ def finish_row(row: dict, spec: dict, peak_tflops: float | None) -> dict:
         row["model_tflops"] = fl / row["step_s"] / 1e12
         row["mfu"] = row["model_tflops"] / peak_tflops if peak_tflops else None
     return row
-
-
-def git_commit() -> str | None:
-    """HEAD (+ "-dirty"), or $MEGATRAIN_GIT_COMMIT when set (a copied tree whose .git is stale)."""
-    if os.environ.get("MEGATRAIN_GIT_COMMIT"):
-        return os.environ["MEGATRAIN_GIT_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
-        return c + ("-dirty" if dirty else "") if c else None
-    except OSError:
-        return None
 
 
 def machine_info() -> dict:
