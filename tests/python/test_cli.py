@@ -100,12 +100,14 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--model", "nosucharch"], "model_type"),
         (lambda p, m: ["--config", str(p / "nope.yaml")], "does not exist"),
         (lambda p, m: ["--bogus-flag"], "unrecognized arguments"),
+        (lambda p, m: ["--activation-policy", "block:0"],
+         "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
-        "unknown_flag",
+        "unknown_flag", "activation_policy_block_0",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):
@@ -141,6 +143,19 @@ def test_python_dash_m_bad_lr_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["megatrain: error: train.lr must be a number, got 'abc'"]
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("policy", ["auto", "store", "block:2"])
+def test_activation_policy_flag_accepts_what_wrap_accepts(capsys, policy):
+    code, out, err = _run_main(["train", "--print-config", "--activation-policy", policy], capsys)
+    assert code == 0, err
+    assert f"activation_policy: {policy}\n" in out
+
+
+def test_help_lists_every_activation_policy(capsys):
+    code, out, _ = _run_main(["train", "--help"], capsys)
+    assert code == 0
+    assert "recompute | store | auto | block:K" in " ".join(out.split())
 
 
 def test_print_config_shows_resolved_values(tmp_path, capsys):

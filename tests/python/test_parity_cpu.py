@@ -234,10 +234,11 @@ def test_unsupported_model_error_names_module():
         megatrain.wrap(NoLayers(), device="cpu")
 
 
-def test_bad_activation_policy_rejected_before_wrapping():
+@pytest.mark.parametrize("policy", ["sometimes", "block:0", "store\n"])
+def test_bad_activation_policy_rejected_before_wrapping(policy):
     model = tiny("llama")
-    with pytest.raises(ValueError, match="activation_policy"):
-        megatrain.wrap(model, device="cpu", activation_policy="sometimes")
+    with pytest.raises(ValueError, match="activation_policy must be 'recompute', 'store', 'auto' or 'block:K'"):
+        megatrain.wrap(model, device="cpu", activation_policy=policy)
     assert getattr(model, "megatrain", None) is None
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
 

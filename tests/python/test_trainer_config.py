@@ -44,7 +44,8 @@ def test_gpu_preset_differs_from_default():
         ("train: [1, 2]\n", "must be a mapping"),
         ("data:\n  eval_fraction: 1.0\n", "data.eval_fraction must be between 0 and 1"),
         ("data:\n  seq_len: 4096\n", "above the model's limit max_position_embeddings"),
-        ("runtime:\n  activation_policy: block:0\n", "activation_policy must be recompute, store or block:K"),
+        ("runtime:\n  activation_policy: block:0\n",
+         "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
         ("runtime:\n  compute_dtype: fp16\n", "compute_dtype must be auto, bf16 or fp32"),
         ("model:\n  hidden_size: 100\n  num_heads: 3\n", "divisible by model.num_heads"),
         ("train:\n  warmup_steps: -1\n", "train.warmup_steps must be >= 0"),
@@ -79,6 +80,35 @@ def test_set_override_accepts_dotted_and_unambiguous_bare_keys():
 def test_missing_config_file_is_usage_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         config.build_config(str(tmp_path / "nope.yaml"))
+
+
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "store", "auto", "block:1", "block:3", "block:0", "block:",
+                                    "block:-1", "offload", "Recompute", "store\n", ""])
+def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
+    """runtime.activation_policy follows megatrain.wrap's own rule (auto included), with wrap's message."""
+    import megatrain
+
+    try:
+        megatrain.wrap(_tiny_llama(), device="cpu", activation_policy=policy)
+        wrap_error = None
+    except ValueError as exc:
+        wrap_error = str(exc)
+    if wrap_error is None:
+        assert config.build_config(overrides=[("runtime", "activation_policy", policy)]).runtime.activation_policy == policy
+    else:
+        with pytest.raises(UsageError) as info:
+            config.build_config(overrides=[("runtime", "activation_policy", policy)])
+        assert str(info.value) == wrap_error.replace("megatrain.wrap: activation_policy", "runtime.activation_policy")
+    assert (wrap_error is None) == (policy in ("recompute", "store", "auto", "block:1", "block:3"))
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_to_min_ratio():

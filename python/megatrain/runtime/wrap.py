@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine import Engine, Entry, Unit
 
-_POLICY_RE = re.compile(r"^(recompute|store|auto|block:(\d+))$")
+_POLICY_RE = re.compile(r"recompute|store|auto|block:(\d+)")
 
 # ``auto``: keep activations (``store``) when all layers' measured activation bytes fit in this
 # fraction of the device memory still free; the rest is left for logits, gradients, fragmentation.
@@ -37,6 +37,25 @@ AUTO_STORE_FRACTION = 0.6
 
 class UnsupportedModelError(ValueError):
     """The model has no repeated decoder layer list megatrain can stream."""
+
+
+def check_activation_policy(policy, what: str = "megatrain.wrap: activation_policy") -> int:
+    """Check an activation policy string (the rule of :func:`wrap`; the CLI checks its config with it too).
+
+    Args:
+        policy: ``"recompute"``, ``"store"``, ``"auto"`` or ``"block:K"`` with K >= 1.
+        what: how the error message names the value (``runtime.activation_policy`` in the CLI).
+
+    Returns:
+        K of ``block:K``; 1 for the other policies.
+
+    Raises:
+        ValueError: ``policy`` is anything else; the message names the accepted values and ``policy``.
+    """
+    m = _POLICY_RE.fullmatch(policy) if isinstance(policy, str) else None
+    if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
+        raise ValueError(f"{what} must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got {policy!r}")
+    return int(m.group(1)) if m.group(1) else 1
 
 
 def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
@@ -224,18 +243,12 @@ class WrappedEngine(Engine):
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy: str, num_slots: int, grad_accumulator: bool = True):
-        m = _POLICY_RE.match(activation_policy)
-        if m is None:
-            raise ValueError(f"megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), "
-                             f"got {activation_policy!r}")
-        self.block_k = int(m.group(2)) if m.group(2) else 1
+        self.block_k = check_activation_policy(activation_policy)
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
         # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
         self.auto_decisions: dict = {}
         self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
-        if self.block_k < 1:
-            raise ValueError(f"megatrain.wrap: block:K needs K >= 1, got {activation_policy!r}")
         self.activation_policy = activation_policy
         self.model = model
         owners = _param_owners(model)
@@ -665,9 +678,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("megatrain.wrap: disable the model's gradient checkpointing first "
                          "(megatrain recomputes layers itself; see activation_policy)")
-    if not isinstance(activation_policy, str) or _POLICY_RE.match(activation_policy) is None:
-        raise ValueError("megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto' or 'block:K', "
-                         f"got {activation_policy!r}")
+    check_activation_policy(activation_policy)
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")

@@ -99,7 +99,7 @@ class RuntimeConfig:
 
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    activation_policy: str = "recompute"  # recompute | store | block:K
+    activation_policy: str = "recompute"  # recompute | store | auto | block:K (as megatrain.wrap)
 
 
 @dataclass
@@ -350,9 +350,12 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"runtime.compute_dtype must be auto, bf16 or fp32, got {r.compute_dtype!r}")
     if not (r.device in ("auto", "cpu", "cuda") or (r.device.startswith("cuda:") and r.device[5:].isdigit())):
         raise UsageError(f"runtime.device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
-    policy = r.activation_policy
-    if not (policy in ("recompute", "store") or (policy.startswith("block:") and policy[6:].isdigit() and int(policy[6:]) > 0)):
-        raise UsageError(f"runtime.activation_policy must be recompute, store or block:K (K > 0), got {policy!r}")
+    from megatrain.runtime.wrap import check_activation_policy  # the rule of megatrain.wrap itself
+
+    try:
+        check_activation_policy(r.activation_policy, "runtime.activation_policy")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def load_yaml(path: str) -> dict:
