@@ -45,6 +45,7 @@ def _assert_usage_error(code, err, out_dir, fragment):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("megatrain: error: ") and fragment in lines[0], lines[0]
+    assert len(lines[0]) <= 400, f"a usage error is one short line, got {len(lines[0])} characters"
     assert "Traceback" not in err
     assert not os.path.exists(out_dir), "nothing may be written on bad input"
 
@@ -100,6 +101,10 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--model", "nosucharch"], "model_type"),
         (lambda p, m: ["--config", str(p / "nope.yaml")], "does not exist"),
         (lambda p, m: ["--bogus-flag"], "unrecognized arguments"),
+        (lambda p, m: ["--model", "foobar"], "model 'foobar' is neither a local model directory nor a transformers "
+                                             "model_type; pass a local Hugging Face model directory"),
+        (lambda p, m: ["--model", "lama"], "(did you mean llama"),
+        (lambda p, m: ["--config", str(p)], "is a directory; --config expects a YAML file"),
         (lambda p, m: ["--activation-policy", "block:0"],
          "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
     ],
@@ -107,7 +112,8 @@ def _empty_file(tmp_path):
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
-        "unknown_flag", "activation_policy_block_0",
+        "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
+        "activation_policy_block_0",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):

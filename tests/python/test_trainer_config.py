@@ -82,6 +82,16 @@ def test_missing_config_file_is_usage_error(tmp_path):
         config.build_config(str(tmp_path / "nope.yaml"))
 
 
+def test_config_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(UsageError) as info:
+        config.build_config(str(tmp_path))
+    assert str(info.value) == f"config path {str(tmp_path)!r} is a directory; --config expects a YAML file"
+    # a run's output directory: point at the resolved config it holds
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 3\n")
+    with pytest.raises(UsageError, match="is a directory; --config expects a YAML file, such as .*config.yaml"):
+        config.build_config(str(tmp_path))
+
+
 def _tiny_llama():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -362,6 +362,10 @@ def load_yaml(path: str) -> dict:
     """Reads a YAML config file; a missing or malformed file is a UsageError."""
     import yaml
 
+    if os.path.isdir(path):
+        saved = os.path.join(path, "config.yaml")  # a run's output directory holds its resolved config
+        hint = f", such as {saved!r}" if os.path.isfile(saved) else ""
+        raise UsageError(f"config path {path!r} is a directory; --config expects a YAML file{hint}")
     if not os.path.isfile(path):
         raise UsageError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
     try:

@@ -67,9 +67,33 @@ def resolve_dtype(spec: str, device):
     return torch.bfloat16 if spec in ("bf16", "bfloat16") else torch.float32
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, cut to ``limit`` characters (transformers' errors
+    can hold a 12 KB list of model types on one line)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _check_arch(arch: str) -> None:
+    """Raises a one-line UsageError if ``arch`` is not a transformers ``model_type``."""
+    from transformers import CONFIG_MAPPING
+
+    if arch in CONFIG_MAPPING:
+        return
+    import difflib
+
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lm
+    except ImportError:  # pragma: no cover - moved in some transformers version: no suggestion then
+        causal_lm = {}
+    close = difflib.get_close_matches(arch.lower(), list(causal_lm), n=3, cutoff=0.7)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise UsageError(
+        f"model {arch!r} is neither a local model directory nor a transformers model_type{hint}; pass a local "
+        "Hugging Face model directory (--model ./DIR, model.path) or an architecture such as llama, qwen2, "
+        "mistral (model.arch)"
+    )
 
 
 def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
@@ -115,6 +139,7 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
         if m.intermediate_size is not None:
             kwargs["intermediate_size"] = m.intermediate_size
         kwargs.update(m.extra)
+        _check_arch(m.arch)
         try:
             config = AutoConfig.for_model(m.arch, **kwargs)
         except Exception as exc:  # noqa: BLE001
