@@ -205,10 +205,38 @@ def test_plain_trainer_with_callback_trains_like_megatrain_trainer(tmp_path, dev
     if max_grad_norm:
         assert any(h["grad_norm"] > 1.0 for h in logs), "clipping was not exercised"
     assert tr.evaluate(_dataset(8))["eval_loss"] == ref.evaluate(_dataset(8))["eval_loss"]
-    # Saving is MegatrainTrainer's: the plain Trainer's save_pretrained reads the streamed layers'
-    # meta placeholders (NotImplementedError: Cannot copy out of meta tensor).
-    with pytest.raises(Exception):
+    # Saving is MegatrainTrainer's: the plain Trainer's save_pretrained would read the streamed
+    # layers' meta placeholders; a wrapped model refuses it and names what to use instead.
+    with pytest.raises(RuntimeError, match=r"megatrain\.export_pretrained\(model, path\)"):
         tr.save_model(str(tmp_path / "final"))
+    assert not os.path.exists(tmp_path / "final" / "model.safetensors")
+
+
+def test_trainer_gradient_checkpointing_is_ignored_with_one_warning(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): megatrain's activation_policy already recomputes the
+    layers; checkpointing them too would run each forward once more. Same losses and weights as without."""
+    import warnings
+
+    import megatrain
+
+    ref, ref_rec, _ = _megatrain_trainer(str(tmp_path / "ref"))
+    ref.train()
+
+    tr, rec, _ = _megatrain_trainer(str(tmp_path / "ckpt"), gradient_checkpointing=True)
+    runs = []
+    for layer in tr.model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda m, a: runs.append(m))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.train()
+    ours = [w for w in caught if "already controls recompute" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, UserWarning)
+    assert rec.losses == ref_rec.losses
+    ref_sd, sd = megatrain.master_state_dict(ref.model), megatrain.master_state_dict(tr.model)
+    for k, v in ref_sd.items():
+        assert torch.equal(v, sd[k]), k
+    # 3 layers x 2 micro batches x STEPS steps, each layer run twice (forward + megatrain's recompute)
+    assert len(runs) == 3 * 2 * STEPS * 2
 
 
 def test_plain_trainer_refuses_trainer_side_clipping(tmp_path):

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import megatrain
-from parity import assert_close_rel, make_batches, train_megatrain, train_reference
+from parity import PARITY_EPS, RunResult, assert_close_rel, make_batches, train_megatrain, train_reference
 
 STEPS = 10
 RTOL = 1e-5
@@ -241,6 +241,55 @@ def test_bad_activation_policy_rejected_before_wrapping(policy):
         megatrain.wrap(model, device="cpu", activation_policy=policy)
     assert getattr(model, "megatrain", None) is None
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
+
+
+def test_save_pretrained_on_a_wrapped_model_points_to_export_pretrained(tmp_path):
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    with pytest.raises(RuntimeError, match=r"megatrain\.export_pretrained\(model, path\)"):
+        model.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    megatrain.export_pretrained(model, str(tmp_path / "out"))  # the way that works
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _count_layer_runs(model):
+    """Counts executions of the decoder layers' own forward (through their attention module)."""
+    runs = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda m, a: runs.append(m))
+    return runs
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("policy,ckpt_kwargs,runs_per_step", [
+    ("recompute", None, 6), ("recompute", {"use_reentrant": True}, 6), ("store", None, 3),
+    ("store", {"use_reentrant": True}, 3), ("block:2", None, 7)])
+def test_gradient_checkpointing_enable_after_wrap_warns_once_and_changes_nothing(policy, ckpt_kwargs, runs_per_step):
+    """transformers' checkpointing on top of megatrain's recompute trains exactly, but would run each
+    layer's forward once more in backward: megatrain ignores it on the streamed layers, with one warning."""
+    model = tiny("llama")
+    batches = make_batches(96, 3, 1, 2, 16, seed=1)
+    ref = train_reference(copy.deepcopy(model), batches, lr=1e-3, wd=0.1, betas=(0.9, 0.95), max_grad_norm=None,
+                          groups="one")
+    wrapped = megatrain.wrap(model, device="cpu", activation_policy=policy)
+    with pytest.warns(UserWarning, match="activation_policy .* already controls recompute") as caught:
+        wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    assert len([w for w in caught if "megatrain" in str(w.message)]) == 1
+    assert not any(layer.gradient_checkpointing for layer in wrapped.model.layers)
+    runs = _count_layer_runs(wrapped)
+    wrapped.train()
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                   eps=PARITY_EPS)
+    got = RunResult()
+    for (x,) in batches:
+        loss = wrapped(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got.losses.append(loss.item())
+    got.params = megatrain.master_state_dict(wrapped)
+    check(ref, got)
+    assert len(runs) == 3 * runs_per_step  # 3 steps: forward + megatrain's own recompute, nothing more
 
 
 def test_moe_aux_loss_rejected_with_clear_error():

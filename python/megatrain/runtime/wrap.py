@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import warnings
 import weakref
 from typing import List, Optional, Tuple
 
@@ -56,6 +57,15 @@ def check_activation_policy(policy, what: str = "megatrain.wrap: activation_poli
     if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
         raise ValueError(f"{what} must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got {policy!r}")
     return int(m.group(1)) if m.group(1) else 1
+
+
+def _save_pretrained_refused(*args, **kwargs):
+    """``save_pretrained`` of a wrapped model: refused before anything is written."""
+    raise RuntimeError(
+        "megatrain: save_pretrained cannot save a model wrapped by megatrain.wrap (its decoder layers' parameters "
+        "are meta-device placeholders; the weights live in megatrain's host store). Use "
+        "megatrain.export_pretrained(model, path) for a Hugging Face model directory (fp32 master weights), or "
+        "megatrain.save_checkpoint(path, model, optimizer, scheduler) to resume training")
 
 
 def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
@@ -119,6 +129,20 @@ class _StreamedLayerMixin:
         # storage (its parameters are meta placeholders) and its buffers are already on the
         # compute device, so placement is megatrain's and this is a no-op.
         return self
+
+    # transformers' GradientCheckpointingLayer wraps forward in torch.utils.checkpoint while this
+    # is True. A streamed layer is already recomputed (or stored) by megatrain's activation_policy;
+    # checkpointing it as well would re-stream and re-run every layer once more in backward
+    # (exact, but a third forward), so model.gradient_checkpointing_enable() is ignored here.
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return False
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value) -> None:
+        eng = self.__dict__.get("_megatrain_engine")
+        if eng is not None:
+            eng.checkpointing_requested(self._megatrain_unit.index, bool(value))
 
 
 _STREAMED_CLASSES: dict = {}
@@ -249,6 +273,7 @@ class WrappedEngine(Engine):
         # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
         self.auto_decisions: dict = {}
         self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
+        self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
         self.activation_policy = activation_policy
         self.model = model
         owners = _param_owners(model)
@@ -377,6 +402,25 @@ class WrappedEngine(Engine):
             if e.param.requires_grad and i not in self._resident_hooked:
                 e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
                 self._resident_hooked.add(i)
+
+    def checkpointing_requested(self, index: int, enabled: bool) -> None:
+        """transformers' gradient checkpointing was switched on or off for streamed layer ``index``.
+
+        It stays off (see ``_StreamedLayerMixin.gradient_checkpointing``); switching it on warns once
+        per enabling (``gradient_checkpointing_enable()`` sets it on every layer).
+        """
+        if enabled and not self._checkpointing_asked:
+            warnings.warn(
+                "megatrain: gradient checkpointing (gradient_checkpointing_enable() / TrainingArguments("
+                "gradient_checkpointing=True)) is ignored on a model wrapped by megatrain.wrap: megatrain's "
+                f"activation_policy (here {self.activation_policy!r}) already controls recompute, and checkpointing "
+                "the streamed layers as well would only run each layer's forward once more. Choose the policy with "
+                "megatrain.wrap(model, activation_policy='recompute' | 'store' | 'auto' | 'block:K')",
+                UserWarning)
+        if enabled:
+            self._checkpointing_asked.add(index)
+        else:
+            self._checkpointing_asked.discard(index)
 
     def begin_forward(self) -> None:
         self._pending_block = None
@@ -647,7 +691,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
-        optimizer (``megatrain.optim.CPUAdamW(model.parameters(), ...)``) afterwards.
+        optimizer (``megatrain.optim.CPUAdamW(model.parameters(), ...)``) afterwards. Its
+        ``save_pretrained`` raises ``RuntimeError`` (use :func:`megatrain.export_pretrained`), and
+        transformers' gradient checkpointing (``gradient_checkpointing_enable()``) is ignored with a
+        warning: ``activation_policy`` decides what is recomputed.
 
     Raises:
         UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
@@ -695,4 +742,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=bool(grad_accumulator))
     object.__setattr__(model, "megatrain", engine)
+    if hasattr(model, "save_pretrained"):
+        # transformers' save_pretrained would read the streamed layers' meta placeholders.
+        object.__setattr__(model, "save_pretrained", _save_pretrained_refused)
     return model
