@@ -506,6 +506,28 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
 
 
 # ---------------------------------------------------------------------------- HF export, streamed
+# safetensors metadata "producer" of the weights megatrain exports: how export_pretrained knows a
+# directory is its own earlier output (which it may replace) and not a model someone else saved.
+EXPORT_PRODUCER = "megatrain.export_pretrained"
+
+
+def is_megatrain_export(path: str) -> bool:
+    """Whether directory ``path`` holds only what :func:`save_pretrained_streamed` writes
+    (``config.json``, ``generation_config.json``, ``model.safetensors``) and its weights carry
+    megatrain's producer mark. A model directory saved by anything else is not one (a tokenizer,
+    a README or another tool's weights next to the config make it foreign)."""
+    names = set(os.listdir(path))
+    if "config.json" not in names or "model.safetensors" not in names or \
+            not names <= {"config.json", "generation_config.json", "model.safetensors"}:
+        return False
+    try:
+        with open(os.path.join(path, "model.safetensors"), "rb") as f:
+            header, _ = _read_header(f, path)
+    except (OSError, CheckpointError):
+        return False
+    return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER
+
+
 def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
     """Write a standard Hugging Face model directory (config + ``model.safetensors``) from the fp32 masters.
 
@@ -526,7 +548,8 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
                 persistent.append((f"{mname}.{bname}" if mname else bname, b.detach().to("cpu", torch.float32)
                                    .contiguous()))
     tmp = os.path.join(out_dir, ".model.safetensors.tmp")
-    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt"}, dtype=dtype)
+    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt", "producer": EXPORT_PRODUCER},
+                       dtype=dtype)
     os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
     cfg = getattr(model, "config", None)
     if cfg is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,5 +405,28 @@ def test_save_and_export_refuse_to_replace_what_they_did_not_write(tmp_path):
     megatrain.export_pretrained(model, str(tmp_path / "model"))
     with pytest.raises(ValueError, match="is not empty and is not a megatrain checkpoint"):
         megatrain.save_checkpoint(str(tmp_path / "model"), model, opt)  # an export is not a checkpoint
-    with pytest.raises(ValueError, match="is not empty and is not an exported model"):
+    with pytest.raises(ValueError, match="is not empty and is not an earlier megatrain.export_pretrained output"):
         megatrain.export_pretrained(model, str(tmp_path / "empty"))  # nor a checkpoint an export
+
+
+def test_export_refuses_a_model_directory_it_did_not_write(tmp_path):
+    # A Hugging Face model directory (e.g. the base model the run started from) has a config.json
+    # too: export_pretrained deleted its tokenizer, README and weights. Only its own output is replaced.
+    import megatrain
+
+    model, _, _ = _setup()
+    megatrain.export_pretrained(model, str(tmp_path / "mine"))
+    base = tmp_path / "base"
+    shutil.copytree(tmp_path / "mine", base)
+    (base / "tokenizer.json").write_text("{}")
+    plain = tmp_path / "plain"  # exactly the files an export has, but weights megatrain did not write
+    plain.mkdir()
+    shutil.copy(tmp_path / "mine" / "config.json", plain / "config.json")
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    for d in (base, plain):
+        before = {n: (d / n).read_bytes() for n in os.listdir(d)}
+        with pytest.raises(ValueError, match="is not an earlier megatrain.export_pretrained output"):
+            megatrain.export_pretrained(model, str(d))
+        assert {n: (d / n).read_bytes() for n in os.listdir(d)} == before
+    megatrain.export_pretrained(model, str(tmp_path / "mine"))  # its own output: replaced

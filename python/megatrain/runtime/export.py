@@ -39,12 +39,6 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     return sd
 
 
-def _is_model_dir(path: str) -> bool:
-    """An earlier export (or any HF model directory): config.json, files only."""
-    names = os.listdir(path)
-    return "config.json" in names and not any(os.path.isdir(os.path.join(path, n)) for n in names)
-
-
 def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
     """Write ``config.json`` + safetensors weights that ``AutoModelForCausalLM.from_pretrained`` loads.
 
@@ -55,8 +49,9 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
 
     Args:
         model: a model wrapped by ``megatrain.wrap`` (a ``transformers.PreTrainedModel``).
-        out_dir: destination directory: new, empty, or an earlier export (config.json and files,
-            no subdirectories), which is replaced.
+        out_dir: destination directory: new, empty, or an earlier megatrain export (only
+            ``config.json``, ``generation_config.json`` and megatrain-marked ``model.safetensors``),
+            which is replaced. Any other model directory is refused (nothing is deleted).
         dtype: dtype of the saved weights (``torch.float32`` or ``torch.bfloat16``).
 
     Returns:
@@ -64,16 +59,17 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
 
     Raises:
         ValueError: the model is not wrapped, ``dtype`` is neither fp32 nor bf16, or ``out_dir``
-            is a file or a non-empty directory that is not an exported model (it would be deleted).
+            is a file or a non-empty directory that is not its own earlier export (it would be deleted).
     """
-    from ..checkpoint import check_replaceable, save_pretrained_streamed
+    from ..checkpoint import check_replaceable, is_megatrain_export, save_pretrained_streamed
 
     if getattr(model, "megatrain", None) is None:
         raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"megatrain.export_pretrained: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", _is_model_dir,
-                                "an exported model (config.json and files only, no subdirectories)")
+    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", is_megatrain_export,
+                                "an earlier megatrain.export_pretrained output (config.json, generation_config.json, "
+                                "model.safetensors marked by megatrain, nothing else)")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
