@@ -360,3 +360,20 @@ def test_plain_trainer_cuda_bf16(tmp_path):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "..", "..", "python"))
     _worker(sys.argv[1:])
+
+
+@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+def test_trainer_refuses_mixed_precision_flags_before_training(tmp_path, flag):
+    # The Trainer's autocast would recast what megatrain runs in compute_dtype (it trained silently).
+    import megatrain
+
+    try:
+        tr, _, _ = _megatrain_trainer(str(tmp_path / "mp"), **{flag: True})
+    except ValueError as e:  # this transformers refuses the flag itself on a CPU: nothing to check
+        pytest.skip(f"TrainingArguments({flag}=True) refused by transformers here: {e}")
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(tr.model).items()}
+    with pytest.raises(ValueError, match="set bf16=False and fp16=False in TrainingArguments"):
+        tr.train()
+    assert tr.state.global_step == 0
+    after = megatrain.master_state_dict(tr.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -174,6 +174,11 @@ class MegatrainCallback(TrainerCallback):
             raise TypeError("megatrain: the Trainer's optimizer is not megatrain.optim.CPUAdamW; use "
                             "megatrain.integrations.MegatrainTrainer, or pass optimizers=(create_optimizer(model, "
                             "args), None) to the Trainer")
+        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+            raise ValueError("megatrain: set bf16=False and fp16=False in TrainingArguments: the compute precision is "
+                             "megatrain.wrap(model, compute_dtype=...)'s (bf16 on CUDA by default, fp32 master weights "
+                             "in host memory); the Trainer's autocast would recast what megatrain already runs in "
+                             "compute_dtype")
         if args.max_grad_norm and args.max_grad_norm > 0 and not getattr(self, "_clip_handled", False):
             raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
                              "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
