@@ -107,13 +107,14 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--config", str(p)], "is a directory; --config expects a YAML file"),
         (lambda p, m: ["--activation-policy", "block:0"],
          "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
+        (lambda p, m: ["--model", "bert", *TINY], "model 'bert' is not causal"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
-        "activation_policy_block_0",
+        "activation_policy_block_0", "encoder_architecture_is_not_causal",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):

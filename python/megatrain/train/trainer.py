@@ -225,6 +225,36 @@ def build_model(plan: Plan):
     return AutoModelForCausalLM.from_config(plan.model_config, dtype=torch.float32)
 
 
+def check_causal(model) -> None:
+    """Raises a one-line UsageError if the model's logits at a position depend on later tokens.
+
+    ``AutoModelForCausalLM`` also builds encoder architectures (BERT, RoBERTa, ELECTRA, ...) as
+    "causal" LM heads, which attend to the whole sequence unless their config sets
+    ``is_decoder=True``: next-token training would then see the token it predicts. One forward of
+    3 tokens in eval mode (no dropout) on the CPU model compares the first two positions' logits
+    with the last token changed.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            x = torch.tensor([[1, 2, 3]])
+            y = torch.tensor([[1, 2, 4]])
+            a = model(input_ids=x).logits[0, :2]
+            b = model(input_ids=y).logits[0, :2]
+    finally:
+        model.train(was_training)
+    if not torch.equal(a, b):
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise UsageError(
+            f"model {kind!r} is not causal: its predictions at a position change with later tokens, so next-token "
+            "training would see the answer. Use a decoder-only architecture (llama, qwen2, mistral, gpt2, ...)"
+            + (", or set model.extra: {is_decoder: true}" if hasattr(model.config, "is_decoder") else "")
+        )
+
+
 def lr_lambda(cfg: Config):
     """Multiplier of train.lr at scheduler step s: linear warmup, then cosine/linear/constant."""
     t = cfg.train
@@ -341,6 +371,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
     say = echo or (lambda s: _echo(s, None))
 
     model = build_model(plan)
+    check_causal(model)
     params = metrics_mod.count_params(model)
     flops = metrics_mod.flops_per_token(model.config, params, d.seq_len, cfg.runtime.activation_policy)
     peak = cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
