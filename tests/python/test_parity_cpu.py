@@ -252,6 +252,17 @@ def test_save_pretrained_on_a_wrapped_model_points_to_export_pretrained(tmp_path
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():
+    model = tiny("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"model\.gradient_checkpointing_disable\(\) before wrap"):
+        megatrain.wrap(model, device="cpu")
+    assert getattr(model, "megatrain", None) is None
+    model.gradient_checkpointing_disable()
+    megatrain.wrap(model, device="cpu")  # the way out works
+
+
 def _count_layer_runs(model):
     """Counts executions of the decoder layers' own forward (through their attention module)."""
     runs = []

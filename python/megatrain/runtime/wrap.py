@@ -723,8 +723,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     if compute_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"megatrain.wrap: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        raise ValueError("megatrain.wrap: disable the model's gradient checkpointing first "
-                         "(megatrain recomputes layers itself; see activation_policy)")
+        raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
+                         "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
+                         "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     check_activation_policy(activation_policy)
     for name, p in model.named_parameters():
         if p.device.type == "meta":
