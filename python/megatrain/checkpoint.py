@@ -32,6 +32,7 @@ import shutil
 import struct
 import tempfile
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -446,6 +447,10 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         raise CheckpointError(f"megatrain.load_checkpoint: {directory} was saved without optimizer state")
     if lr_scheduler is not None and SCHEDULER not in m["files"]:
         raise CheckpointError(f"megatrain.load_checkpoint: {directory} has no {SCHEDULER} (saved without a scheduler)")
+    if lr_scheduler is None and optimizer is not None and SCHEDULER in m["files"]:
+        warnings.warn(f"megatrain.load_checkpoint: {directory} holds an LR scheduler state ({SCHEDULER}) that is not "
+                      "restored: pass lr_scheduler=... to resume the schedule where it stopped", UserWarning,
+                      stacklevel=2)
     opt_state = state.get("optimizer")
     by_name = {}
     if optimizer is not None:

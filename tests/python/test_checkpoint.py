@@ -430,3 +430,19 @@ def test_export_refuses_a_model_directory_it_did_not_write(tmp_path):
             megatrain.export_pretrained(model, str(d))
         assert {n: (d / n).read_bytes() for n in os.listdir(d)} == before
     megatrain.export_pretrained(model, str(tmp_path / "mine"))  # its own output: replaced
+
+
+def test_load_without_the_saved_scheduler_warns(tmp_path):
+    # The LR schedule would silently restart from step 0 (the opposite case raises CheckpointError).
+    import warnings
+
+    import megatrain
+
+    model, opt, sched = _setup()
+    megatrain.save_checkpoint(str(tmp_path / "c"), model, opt, sched)
+    with pytest.warns(UserWarning, match="holds an LR scheduler state .* pass lr_scheduler="):
+        megatrain.load_checkpoint(str(tmp_path / "c"), model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megatrain.load_checkpoint(str(tmp_path / "c"), model, opt, sched)  # restored: no warning
+        megatrain.load_checkpoint(str(tmp_path / "c"), model)  # weights only: no warning

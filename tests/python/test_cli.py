@@ -74,6 +74,11 @@ def _empty_dir(tmp_path):
     return ["--data", str(tmp_path / "empty")]
 
 
+def _binary_file(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00x")
+    return ["--config", str(tmp_path / "bin.yaml")]
+
+
 def _unknown_key_file(tmp_path):
     (tmp_path / "c.yaml").write_text("train:\n  learnig_rate: 0.1\n")
     return ["--config", str(tmp_path / "c.yaml")]
@@ -108,13 +113,14 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--activation-policy", "block:0"],
          "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
         (lambda p, m: ["--model", "bert", *TINY], "model 'bert' is not causal"),
+        (lambda p, m: _binary_file(p), "is not UTF-8 text"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
-        "activation_policy_block_0", "encoder_architecture_is_not_causal",
+        "activation_policy_block_0", "encoder_architecture_is_not_causal", "config_not_utf8",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):

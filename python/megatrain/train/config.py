@@ -375,6 +375,8 @@ def load_yaml(path: str) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise UsageError(f"config file {path!r} is not valid YAML{where}; fix its syntax") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); pass a YAML file") from None
     return raw or {}
 
 
