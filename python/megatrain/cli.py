@@ -14,7 +14,9 @@ non-numeric value, sequence length above the model's limit, ...) prints one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -122,9 +124,31 @@ def _overrides(args) -> list:
     return out
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (``timeout``, SLURM, Kubernetes) stops training like Ctrl-C does: ``summary.json``
+    is written with status "interrupted". Yields a list that is non-empty once SIGTERM arrived."""
+    got: list = []
+
+    def handler(signum, frame):
+        got.append(signum)
+        raise KeyboardInterrupt("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_train(args) -> int:
     from megatrain.train.config import UsageError, build_config, to_yaml
 
+    stopped_by: list = []
     try:
         cfg = build_config(args.config, preset=args.preset, overrides=_overrides(args))
         if args.print_config:
@@ -133,12 +157,14 @@ def cmd_train(args) -> int:
         from megatrain.train import trainer
 
         plan = trainer.prepare(cfg)
-        summary = trainer.run(cfg, plan)
+        with _sigterm_as_interrupt() as stopped_by:
+            summary = trainer.run(cfg, plan)
     except UsageError as exc:
         _fail(str(exc).replace("\n", " "))
     except KeyboardInterrupt:
-        sys.stderr.write("megatrain: interrupted; metrics so far are in the output directory, no model was saved\n")
-        return 130
+        how = "terminated (SIGTERM)" if stopped_by else "interrupted"
+        sys.stderr.write(f"megatrain: {how}; metrics so far are in the output directory, no model was saved\n")
+        return 143 if stopped_by else 130
     from megatrain.train.metrics import summary_table
 
     print(summary_table(trainer.summary_rows(summary)))
