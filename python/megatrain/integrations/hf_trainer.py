@@ -179,11 +179,11 @@ class MegatrainCallback(TrainerCallback):
                              "megatrain.wrap(model, compute_dtype=...)'s (bf16 on CUDA by default, fp32 master weights "
                              "in host memory); the Trainer's autocast would recast what megatrain already runs in "
                              "compute_dtype")
-        if args.max_grad_norm and args.max_grad_norm > 0 and not getattr(self, "_clip_handled", False):
+        plain = not getattr(self, "_clip_handled", False)  # a plain transformers.Trainer, not MegatrainTrainer
+        if plain and args.max_grad_norm and args.max_grad_norm > 0:
             raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
                              "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
                              "clip_grad_norm_ only sees meta placeholders. MegatrainTrainer does this for you.")
-        plain = not getattr(self, "_clip_handled", False)  # a plain transformers.Trainer, not MegatrainTrainer
         if plain and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
             raise ValueError("megatrain: with a plain Trainer set save_strategy='no' in TrainingArguments: its "
                              "checkpoints and save_model() only see the layers' meta placeholders and would fail at "
