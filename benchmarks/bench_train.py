@@ -236,6 +236,11 @@ def _device_sync(device):
 # one function per system: (spec) -> partial row (timing, settings, extras)
 # ----------------------------------------------------------------------------------------------
 
+# megatrain variant options that are engine environment switches (the "before" of a ratio)
+VARIANT_ENV = {"overlap": "MEGATRAIN_OVERLAP", "d2h": "MEGATRAIN_D2H_OVERLAP", "eager": "MEGATRAIN_EAGER_UPDATES",
+               "threads": "MEGATRAIN_ADAM_THREADS"}
+
+
 def megatrain_variant(name: str) -> dict:
     """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
     (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward),
@@ -251,7 +256,7 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "overlap", "d2h", "eager", "threads", "acc"):
+        if not sep or k not in ("slots", "policy", "acc", *VARIANT_ENV):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
                              "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, acc=0|1")
         opts[k] = v
@@ -261,14 +266,9 @@ def megatrain_variant(name: str) -> dict:
 def run_megatrain(spec):
     import torch
     opts = megatrain_variant(spec["system"])
-    if "overlap" in opts:
-        os.environ["MEGATRAIN_OVERLAP"] = opts["overlap"]
-    if "threads" in opts:
-        os.environ["MEGATRAIN_ADAM_THREADS"] = opts["threads"]
-    if "d2h" in opts:
-        os.environ["MEGATRAIN_D2H_OVERLAP"] = opts["d2h"]
-    if "eager" in opts:
-        os.environ["MEGATRAIN_EAGER_UPDATES"] = opts["eager"]
+    for k, var in VARIANT_ENV.items():  # read by the engine when wrap() builds it
+        if k in opts:
+            os.environ[var] = opts[k]
     import megatrain
     dev = spec["device"]
     policy = opts.get("policy", spec["mt_policy"])
