@@ -12,8 +12,9 @@ A checkpoint is a directory::
 Unit files are standard safetensors files (``safetensors.safe_open`` reads them), written here
 straight from the host store's memory (no staging copy: extra host memory is a few KiB, not a
 unit) and read back straight into it (``readinto`` on the store's views). The directory is built
-under a temporary name next to the destination and renamed into place only once complete, so a
-crash mid-save leaves the previous checkpoint intact. Loading first verifies every file's size
+under a temporary name next to the destination and swapped into place only once complete
+(:func:`megatrain.atomic.atomic_directory`), so a crash mid-save leaves the previous checkpoint
+intact. Loading first verifies every file's size
 and sha256 against the manifest (and refuses with :class:`CheckpointError` naming the file),
 then writes the store.
 
@@ -28,14 +29,14 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import struct
-import tempfile
 import time
 import warnings
 from typing import Optional
 
 import torch
+
+from .atomic import atomic_directory, check_replaceable, existing_ancestor  # noqa: F401 - public here too
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
@@ -68,19 +69,6 @@ def _buffer(t: torch.Tensor):
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class _HashingWriter:
@@ -224,36 +212,6 @@ def _is_checkpoint_dir(path: str) -> bool:
         return False
 
 
-def existing_ancestor(path: str) -> str:
-    """The nearest existing path above ``path`` (absolute): where creating ``path`` would start."""
-    p = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return p
-
-
-def check_replaceable(path: str, what: str, looks_right, expected: str) -> str:
-    """Refuse (before anything is written) a destination that a save would destroy by mistake.
-
-    ``path`` may be new, an empty directory, or a directory ``looks_right(path)`` accepts (the
-    previous output of the same kind, replaced atomically). A file, a directory holding
-    something else, or a parent that is not a directory raises ``ValueError`` naming what was
-    found and what to do. Returns the absolute path.
-    """
-    path = os.path.abspath(path)
-    p = existing_ancestor(path)
-    if not os.path.isdir(p):
-        raise ValueError(f"{what}: cannot create {path!r}: {p!r} is a file, not a directory; choose another path")
-    if os.path.lexists(path):
-        if not os.path.isdir(path) or os.path.islink(path):
-            raise ValueError(f"{what}: {path!r} exists and is not a directory; it would be replaced: "
-                             "choose another path or remove it first")
-        if os.listdir(path) and not looks_right(path):
-            raise ValueError(f"{what}: {path!r} is not empty and is not {expected}; saving would delete what is "
-                             "there: choose a new or empty directory, or remove it first")
-    return path
-
-
 def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: Optional[dict] = None) -> str:
     """Save every training state of a wrapped model to ``directory`` (replaced atomically).
 
@@ -298,14 +256,9 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
     eng.flush()  # queued Adam updates and gradient accumulation are done
 
-    directory = os.path.abspath(directory)
-    parent, base = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    for stale in glob.glob(os.path.join(parent, f".{base}.tmp-*")):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
-    try:
+    with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
+                          "a megatrain checkpoint") as tmp:
         files = {}
         units = []
         for u in eng.units:
@@ -338,19 +291,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         manifest = {"format": FORMAT, "version": VERSION, "compute_dtype": str(eng.compute_dtype),
                     "num_params": sum(u.numel for u in eng.units), "units": units, "files": files}
         _write_json(os.path.join(tmp, MANIFEST), manifest)
-        _fsync_dir(tmp)
-        old = None
-        if os.path.exists(directory):
-            old = tempfile.mktemp(prefix=f".{base}.old-", dir=parent)
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+    return os.path.abspath(directory)
 
 
 # ---------------------------------------------------------------------------- load

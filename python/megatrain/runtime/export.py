@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import torch
 from torch import nn
 
@@ -44,8 +40,8 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
 
     Weights come from the fp32 master copies, streamed from the host store tensor by tensor
     (extra host memory: one tensor for bf16, none for fp32). The directory is written under a
-    temporary name next to ``out_dir`` and renamed into place, so a crash never leaves a
-    half-written model where the final one is expected.
+    temporary name next to ``out_dir`` and swapped into place atomically
+    (:func:`megatrain.atomic.atomic_directory`), so a crash leaves the old or the new model there.
 
     Args:
         model: a model wrapped by ``megatrain.wrap`` (a ``transformers.PreTrainedModel``).
@@ -61,24 +57,16 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
         ValueError: the model is not wrapped, ``dtype`` is neither fp32 nor bf16, or ``out_dir``
             is a file or a non-empty directory that is not its own earlier export (it would be deleted).
     """
-    from ..checkpoint import check_replaceable, is_megatrain_export, save_pretrained_streamed
+    from ..atomic import atomic_directory, check_replaceable
+    from ..checkpoint import is_megatrain_export, save_pretrained_streamed
 
     if getattr(model, "megatrain", None) is None:
         raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"megatrain.export_pretrained: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", is_megatrain_export,
-                                "an earlier megatrain.export_pretrained output (config.json, generation_config.json, "
-                                "model.safetensors marked by megatrain, nothing else)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-    try:
+    expected = ("an earlier megatrain.export_pretrained output (config.json, generation_config.json, "
+                "model.safetensors marked by megatrain, nothing else)")
+    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", is_megatrain_export, expected)
+    with atomic_directory(out_dir, "megatrain.export_pretrained", is_megatrain_export, expected) as tmp:
         save_pretrained_streamed(model, tmp, dtype=dtype)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -19,7 +19,6 @@ import glob
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -191,6 +190,8 @@ def prepare(cfg: Config) -> Plan:
         raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is a file; choose another --out")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is not writable; choose another --out")
+    if cfg.log.save_model:
+        check_model_dest(out_dir)
     tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
@@ -310,28 +311,70 @@ def evaluate(model, batches, device) -> float:
     return total / count
 
 
+TRAIN_MARK = "megatrain_train.json"
+MODEL_WHAT = "megatrain train: the final model"
+MODEL_EXPECTED = "a model directory an earlier megatrain train run saved (megatrain_train.json lists its files)"
+
+
+def is_train_model_dir(path: str) -> bool:
+    """Whether ``path`` is a model directory :func:`save_model` wrote: ``megatrain_train.json``
+    lists exactly the files there and the weights carry megatrain's producer mark. A model the user
+    saved (a README, other weights, no list) is not one, and is never replaced."""
+    from megatrain.checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
+
+    try:
+        with open(os.path.join(path, TRAIN_MARK)) as f:
+            listed = json.load(f).get("files")
+        names = set(os.listdir(path))
+        if not isinstance(listed, list) or names != set(listed) | {TRAIN_MARK}:
+            return False
+        with open(os.path.join(path, "model.safetensors"), "rb") as f:
+            header, _ = _read_header(f, path)
+    except (OSError, ValueError, AttributeError, CheckpointError):
+        return False
+    return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER
+
+
+def check_model_dest(out_dir: str) -> str:
+    """``out_dir/model`` if the final save may write there (new, empty, or an earlier run's model).
+
+    Raises:
+        UsageError: it holds something else (e.g. the user's own base model); nothing is written.
+    """
+    from megatrain.atomic import check_replaceable
+
+    try:
+        return check_replaceable(os.path.join(out_dir, "model"), MODEL_WHAT, is_train_model_dir, MODEL_EXPECTED)
+    except ValueError as exc:
+        raise UsageError(f"{exc} (choose another --out)") from None
+
+
 def save_model(model, tokenizer, out_dir: str, plan: Plan) -> str:
-    """Exports HF weights + tokenizer to ``out_dir/model`` via a temporary directory and a rename."""
+    """Exports HF weights + tokenizer to ``out_dir/model``, written atomically
+    (:func:`megatrain.atomic.atomic_directory`): a kill at any moment leaves the previous model or
+    the new one there, complete. Only a directory an earlier run saved is ever replaced.
+
+    Raises:
+        UsageError: ``out_dir/model`` holds something megatrain did not write.
+        OSError: the file system refused (ENOSPC, permissions); the previous model is intact.
+    """
     import torch
 
-    import megatrain
+    from megatrain.atomic import atomic_directory
+    from megatrain.checkpoint import save_pretrained_streamed
 
-    final = os.path.join(out_dir, "model")
-    tmp = os.path.join(out_dir, ".model.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    final = check_model_dest(out_dir)
     try:
-        megatrain.export_pretrained(model, tmp, dtype=torch.float32)
-        tokenizer.save(tmp)
-        with open(os.path.join(tmp, "megatrain_train.json"), "w") as f:
-            json.dump(
-                {"seq_len": plan.cfg.data.seq_len, "eos_token_id": tokenizer.eos_token_id, "tokenizer": tokenizer.kind}, f
-            )
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_directory(final, MODEL_WHAT, is_train_model_dir, MODEL_EXPECTED) as tmp:
+            save_pretrained_streamed(model, tmp, dtype=torch.float32)
+            tokenizer.save(tmp)
+            with open(os.path.join(tmp, TRAIN_MARK), "w") as f:
+                json.dump({"seq_len": plan.cfg.data.seq_len, "eos_token_id": tokenizer.eos_token_id,
+                           "tokenizer": tokenizer.kind, "files": sorted(os.listdir(tmp))}, f)
+    except ValueError as exc:
+        if isinstance(exc, UsageError) or not str(exc).startswith(MODEL_WHAT):
+            raise
+        raise UsageError(f"{exc} (choose another --out)") from None  # it changed during the run
     return final
 
 

@@ -1,0 +1,309 @@
+"""Faults and bad inputs: nothing the user had or trained is lost or half-written, no training on
+garbage, and every user error of the CLI is one line with exit status 2.
+
+This file is also the worker script the tests run in subprocesses (``python test_faults.py MODE ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+_PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+if _PY not in sys.path:
+    sys.path.insert(0, _PY)
+
+
+# ---------------------------------------------------------------------------- shared set-up
+def _tiny_model(seed: int = 0, vocab: int = 257):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _wrapped(seed: int = 0, **opt_kwargs):
+    import megatrain
+
+    model = megatrain.wrap(_tiny_model(seed), device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, **opt_kwargs)
+    return model, opt
+
+
+def _plan(seq_len: int = 16):
+    return SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(seq_len=seq_len)))
+
+
+def _worker(argv):
+    import megatrain
+    import megatrain.checkpoint
+
+    mode = argv[0]
+    if mode == "slow_save":  # a checkpoint save that takes a while (another process saves meanwhile)
+        model, opt = _wrapped()
+        os.environ["MEGATRAIN_CHECKPOINT_TEST_DELAY_S"] = argv[2]
+        print("SAVING", flush=True)
+        megatrain.checkpoint.save_checkpoint(argv[1], model, opt, extra={"who": "slow"})
+        print("SAVED", flush=True)
+    elif mode == "killed_model_save":  # the CLI's final save of a second run, killed mid-way
+        from megatrain.train import data as data_mod
+        from megatrain.train import trainer
+
+        out = argv[1]
+        model, _ = _wrapped()
+        trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+        real_save = data_mod.ByteTokenizer.save
+
+        def slow_save(self, d):
+            real_save(self, d)
+            print("WRITING", flush=True)
+            time.sleep(60)
+
+        data_mod.ByteTokenizer.save = slow_save
+        trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+        print("SAVED (should have been killed)", flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+def _spawn(*args, env=None):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_PY + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env or {})
+    return subprocess.Popen([sys.executable, HERE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=e)
+
+
+def _wait_line(p, want: str, timeout: float = 120):
+    line = p.stdout.readline()
+    assert line.strip() == want, (line, p.stderr.read() if p.poll() is not None else "")
+
+
+# ---------------------------------------------------------------------------- the atomic directory
+def _snapshot(path):
+    if not os.path.isdir(path):
+        return None
+    return {n: open(os.path.join(path, n)).read() for n in sorted(os.listdir(path))}
+
+
+def _watch_every_step(monkeypatch, check):
+    """Call ``check()`` after every file-system mutation (what a SIGKILL at that moment would leave)."""
+    def wrap(obj, name):
+        real = getattr(obj, name)
+
+        def f(*a, **k):
+            r = real(*a, **k)
+            check()
+            return r
+        monkeypatch.setattr(obj, name, f)
+
+    for obj, name in [(os, "replace"), (os, "rename"), (os, "rmdir"), (os, "unlink"), (os, "remove"),
+                      (shutil, "rmtree")]:
+        wrap(obj, name)
+    try:
+        import megatrain.atomic as atomic
+    except ImportError:  # before megatrain had one helper for it
+        return
+    wrap(atomic, "_exchange")
+
+
+def test_atomic_directory_is_old_or_new_at_every_moment(tmp_path, monkeypatch):
+    from megatrain.atomic import atomic_directory
+
+    def mine(p):
+        return os.path.isfile(os.path.join(p, "mark"))
+
+    dest = str(tmp_path / "d")
+    old = {"a": "old a", "b": "old b", "mark": ""}
+    new = {"a": "new a", "c": "new c", "mark": ""}
+    with atomic_directory(dest, "t", mine) as tmp:
+        for k, v in old.items():
+            open(os.path.join(tmp, k), "w").write(v)
+    seen = []
+
+    def check():
+        snap = _snapshot(dest)
+        assert snap in (old, new), snap
+        seen.append(snap == new)
+
+    _watch_every_step(monkeypatch, check)
+    with atomic_directory(dest, "t", mine) as tmp:
+        for k, v in new.items():
+            open(os.path.join(tmp, k), "w").write(v)
+    monkeypatch.undo()
+    assert _snapshot(dest) == new and seen and seen[-1]
+    assert sorted(os.listdir(tmp_path)) == ["d"], "no temporary is left behind"
+    with pytest.raises(RuntimeError):  # a failed write leaves the old one and no temporary
+        with atomic_directory(dest, "t", mine) as tmp:
+            open(os.path.join(tmp, "a"), "w").write("half")
+            raise RuntimeError("boom")
+    assert _snapshot(dest) == new and sorted(os.listdir(tmp_path)) == ["d"]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "README.md").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty"):
+        with atomic_directory(str(foreign), "t", mine):
+            pass
+    assert (foreign / "README.md").read_text() == "mine"
+
+
+def test_atomic_directory_never_deletes_a_live_writers_temporary(tmp_path):
+    """A temporary locked by a live writer survives another writer's clean-up; an unlocked one goes."""
+    from megatrain.atomic import atomic_directory
+
+    dest = str(tmp_path / "d")
+    stale = tmp_path / ".d.tmp-killed"  # left by a killed writer: nobody holds its lock
+    stale.mkdir()
+    with atomic_directory(dest, "t", lambda p: True) as first:
+        with atomic_directory(dest, "t", lambda p: True) as second:
+            assert os.path.isdir(first) and not stale.exists()
+            open(os.path.join(second, "x"), "w").write("2")
+        assert os.path.isdir(first), "the second writer deleted the first one's temporary"
+        open(os.path.join(first, "x"), "w").write("1")
+    assert _snapshot(dest) == {"x": "1"}  # the last swap wins
+    with pytest.raises(ValueError, match="is not empty"):  # re-checked before the swap: not replaced
+        with atomic_directory(str(tmp_path / "e"), "t") as fourth:
+            with atomic_directory(str(tmp_path / "e"), "t") as fifth:
+                open(os.path.join(fifth, "x"), "w").write("5")
+            open(os.path.join(fourth, "x"), "w").write("4")
+    assert _snapshot(str(tmp_path / "e")) == {"x": "5"}
+    shutil.rmtree(tmp_path / "e")
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+# ---------------------------------------------------------------------------- 1. the user's base model
+def _corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir(exist_ok=True)
+    for i in range(6):
+        (d / f"{i}.txt").write_text(("the quick brown fox jumps over the lazy dog %d. " % i) * 30)
+    return d
+
+
+def _cli(argv, capsys):
+    from megatrain.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line(code, err, fragment):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatrain: error: ") and fragment in lines[0], err
+    assert "Traceback" not in err
+
+
+F = ["--steps", "2", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress", "--device", "cpu",
+     "--set", "eval.batches=1"]  # fmt: skip
+
+
+def test_cli_never_replaces_the_users_own_model_dir(tmp_path, capsys):
+    base = tmp_path / "work" / "model"
+    _tiny_model().save_pretrained(base)
+    (base / "README.md").write_text("my model")
+    before = _snapshot_bytes(base)
+    capsys.readouterr()
+    code, _, err = _cli(["train", "--model", str(base), "--out", str(tmp_path / "work"), "--data",
+                         str(_corpus(tmp_path)), *F, "--set", "log.overwrite=true"], capsys)
+    _one_line(code, err, "is not empty and is not a model directory an earlier megatrain train run saved")
+    assert _snapshot_bytes(base) == before
+    assert sorted(os.listdir(tmp_path / "work")) == ["model"], "nothing is written before the check"
+
+
+def _snapshot_bytes(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+# ---------------------------------------------------------------------------- 2. killed during the final save
+def test_cli_final_save_leaves_a_complete_model_at_every_moment(tmp_path, monkeypatch):
+    from megatrain.train import data as data_mod
+    from megatrain.train import trainer
+
+    model, _ = _wrapped()
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+    final = os.path.join(out, "model")
+    first = _snapshot_bytes(final)
+    with torch.no_grad():
+        model.megatrain.entry_view(model.megatrain.units[0], 0, "master").add_(1.0)  # a different model
+    bad = []
+
+    def check():
+        names = set(os.listdir(final)) if os.path.isdir(final) else set()
+        if not {"config.json", "model.safetensors", "megatrain_train.json", "tokenizer.json"} <= names:
+            bad.append(sorted(names))
+
+    _watch_every_step(monkeypatch, check)
+    trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+    monkeypatch.undo()
+    assert not bad, f"a kill at some moment would have left out/model as {bad[0]}"
+    assert _snapshot_bytes(final)["model.safetensors"] != first["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["model"]
+
+
+def test_cli_final_save_killed_keeps_the_previous_model_and_the_next_save_cleans_up(tmp_path):
+    from megatrain.train import data as data_mod
+    from megatrain.train import trainer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    p = _spawn("killed_model_save", str(out))
+    try:
+        _wait_line(p, "WRITING")
+        first = _snapshot_bytes(out / "model")
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert _snapshot_bytes(out / "model") == first
+    model, _ = _wrapped()
+    trainer.save_model(model, data_mod.ByteTokenizer(), str(out), _plan())
+    assert sorted(os.listdir(out)) == ["model"], "the killed save's temporary is cleaned up"
+
+
+# ---------------------------------------------------------------------------- 8. two processes, one checkpoint path
+def test_two_processes_saving_one_checkpoint_both_complete(tmp_path):
+    import megatrain.checkpoint
+    from megatrain.checkpoint import verify_checkpoint
+
+    ckpt = str(tmp_path / "ck")
+    p = _spawn("slow_save", ckpt, "0.7")
+    try:
+        _wait_line(p, "SAVING")
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(
+                f.endswith(".safetensors") for d in os.listdir(tmp_path) if d.startswith(".ck.tmp-")
+                for f in os.listdir(tmp_path / d)):
+            time.sleep(0.05)
+        model, opt = _wrapped(seed=1)
+        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, extra={"who": "fast"})
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "SAVED" in out, err[-3000:]
+    verify_checkpoint(ckpt)
+    model, opt = _wrapped(seed=2)
+    assert megatrain.checkpoint.load_checkpoint(ckpt, model, opt) == {"who": "slow"}  # the last swap wins
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
