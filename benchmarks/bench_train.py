@@ -1,4 +1,4 @@
-"""End-to-end training benchmark: megatrain vs GPU-resident PyTorch, FSDP2 CPU offload, DeepSpeed ZeRO-3.
+"""End-to-end training benchmark: megatrain vs GPU-resident PyTorch, FSDP2 CPU offload, DeepSpeed ZeRO-2/3.
 
 Every system trains the same Llama-architecture model (same seeded init, same seeded random token
 batches) in its OWN subprocess, so the GPU and host memory of one run cannot pollute the next. The
@@ -6,7 +6,9 @@ parent never touches CUDA: the bf16 matmul rate (the MFU denominator) is measure
 A child prints one line ``BENCH_RESULT {json}``; a child that dies without it becomes a row with
 status ``error: <its last output line>``.
 
-Systems (all: SDPA attention, AdamW lr 1e-4, betas (0.9, 0.95), weight decay 0.1, no grad clipping):
+Systems (all: SDPA attention, AdamW lr 1e-4, betas (0.9, 0.95), weight decay 0.1; ``--max-grad-norm``
+(default: none) clips the global gradient norm and ``--grad-accum`` (default 1) accumulates that many
+micro-batches per optimizer step in every system, each the way its users do it):
 
 * ``megatrain``       megatrain.wrap(bf16 compute, --mt-policy recompute | block:K) + CPUAdamW;
                       fp32 master weights and Adam state in host memory, layers streamed.
@@ -19,6 +21,12 @@ Systems (all: SDPA attention, AdamW lr 1e-4, betas (0.9, 0.95), weight decay 0.1
                       HF gradient checkpointing on.
 * ``deepspeed_zero3`` ZeRO-3, offload_param + offload_optimizer to pinned CPU, DeepSpeedCPUAdam,
                       bf16, HF gradient checkpointing on. "unavailable" when deepspeed is missing.
+* ``deepspeed_zero2`` ZeRO-Offload: ZeRO-2 with offload_optimizer to pinned CPU (bf16 weights stay on
+                      the GPU), DeepSpeedCPUAdam, bf16, HF gradient checkpointing on.
+
+Clipping: megatrain ``CPUAdamW(max_grad_norm=...)``; torch_* ``clip_grad_norm_`` before ``step()``;
+FSDP2 ``clip_grad_norm_`` on the DTensor parameters; DeepSpeed ``gradient_clipping`` in its config.
+Accumulation: the loss of each micro-batch is scaled by 1 / grad_accum (DeepSpeed scales it itself).
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` timed steps; each step ends with a device
 synchronize. step_mean = wall time of the whole timed window / steps, where the window also
@@ -64,8 +72,8 @@ import traceback
 
 from bench_common import git_commit
 
-SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3"]
-CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3"}
+SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"]
+CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"}
 RESULT_TAG = "BENCH_RESULT "
 
 # hidden, layers, intermediate, vocab, heads, kv heads; default batch, seq
@@ -151,12 +159,18 @@ def make_batches(spec: dict, device):
     import torch
     g = torch.Generator().manual_seed(spec["seed"])
     n = spec["warmup"] + spec["steps"]
-    return [torch.randint(0, spec["model"]["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
-            for _ in range(n)]
+    ga = spec.get("grad_accum", 1)
+    return [[torch.randint(0, spec["model"]["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
+             for _ in range(ga)] for _ in range(n)]
+
+
+def clip_and_accum(spec: dict):
+    """(max_grad_norm or None, grad_accum) of a child's spec."""
+    return spec.get("max_grad_norm"), spec.get("grad_accum", 1)
 
 
 def timed_loop(step, batches, spec, sync, drain=lambda: None, on_window=None):
-    """Run warmup + timed steps. step(x) -> detached loss. Returns timing dict.
+    """Run warmup + timed steps. step(micro_batches) -> detached loss of the last micro-batch. Returns timing dict.
 
     on_window(\"start\"|\"end\") is called just before the timed window and after it is drained."""
     import torch
@@ -274,6 +288,7 @@ def run_megatrain(spec):
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
+    clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
                     grad_accumulator=accumulator,
@@ -281,7 +296,7 @@ def run_megatrain(spec):
                     d2h_overlap=os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0",
                     eager_updates=os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0",
                     adam_threads=os.environ.get("MEGATRAIN_ADAM_THREADS") or "torch default",
-                    optimizer="megatrain.optim.CPUAdamW", max_grad_norm=None, **OPT,
+                    optimizer="megatrain.optim.CPUAdamW", max_grad_norm=clip, grad_accum=ga, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -289,13 +304,15 @@ def run_megatrain(spec):
                            grad_accumulator=accumulator)
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
-                                   weight_decay=OPT["weight_decay"], max_grad_norm=None)
+                                   weight_decay=OPT["weight_decay"], max_grad_norm=clip,
+                                   gradient_accumulation_steps=ga)
     batches = make_batches(spec, dev)
     snaps = {}
 
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+    def step(xs):
+        for x in xs:
+            loss = model(input_ids=x, labels=x).loss
+            (loss / ga).backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
@@ -336,8 +353,10 @@ def run_torch(spec, ckpt: bool):
     dtype = "cuda" if dev.startswith("cuda") else "cpu"
     import contextlib
     bf16 = spec["dtype"] == "bf16"
+    clip, ga = clip_and_accum(spec)
     settings = dict(master="fp32 on device", autocast="bf16" if bf16 else "off (fp32)", optimizer="torch.optim.AdamW(fused=True)", **OPT,
-                    gradient_checkpointing="HF, use_reentrant=False" if ckpt else "off")
+                    gradient_checkpointing="HF, use_reentrant=False" if ckpt else "off",
+                    max_grad_norm=clip, grad_accum=ga, clipping="torch.nn.utils.clip_grad_norm_" if clip else "off")
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     if ckpt:
@@ -346,10 +365,13 @@ def run_torch(spec, ckpt: bool):
     opt = torch.optim.AdamW(model.parameters(), fused=True, **OPT)
     batches = make_batches(spec, dev)
 
-    def step(x):
-        with torch.autocast(dtype, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+    def step(xs):
+        for x in xs:
+            with torch.autocast(dtype, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                loss = model(input_ids=x, labels=x).loss
+            (loss / ga).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -379,6 +401,7 @@ def run_fsdp2(spec):
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    clip, ga = clip_and_accum(spec)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     off = CPUOffloadPolicy(pin_memory=True)
     for layer in model.model.layers:
@@ -388,13 +411,17 @@ def run_fsdp2(spec):
                     offload_policy="CPUOffloadPolicy(pin_memory=True)",
                     mp_policy="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
                     reshard_after_forward="default (True)", gradient_checkpointing="HF, use_reentrant=False",
-                    optimizer="torch.optim.AdamW(fused=True) on CPU params", **OPT)
+                    optimizer="torch.optim.AdamW(fused=True) on CPU params", **OPT,
+                    max_grad_norm=clip, grad_accum=ga, clipping="torch.nn.utils.clip_grad_norm_ (DTensor)" if clip else "off")
     state = {"opt": torch.optim.AdamW(model.parameters(), fused=True, **OPT)}
     batches = make_batches(spec, "cuda")
 
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+    def step(xs):
+        for x in xs:
+            loss = model(input_ids=x, labels=x).loss
+            (loss / ga).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         try:
             state["opt"].step()
         except Exception as e:  # fused CPU AdamW on DTensors not supported in this build: foreach
@@ -415,7 +442,7 @@ def run_fsdp2(spec):
     return r
 
 
-def run_deepspeed(spec):
+def run_deepspeed(spec, stage: int):
     import importlib.util
     if importlib.util.find_spec("deepspeed") is None:
         return dict(status="unavailable: deepspeed not installed")
@@ -425,12 +452,21 @@ def run_deepspeed(spec):
     torch.cuda.set_device(0)
     _init_single_rank_pg("nccl")
     deepspeed.init_distributed(dist_backend="nccl")
+    clip, ga = clip_and_accum(spec)
+    zero2 = {  # ZeRO-Offload: the bf16 weights and gradients stay on the GPU, the fp32 optimizer on the CPU
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "allgather_bucket_size": 5e8,
+    }
     ds_config = {
         "train_micro_batch_size_per_gpu": spec["batch"],
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": float(clip or 0.0),
         "bf16": {"enabled": True},
-        "zero_optimization": {
+        "zero_optimization": zero2 if stage == 2 else {
             "stage": 3,
             "offload_param": {"device": "cpu", "pin_memory": True},
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -454,10 +490,11 @@ def run_deepspeed(spec):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     batches = make_batches(spec, engine.device)
 
-    def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
+    def step(xs):
+        for x in xs:  # DeepSpeed scales the loss by 1 / gradient_accumulation_steps and steps at the boundary
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
         return loss.detach()
 
     r = timed_loop(step, batches, spec, torch.cuda.synchronize)
@@ -487,10 +524,12 @@ def run_matmul(spec):
 def child_main(spec: dict) -> None:
     import torch
     name = spec["system"]
+    OPT["lr"] = spec.get("lr", OPT["lr"])  # every system reads OPT
     row = dict(system=name, status="ok")
     fn = {"torch_ckpt": lambda s: run_torch(s, True),
           "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
-          "deepspeed_zero3": run_deepspeed, "matmul": run_matmul}.get(name, run_megatrain)
+          "deepspeed_zero3": lambda s: run_deepspeed(s, 3), "deepspeed_zero2": lambda s: run_deepspeed(s, 2),
+          "matmul": run_matmul}.get(name, run_megatrain)
     try:
         row.update(fn(spec))
     except torch.OutOfMemoryError as e:
@@ -554,9 +593,10 @@ def spawn(spec: dict, timeout: float) -> dict:
 def finish_row(row: dict, spec: dict, peak_tflops: float | None) -> dict:
     m = spec["model"]
     row.update(batch=spec["batch"], seq=spec["seq"], layers=m["layers"], hidden=m["hidden"],
-               tokens_per_step=spec["batch"] * spec["seq"])
+               grad_accum=spec.get("grad_accum", 1), max_grad_norm=spec.get("max_grad_norm"),
+               tokens_per_step=spec["batch"] * spec["seq"] * spec.get("grad_accum", 1))
     if row.get("status") == "ok" and "step_s" in row:
-        fl = model_flops_per_step(row["n_params"], m, spec["batch"], spec["seq"])
+        fl = model_flops_per_step(row["n_params"], m, spec["batch"], spec["seq"]) * spec.get("grad_accum", 1)
         row["model_flops_per_step"] = fl
         row["tokens_per_s"] = row["tokens_per_step"] / row["step_s"]
         row["model_tflops"] = fl / row["step_s"] / 1e12
@@ -707,6 +747,10 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZE_SHAPES), default=SWEEP_SIZES)
     ap.add_argument("--depths", type=int, nargs="+", default=SWEEP_DEPTHS)
     ap.add_argument("--tokens", type=int, nargs="+", default=SWEEP_TOKENS)
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="clip the global gradient norm to this in every system (default: no clipping)")
+    ap.add_argument("--lr", type=float, default=OPT["lr"], help="AdamW learning rate of every system")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step in every system")
     ap.add_argument("--peak-tflops", type=float, help="MFU denominator instead of the measured matmul rate")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token batches")
     ap.add_argument("--profile", action="store_true",
@@ -730,8 +774,10 @@ def main() -> None:
     model = {k: p[k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")}
     batch, seq = args.batch or p["batch"], args.seq or p["seq"]
     dtype = args.dtype or ("bf16" if cuda else "fp32")
+    if args.grad_accum < 1 or (args.max_grad_norm is not None and not args.max_grad_norm > 0):
+        ap.error("--grad-accum must be >= 1 and --max-grad-norm > 0")
     base = dict(device=args.device, dtype=dtype, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy,
-                profile=args.profile)
+                profile=args.profile, max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, lr=args.lr)
 
     peak, gpu = args.peak_tflops, None
     if cuda:
@@ -795,7 +841,8 @@ def main() -> None:
     print()
     size = "" if not n_params else f" ({n_params / 1e9:.2f}B params)" if n_params >= 1e9 else f" ({n_params / 1e6:.1f}M params)"
     shape = f"{model['layers']} layers, hidden {model['hidden']}"
-    toks = f"batch {batch} x seq {seq}"
+    toks = f"batch {batch} x seq {seq}" + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "") + \
+        (f", max_grad_norm {args.max_grad_norm:g}" if args.max_grad_norm else ", no clipping")
     if args.sweep == "tokens":
         title = f"sweep tokens/step: {preset} preset{size}, {shape}, {args.device} {dtype}"
     elif args.sweep == "depth":

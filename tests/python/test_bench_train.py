@@ -49,3 +49,22 @@ def test_megatrain_variant_options_parse_and_bad_ones_are_refused():
         bench_train.megatrain_variant("megatrain:prefetch=2")
     with pytest.raises(ValueError, match="bad megatrain variant option"):
         bench_train.megatrain_variant("megatrain:slots")
+
+
+def test_clipping_and_accumulation_reach_every_cpu_system(tmp_path):
+    # --max-grad-norm and --grad-accum reach megatrain and torch alike (the rows and settings record them;
+    # same seeded init and micro-batches, fp32 on the CPU: the last losses agree). Clipping's own
+    # exactness is tested in test_parity_cpu.py; Adam is nearly invariant to it over a few steps.
+    out = tmp_path / "clip.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--preset", "tiny",
+                        "--device", "cpu", "--systems", "megatrain", "torch_nockpt", "--steps", "2", "--warmup", "1",
+                        "--batch", "1", "--seq", "16", "--layers", "2", "--max-grad-norm", "0.05", "--grad-accum", "2", "--lr", "0.01",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    for row in rows:
+        assert row["grad_accum"] == 2 and row["max_grad_norm"] == 0.05 and row["tokens_per_step"] == 32
+        assert row["settings"]["max_grad_norm"] == 0.05 and row["settings"]["grad_accum"] == 2
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-6 * abs(rows[1]["loss"])
