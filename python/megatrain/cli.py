@@ -4,9 +4,12 @@
     megatrain train --config examples/configs/llama_small.yaml --steps 500
     megatrain train --model ./my-hf-model --data ./corpus --tokenizer ./my-hf-model --seq-len 1024
     megatrain train --set train.warmup_steps=50 --set model.num_layers=8
+    megatrain train --set train.save_every=100 --out runs/a   # checkpoints in runs/a/checkpoints/
+    megatrain train --resume runs/a                  # continue runs/a from its newest checkpoint
     python -m megatrain train --print-config         # the resolved configuration, as YAML
 
-Precedence: preset < --config file < explicit flags < --set. Bad input (unknown key, missing data,
+Precedence: preset (or, with --resume, the checkpoint's configuration) < --config file < explicit
+flags < --set. Bad input (unknown key, missing data,
 non-numeric value, sequence length above the model's limit, ...) prints one line
 ``megatrain: error: ...`` to stderr and exits with status 2, before anything is written.
 """
@@ -95,6 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override any config key, e.g. --set train.warmup_steps=50 (repeatable)",
     )
+    tr.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue a run exactly: its out directory (newest checkpoint) or one checkpoint directory; its "
+        "configuration is the starting point and the run's directory the output",
+    )
     tr.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     sub.add_parser("info", help="build and runtime information (megatrain.info)", add_help=True)
@@ -150,21 +159,39 @@ def cmd_train(args) -> int:
 
     stopped_by: list = []
     try:
-        cfg = build_config(args.config, preset=args.preset, overrides=_overrides(args))
+        resume, base = None, None
+        if args.resume is not None:
+            if args.preset != "default":
+                raise UsageError("--preset and --resume exclude each other: a resumed run starts from its checkpoint's "
+                                 "configuration")
+            from megatrain.train import trainer
+
+            resume = trainer.find_resume_point(args.resume)
+            base = resume.state["config"]
+            if resume.run_dir is not None:  # continue in the run's own directory unless told otherwise
+                base = {**base, "log": {**base.get("log", {}), "out": resume.run_dir}}
+        cfg = build_config(args.config, preset=args.preset, overrides=_overrides(args), base=base)
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0
         from megatrain.train import trainer
 
-        plan = trainer.prepare(cfg)
+        plan = trainer.prepare(cfg, resume=resume)
         with _sigterm_as_interrupt() as stopped_by:
             summary = trainer.run(cfg, plan)
     except UsageError as exc:
         _fail(str(exc).replace("\n", " "))
-    except KeyboardInterrupt:
-        how = "terminated (SIGTERM)" if stopped_by else "interrupted"
-        sys.stderr.write(f"megatrain: {how}; metrics so far are in the output directory, no model was saved\n")
-        return 143 if stopped_by else 130
+    except KeyboardInterrupt as exc:
+        sigterm = bool(stopped_by) or getattr(exc, "signum", None) == signal.SIGTERM
+        how = "terminated (SIGTERM)" if sigterm else "interrupted"
+        checkpoint = getattr(exc, "checkpoint", None)
+        if checkpoint:
+            out_dir = os.path.dirname(os.path.dirname(checkpoint))
+            sys.stderr.write(f"megatrain: {how} after step {exc.step}; checkpoint {checkpoint}; continue with: "
+                             f"megatrain train --resume {out_dir}\n")
+        else:
+            sys.stderr.write(f"megatrain: {how}; metrics so far are in the output directory, no model was saved\n")
+        return 143 if sigterm else 130
     from megatrain.train.metrics import summary_table
 
     print(summary_table(trainer.summary_rows(summary)))

@@ -91,6 +91,8 @@ class TrainSection:
     eps: float = 1.0e-8
     max_grad_norm: Optional[float] = 1.0  # None or 0: no clipping
     seed: int = 0
+    save_every: int = 0  # steps between checkpoints in out/checkpoints/ (0: none; SIGINT/SIGTERM always save)
+    keep_last: int = 2  # checkpoints kept (the oldest are deleted once a newer one is complete)
 
 
 @dataclass
@@ -120,7 +122,7 @@ class LogConfig:
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = True
     peak_tflops: Optional[float] = None  # MFU denominator; None: measured bf16/fp32 matmul on CUDA
-    overwrite: bool = False  # allow a non-empty existing out directory
+    overwrite: bool = False  # reuse a non-empty out directory: a new run replaces its metrics, logs, checkpoints
     save_model: bool = True
 
 
@@ -321,9 +323,11 @@ def validate(cfg: Config) -> None:
         ("eval.batch_size", e.batch_size),
         ("log.every", lg.every),
         ("log.peak_tflops", lg.peak_tflops),
+        ("train.keep_last", t.keep_last),
     ]:
         _positive(key, value)
     for key, value in [
+        ("train.save_every", t.save_every),
         ("train.warmup_steps", t.warmup_steps),
         ("train.weight_decay", t.weight_decay),
         ("train.max_grad_norm", t.max_grad_norm),
@@ -399,15 +403,23 @@ def build_config(
     config_path: Optional[str] = None,
     preset: str = "default",
     overrides: Optional[list] = None,
+    base: Optional[dict] = None,
 ) -> Config:
     """Preset defaults <- YAML file <- overrides (``[(section, key, value), ...]``), checked.
+
+    Args:
+        base: a configuration mapping used instead of the preset (a checkpoint's configuration,
+            for ``--resume``); keys it lacks keep their defaults.
 
     Raises:
         UsageError: unknown section/key, a value of the wrong type or out of range.
     """
     from megatrain.train.defaults import preset_dict
 
-    raw = preset_dict(preset)
+    if base is not None:
+        raw = merge(Config().to_dict(), base, where="the checkpoint's configuration")
+    else:
+        raw = preset_dict(preset)
     if config_path is not None:
         raw = merge(raw, load_yaml(config_path), where=repr(config_path))
     for section, name, value in overrides or []:

@@ -244,16 +244,17 @@ class TextData:
     def max_token_id(self) -> int:
         return int(max(self.train.max(initial=0), self.eval.max(initial=0)))
 
-    def train_batches(self, batch_size: int, seed: int, start: int = 0) -> Iterator:
+    def train_batches(self, batch_size: int, seed: int, start: int = 0, start_row: Optional[int] = None) -> Iterator:
         """Endless micro batches of training rows, as int64 torch tensors [batch_size, seq_len].
 
         Args:
             start: number of micro batches to skip (to resume).
+            start_row: rows to skip instead (to resume after a change of batch size); wins over ``start``.
         """
         import torch
 
         n = len(self.train)
-        position = start * batch_size
+        position = start * batch_size if start_row is None else start_row
         epoch, offset = divmod(position, n)
         order = np.random.default_rng([seed, epoch]).permutation(n)
         while True:
@@ -266,6 +267,16 @@ class TextData:
                 rows.extend(order[offset : offset + take].tolist())
                 offset += take
             yield torch.from_numpy(self.train[rows]).long()
+
+    def fingerprint(self) -> str:
+        """sha256 of the packed training and held-out rows: equal iff a resumed run sees the same data."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for rows in (self.train, self.eval):
+            h.update(repr(rows.shape).encode())
+            h.update(memoryview(np.ascontiguousarray(rows)).cast("B"))
+        return h.hexdigest()
 
     def eval_batches(self, batch_size: int, num_batches: int) -> List:
         """The fixed held-out batches: the first ``num_batches * batch_size`` eval rows in order.

@@ -181,8 +181,9 @@ class StatsWindow:
 class MetricsSink:
     """Writes metric records to ``metrics.jsonl`` and (optionally) TensorBoard under ``out_dir``."""
 
-    def __init__(self, out_dir: str, tensorboard: bool = True):
-        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a", buffering=1)
+    def __init__(self, out_dir: str, tensorboard: bool = True, append: bool = True):
+        """``append=False`` starts ``metrics.jsonl`` afresh (a new run in a reused directory)."""
+        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w", buffering=1)
         self.writer = None
         if tensorboard:
             try:

@@ -14,11 +14,15 @@ without writing anything. :func:`run` then creates the output directory and trai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ class Plan:
     device: object  # torch.device
     compute_dtype: object  # torch.dtype
     out_dir: str
+    resume: Optional["ResumePoint"] = None  # continue this checkpoint's run (``--resume``)
 
 
 def resolve_device(spec: str):
@@ -171,20 +176,35 @@ def default_out_dir() -> str:
     return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def prepare(cfg: Config) -> Plan:
+def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
     """Checks the user's input and loads the data; writes nothing.
+
+    Args:
+        resume: continue this checkpoint (:func:`find_resume_point`); the output directory may then
+            be the run directory holding it. The data must be the checkpointed run's.
 
     Raises:
         UsageError: anything the user must fix, with a one-line message.
     """
     out_dir = cfg.log.out or default_out_dir()
+    same_run = (
+        resume is not None and resume.run_dir is not None and os.path.isdir(out_dir)
+        and os.path.samefile(out_dir, resume.run_dir)
+    )
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise UsageError(f"output path {out_dir!r} exists and is not a directory; choose another --out")
-        if os.listdir(out_dir) and not cfg.log.overwrite:
+        if os.listdir(out_dir) and not cfg.log.overwrite and not same_run:
+            held = " (it holds checkpoints: continue that run with --resume " + out_dir + ")" if list_checkpoints(
+                out_dir) else ""
             raise UsageError(
-                f"output directory {out_dir!r} is not empty; choose another --out or pass --set log.overwrite=true"
+                f"output directory {out_dir!r} is not empty{held}; choose another --out or pass --set log.overwrite=true"
             )
+    if resume is not None and resume.step >= cfg.train.steps:
+        raise UsageError(
+            f"checkpoint {resume.path!r} is at step {resume.step} and train.steps is {cfg.train.steps}: nothing to "
+            "train; raise --steps"
+        )
     ancestor = existing_ancestor(out_dir)
     if not os.path.isdir(ancestor):
         raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is a file; choose another --out")
@@ -202,6 +222,13 @@ def prepare(cfg: Config) -> Plan:
             f"the data has token id {text.max_token_id()} but the model's vocab_size is {model_config.vocab_size}; "
             "use the model's tokenizer"
         )
+    if resume is not None:
+        want = (resume.state.get("data") or {}).get("sha256")
+        if want != text.fingerprint():
+            raise UsageError(
+                f"the training data differs from that of checkpoint {resume.path!r}; resume with the same data.path, "
+                "data.seq_len, data.max_documents, data.eval_fraction, data.tokenizer and train.seed"
+            )
     return Plan(
         cfg=cfg,
         data=text,
@@ -209,6 +236,7 @@ def prepare(cfg: Config) -> Plan:
         device=device,
         compute_dtype=resolve_dtype(cfg.runtime.compute_dtype, device),
         out_dir=out_dir,
+        resume=resume,
     )
 
 
@@ -398,20 +426,162 @@ def _echo(text: str, bar) -> None:
         print(text)
 
 
-def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
+# ---------------------------------------------------------------------------- checkpoints and resume
+CHECKPOINTS = "checkpoints"
+TRAINER_TAG = "megatrain train"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_path(out_dir: str, step: int) -> str:
+    """``out_dir/checkpoints/step-NNNNNNNN``: where the checkpoint after ``step`` steps goes."""
+    return os.path.join(out_dir, CHECKPOINTS, f"step-{step:08d}")
+
+
+def list_checkpoints(out_dir: str) -> list:
+    """Complete checkpoints under ``out_dir/checkpoints`` as ``[(step, path)]``, oldest first."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    found = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            match = _STEP_DIR.match(name)
+            path = os.path.join(root, name)
+            if match and os.path.isfile(os.path.join(path, "manifest.json")):
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+@dataclass
+class ResumePoint:
+    """A ``megatrain train`` checkpoint to continue from (see :func:`find_resume_point`)."""
+
+    path: str  # absolute checkpoint directory
+    step: int  # optimizer steps done
+    state: dict  # the trainer's ``extra`` dict: config, data position, metrics so far
+    run_dir: Optional[str]  # the run's out directory when the checkpoint is <run>/checkpoints/step-N
+
+
+def find_resume_point(path: str) -> ResumePoint:
+    """The checkpoint ``--resume PATH`` means: PATH itself, or the newest complete one of a run directory.
+
+    Reads only the manifest and ``state.json`` (the tensors are verified and loaded by :func:`run`).
+
+    Raises:
+        UsageError: PATH is neither, the checkpoint is damaged, or it was not written by ``megatrain train``.
+    """
+    from megatrain.checkpoint import CheckpointError, read_manifest
+
+    if not os.path.exists(path):
+        raise UsageError(f"--resume {path!r} does not exist; give a run's out directory or one of its checkpoints")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
+        found = list_checkpoints(path)
+        if not found:
+            raise UsageError(
+                f"--resume {path!r} holds no complete checkpoint ({CHECKPOINTS}/step-N/manifest.json); runs write "
+                "them every train.save_every steps and on Ctrl-C/SIGTERM"
+            )
+        path = found[-1][1]
+    path = os.path.abspath(path)
+    try:
+        read_manifest(path)
+        with open(os.path.join(path, "state.json")) as f:
+            extra = json.load(f).get("extra") or {}
+    except CheckpointError as exc:
+        raise UsageError(f"cannot resume from {path!r}: {_first_line(exc)}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot resume from {path!r}: state.json is unreadable ({_first_line(exc)})") from None
+    if extra.get("trainer") != TRAINER_TAG or "step" not in extra or "config" not in extra:
+        raise UsageError(
+            f"checkpoint {path!r} was not written by megatrain train (it has no training position); load it with "
+            "megatrain.load_checkpoint in your own loop"
+        )
+    parent = os.path.dirname(path)
+    run_dir = os.path.dirname(parent) if os.path.basename(parent) == CHECKPOINTS else None
+    return ResumePoint(path=path, step=int(extra["step"]), state=extra, run_dir=run_dir)
+
+
+def _prune_checkpoints(out_dir: str, step: int, keep_last: int) -> None:
+    """Deletes all but the ``keep_last`` newest checkpoints at or before ``step`` (later ones, left by
+    a run resumed from an earlier checkpoint, are replaced when training reaches their step)."""
+    old = [p for s, p in list_checkpoints(out_dir) if s <= step]
+    for path in old[: max(0, len(old) - keep_last)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class StopRequest:
+    """SIGINT / SIGTERM while training: finish the current step, write a checkpoint, stop.
+
+    Installed by :func:`run` for the training loop (``deferred``). Outside it (loading, the first
+    evaluation, the final export) and on a second signal, the signal raises KeyboardInterrupt at once.
+    """
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.deferred = False
+
+    def __call__(self, signum, frame):
+        if self.deferred and self.signum is None:
+            self.signum = signum
+            return
+        self.signum = self.signum or signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handles SIGINT and SIGTERM while the block runs (main thread only; elsewhere: no change)."""
+        previous = {}
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on a signal at a step boundary; ``checkpoint`` resumes it (None if none was written)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str]):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+def _auto_decisions(engine) -> Optional[list]:
+    """What ``activation_policy: auto`` chose, per layer input shape (None for other policies)."""
+    if engine is None or not getattr(engine, "auto_policy", False):
+        return None
+    return [
+        {"input_shapes": [list(s) for s in key], "policy": "store" if d.get("store") else "recompute",
+         **{k: v for k, v in d.items() if k != "store"}}
+        for key, d in getattr(engine, "auto_decisions", {}).items()
+    ]
+
+
+def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[StopRequest] = None) -> dict:
     """Trains per ``cfg`` and returns the summary (also written to ``out/summary.json``).
+
+    With ``plan.resume`` it continues that checkpoint's run exactly (weights, Adam state, scheduler,
+    data position, RNG, metrics so far). SIGINT / SIGTERM during training write a checkpoint at
+    the end of the current step and raise :class:`Interrupted`.
 
     Raises:
         UsageError: bad input (before anything is written).
+        Interrupted: stopped by a signal (``summary.json`` says ``"status": "interrupted"``).
     """
     import torch
 
     import megatrain
+    from megatrain.checkpoint import CheckpointError
 
     plan = plan or prepare(cfg)
     t, d = cfg.train, plan.data
     device = plan.device
     say = echo or (lambda s: _echo(s, None))
+    stop = stop or StopRequest()
+    resume = plan.resume
 
     model = build_model(plan)
     check_causal(model)
@@ -425,12 +595,6 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
             peak_source = "measured matmul"
         except Exception:  # noqa: BLE001
             peak, peak_source = metrics_mod.H200_BF16_PEAK_FLOPS, "H200 bf16 default"
-
-    # Everything is checked; only now does anything get written.
-    out_dir = plan.out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
 
     model = megatrain.wrap(
         model, device=device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy
@@ -447,112 +611,177 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
+    # Metrics state: carried across a resume in the checkpoint, so the summary covers the whole run.
+    ms = {
+        "evals": [], "train_time_s": 0.0, "last_window_loss": None, "windows": 0,
+        "first_window": [0.0, 0.0], "steady": [0.0, 0.0],  # [sum of tokens/step, sum of step_time_s]
+        "window_steps": 0, "window_loss": 0.0, "window_time_s": 0.0, "rows_consumed": 0,
+    }
+    start_step = 0
+    if resume is not None:
+        try:
+            extra = megatrain.load_checkpoint(resume.path, model, optimizer, scheduler)
+        except (CheckpointError, ValueError) as exc:
+            raise UsageError(f"cannot resume from {resume.path!r}: {_first_line(exc)}") from None
+        start_step = int(extra["step"])
+        ms.update(extra.get("metrics") or {})
+
+    # Everything is checked; only now does anything get written.
+    out_dir = plan.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    if resume is None:  # a new run in a reused (log.overwrite) directory: nothing of the old run is mixed in
+        for name in (CHECKPOINTS, "tensorboard"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * d.seq_len
+    rows_per_step = t.micro_batch_size * t.gradient_accumulation_steps
     eval_bs = cfg.eval.batch_size or t.micro_batch_size
     eval_batches = d.eval_batches(eval_bs, cfg.eval.batches)
-    batches = d.train_batches(t.micro_batch_size, t.seed)
+    batches = d.train_batches(t.micro_batch_size, t.seed, start_row=ms["rows_consumed"])
+    fingerprint = d.fingerprint()
 
     say(
         f"megatrain train: {params['total'] / 1e6:.2f}M params ({model.config.model_type}, "
         f"{model.config.num_hidden_layers} layers) on {device} in {str(plan.compute_dtype).replace('torch.', '')}, "
         f"{d.num_documents} documents ({d.num_eval_documents} held out) -> {len(d.train)} train / "
         f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tokens_per_step} tokens/step; out {out_dir}"
+        + (f"; resumed at step {start_step} from {resume.path}" if resume is not None else "")
     )
 
-    sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard)
+    sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
     stats = metrics_mod.StatsWindow(engine)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    evals = []
-    windows = []
+    evals = ms["evals"]
     status = "failed"
     summary: dict = {}
     bar = _NullBar()
     start_time = time.perf_counter()
+    done_step = start_step  # optimizer steps completed
+    saved = {"step": None, "path": None}  # the newest checkpoint this process wrote
+
+    def save(at_step: int, window_time_s: float) -> str:
+        state = dict(ms, evals=evals, window_time_s=window_time_s)
+        extra = {
+            "trainer": TRAINER_TAG,
+            "step": at_step,
+            "epoch": state["rows_consumed"] // len(d.train),  # informational; rows_consumed is the position
+            "config": cfg.to_dict(),
+            "data": {"sha256": fingerprint, "train_rows": len(d.train), "seq_len": d.seq_len},
+            "metrics": state,
+        }
+        path = megatrain.save_checkpoint(checkpoint_path(out_dir, at_step), model, optimizer, scheduler, extra=extra)
+        _prune_checkpoints(out_dir, at_step, t.keep_last)
+        saved.update(step=at_step, path=path)
+        return path
+
     try:
-        loss0 = evaluate(model, eval_batches, device)
-        evals.append({"step": 0, "eval_loss": loss0})
-        sink.write({"step": 0, "eval_loss": loss0}, prefix="eval")
-        say(f"step 0 | eval loss {loss0:.4f}")
+        if resume is None:
+            loss0 = evaluate(model, eval_batches, device)
+            evals.append({"step": 0, "eval_loss": loss0})
+            sink.write({"step": 0, "eval_loss": loss0}, prefix="eval")
+            say(f"step 0 | eval loss {loss0:.4f}")
+        else:
+            sink.write({"step": start_step, "checkpoint": resume.path}, prefix="resume")
         if cfg.log.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
         model.train()
-        window_start = time.perf_counter()
-        window_steps, window_loss, train_time = 0, 0.0, 0.0
-        last_loss = float("nan")
+        window_start = time.perf_counter() - ms["window_time_s"]
         stats.reset()  # the initial eval's copies are not training's
-        for step in range(1, t.steps + 1):
-            step_loss = 0.0
-            for _ in range(t.gradient_accumulation_steps):
-                x = next(batches).to(device, non_blocking=True)
-                loss = model(input_ids=x, labels=x).loss / t.gradient_accumulation_steps
-                loss.backward()
-                step_loss += loss.detach().float()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            last_loss = float(step_loss)  # syncs: the step's work is done when this returns
-            if not math.isfinite(last_loss):
-                raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr")
-            window_steps += 1
-            window_loss += last_loss
-            now = time.perf_counter()
-            rate = window_steps * tokens_per_step / max(now - window_start, 1e-12)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}")
+        with stop.installed():
+            stop.deferred = True
+            for step in range(start_step + 1, t.steps + 1):
+                step_loss = 0.0
+                for _ in range(t.gradient_accumulation_steps):
+                    x = next(batches).to(device, non_blocking=True)
+                    loss = model(input_ids=x, labels=x).loss / t.gradient_accumulation_steps
+                    loss.backward()
+                    step_loss += loss.detach().float()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                ms["rows_consumed"] += rows_per_step
+                done_step = step
+                last_loss = float(step_loss)  # syncs: the step's work is done when this returns
+                if not math.isfinite(last_loss):
+                    raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr")
+                ms["window_steps"] += 1
+                ms["window_loss"] += last_loss
+                now = time.perf_counter()
+                rate = ms["window_steps"] * tokens_per_step / max(now - window_start, 1e-12)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}")
 
-            if step % cfg.log.every == 0 or step == t.steps:
-                wall = now - window_start
-                train_time += wall
-                step_s = wall / window_steps
-                tok_s = window_steps * tokens_per_step / wall
-                rec = {
-                    "step": step,
-                    "loss": window_loss / window_steps,
-                    "lr": scheduler.get_last_lr()[0],
-                    # global gradient L2 norm before clipping, last step (CPUAdamW with max_grad_norm)
-                    "grad_norm": getattr(optimizer, "last_grad_norm", None),
-                    "step_time_s": step_s,
-                    "tokens_per_s": tok_s,
-                    "tokens": step * tokens_per_step,
-                    "model_tflops": flops.model * tok_s / 1e12,
-                    "dense_tflops": flops.dense * tok_s / 1e12,
-                    "attention_tflops": flops.attention * tok_s / 1e12,
-                    "recompute_tflops": flops.recompute * tok_s / 1e12,
-                    "mfu": (flops.model * tok_s / peak) if peak else None,
-                    "hfu": ((flops.model + flops.recompute) * tok_s / peak) if peak else None,
-                    "host_rss_bytes": metrics_mod.host_rss_bytes(),
-                    "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                }
-                rec.update(stats.step(wall))
-                sink.write(rec)
-                windows.append(rec)
-                say(metrics_mod.log_line(rec))
-                window_steps, window_loss = 0, 0.0
-                window_start = time.perf_counter()
+                if step % cfg.log.every == 0 or step == t.steps:
+                    wall = now - window_start
+                    n = ms["window_steps"]
+                    ms["train_time_s"] += wall
+                    step_s = wall / n
+                    tok_s = n * tokens_per_step / wall
+                    rec = {
+                        "step": step,
+                        "loss": ms["window_loss"] / n,
+                        "lr": scheduler.get_last_lr()[0],
+                        # global gradient L2 norm before clipping, last step (CPUAdamW with max_grad_norm)
+                        "grad_norm": getattr(optimizer, "last_grad_norm", None),
+                        "step_time_s": step_s,
+                        "tokens_per_s": tok_s,
+                        "tokens": step * tokens_per_step,
+                        "model_tflops": flops.model * tok_s / 1e12,
+                        "dense_tflops": flops.dense * tok_s / 1e12,
+                        "attention_tflops": flops.attention * tok_s / 1e12,
+                        "recompute_tflops": flops.recompute * tok_s / 1e12,
+                        "mfu": (flops.model * tok_s / peak) if peak else None,
+                        "hfu": ((flops.model + flops.recompute) * tok_s / peak) if peak else None,
+                        "host_rss_bytes": metrics_mod.host_rss_bytes(),
+                        "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                    }
+                    rec.update(stats.step(wall))
+                    sink.write(rec)
+                    say(metrics_mod.log_line(rec))
+                    # Steady state for the summary: every log window but the first (warm-up), if any.
+                    ms["windows"] += 1
+                    acc = ms["first_window"] if ms["windows"] == 1 else ms["steady"]
+                    acc[0] += tokens_per_step
+                    acc[1] += step_s
+                    ms["last_window_loss"] = rec["loss"]
+                    ms["window_steps"], ms["window_loss"] = 0, 0.0
+                    window_start = time.perf_counter()
 
-            if step % cfg.eval.every == 0 or step == t.steps:
-                eval_start = time.perf_counter()
-                ev = evaluate(model, eval_batches, device)
-                evals.append({"step": step, "eval_loss": ev})
-                sink.write({"step": step, "eval_loss": ev}, prefix="eval")
-                say(f"step {step} | eval loss {ev:.4f}")
-                window_start += time.perf_counter() - eval_start  # eval time is not training time
-                if window_steps == 0:  # eval right after a log line: keep its copies out of the next window
-                    stats.reset()
+                if step % cfg.eval.every == 0 or step == t.steps:
+                    eval_start = time.perf_counter()
+                    ev = evaluate(model, eval_batches, device)
+                    evals.append({"step": step, "eval_loss": ev})
+                    sink.write({"step": step, "eval_loss": ev}, prefix="eval")
+                    say(f"step {step} | eval loss {ev:.4f}")
+                    window_start += time.perf_counter() - eval_start  # eval time is not training time
+                    if ms["window_steps"] == 0:  # eval right after a log line: keep its copies out of the next window
+                        stats.reset()
+
+                periodic = t.save_every and (step % t.save_every == 0 or step == t.steps)
+                if periodic or stop.signum is not None:
+                    save_start = time.perf_counter()
+                    path = save(step, save_start - window_start)
+                    window_start += time.perf_counter() - save_start  # nor is saving
+                    if periodic:
+                        say(f"step {step} | checkpoint {path}")
+                if stop.signum is not None:
+                    raise Interrupted(stop.signum, step, saved["path"])
+            stop.deferred = False
         bar.close()
         bar = _NullBar()
         model_dir = None
         if cfg.log.save_model:
             model_dir = save_model(model, d.tokenizer, out_dir, plan)
         status = "completed"
-        # Steady state: every log window but the first (warm-up, first-touch page faults), if any.
-        steady = windows[1:] or windows
-        steady_tokens = sum(w["tokens_per_s"] * w["step_time_s"] for w in steady)
-        steady_time = sum(w["step_time_s"] for w in steady)
-        tok_s = steady_tokens / steady_time if steady_time else None
+        first, steady = ms["first_window"], ms["steady"]
+        tok_tot, time_tot, count = (steady[0], steady[1], ms["windows"] - 1) if ms["windows"] > 1 else (
+            first[0], first[1], ms["windows"])
+        tok_s = tok_tot / time_tot if time_tot else None
         summary = {
             "status": status,
             "steps": t.steps,
@@ -560,14 +789,14 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
             "tokens_per_step": tokens_per_step,
             "initial_eval_loss": evals[0]["eval_loss"],
             "final_eval_loss": evals[-1]["eval_loss"],
-            "final_train_loss": windows[-1]["loss"] if windows else None,
+            "final_train_loss": ms["last_window_loss"],
             "eval_history": evals,
             "eval_batches": len(eval_batches),
             "eval_batch_size": eval_bs,
-            "train_time_s": train_time,
+            "train_time_s": ms["train_time_s"],
             "wall_time_s": time.perf_counter() - start_time,
             "tokens_per_s": tok_s,
-            "step_time_s": (steady_time / len(steady)) if steady else None,
+            "step_time_s": (time_tot / count) if count else None,
             "model_tflops": flops.model * tok_s / 1e12 if tok_s else None,
             "recompute_tflops": flops.recompute * tok_s / 1e12 if tok_s else None,
             "mfu": flops.model * tok_s / peak if (peak and tok_s) else None,
@@ -579,10 +808,13 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
             "device": str(device),
             "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
             "activation_policy": cfg.runtime.activation_policy,
+            "auto_decisions": _auto_decisions(engine),
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
             "engine_stats": stats.read(),
             "model_dir": model_dir,
+            "checkpoints": [p for _, p in list_checkpoints(out_dir)],
+            "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
             "out_dir": out_dir,
         }
         return summary
@@ -590,10 +822,22 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None) -> dict:
         status = "interrupted"
         raise
     finally:
+        stop.deferred = False
         bar.close()
         sink.close()
         if not summary:
-            summary = {"status": status, "eval_history": evals, "out_dir": out_dir}
+            summary = {
+                "status": status,
+                "step": done_step,
+                "checkpoint": saved["path"] if saved["step"] == done_step else None,
+                "eval_history": evals,
+                "activation_policy": cfg.runtime.activation_policy,
+                "auto_decisions": _auto_decisions(engine),
+                "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
+                "out_dir": out_dir,
+            }
+            if summary["checkpoint"]:
+                summary["resume_command"] = f"megatrain train --resume {out_dir}"
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=metrics_mod._json_default)
 
