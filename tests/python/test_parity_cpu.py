@@ -183,18 +183,57 @@ def test_parity_auto_policy(monkeypatch, fraction, expect_store):
     assert decision["store"] is expect_store and decision["bytes_per_layer"] > 0
 
 
-def test_store_policy_runs_no_layer_forward_in_backward():
-    model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="store", num_slots=1)
-    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
+    # auto keeps the graphs of as many layers as fit (layers 0 and 1 of 3 here) and recomputes the
+    # rest: exact, and only the last layer runs its forward again in backward.
+    import importlib
+
+    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    decide = wrap_mod.WrappedEngine._decide_auto
+
+    def room_for_two_and_a_half_layers(self, key, layer_bytes):
+        self._free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
+        decide(self, key, layer_bytes)
+
+    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_and_a_half_layers)
+    ref, got, wrapped, _ = run_pair(tiny("llama"), policy="auto", max_grad_norm=1.0)
+    check(ref, got)
+    (d,) = wrapped.megatrain.auto_decisions.values()
+    assert (d["store"], d["store_layers"], d["recompute_layers"]) == (False, 2, 1)
+    calls = _count_layer_forwards(monkeypatch, wrapped)
+    x = torch.randint(0, 96, (2, 8))
+    loss = wrapped(input_ids=x, labels=x).loss
+    assert calls == [0, 1, 2]
+    assert all(v["store_layers"] == 2 for v in wrapped.megatrain.auto_decisions.values())
+    loss.backward()
+    assert calls == [0, 1, 2, 2]  # only the recomputed layer runs again
+
+
+def _count_layer_forwards(monkeypatch, wrapped) -> list:
+    """Record the index of every run of a streamed layer's own forward (forward and backward re-runs)."""
     calls = []
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: calls.append(m))
+    cls = type(wrapped.model.layers[0])
+    orig = cls._megatrain_orig_forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self._megatrain_unit.index)
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_megatrain_orig_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("policy,reruns", [("store", 0), ("recompute", 3)])
+def test_store_policy_runs_no_layer_forward_in_backward(monkeypatch, policy, reruns):
+    model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy=policy, num_slots=1)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    calls = _count_layer_forwards(monkeypatch, model)
     x = torch.randint(0, 96, (2, 8))
     loss = model(input_ids=x, labels=x).loss
     n_forward = len(calls)
     h2d = model.megatrain.stats()["h2d_copies"]
     loss.backward()
-    assert n_forward == 3 and len(calls) == n_forward  # recompute would call each layer again
+    assert n_forward == 3 and len(calls) == n_forward + reruns  # recompute calls each layer again
     # one slot: layers 1 and 0 were streamed again for backward (the graph pinned no slot);
     # layer 2 was still in the slot from forward
     assert model.megatrain.stats()["h2d_copies"] - h2d == 2

@@ -522,19 +522,23 @@ class WrappedEngine(Engine):
         """Whether this layer call keeps its graph (``store``), or saves only its input.
 
         ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
-        its graph saved); the rest of that shape follow ``store`` if every layer's activations
-        fit in ``AUTO_STORE_FRACTION`` of the free device memory, else ``recompute``.
+        its graph saved); then as many layers as fit in ``AUTO_STORE_FRACTION`` of the free device
+        memory (layers ``0 .. store_layers - 1``) keep their graphs and the others save only their
+        input (``recompute``): all layers when everything fits, none but the measured one when
+        nothing does.
         """
         if not self.auto_policy:
             return self.store_activations
         d = self.auto_decisions.get(_shape_key(diff_inputs))
-        return True if d is None else d["store"]
+        return True if d is None else call.unit.index < d["store_layers"]
 
     def _decide_auto(self, key, layer_bytes: int) -> None:
         free = self._free_device_bytes()
-        need = layer_bytes * len(self.layers)
-        self.auto_decisions[key] = dict(store=need <= AUTO_STORE_FRACTION * free, bytes_per_layer=layer_bytes,
-                                        bytes_all_layers=need, free_bytes=free)
+        n = len(self.layers)
+        need = layer_bytes * n
+        k = n if layer_bytes <= 0 else min(n, int(AUTO_STORE_FRACTION * free // layer_bytes))
+        self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k,
+                                        bytes_per_layer=layer_bytes, bytes_all_layers=need, free_bytes=free)
 
     def _free_device_bytes(self) -> int:
         if self.cuda:
