@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 from . import optim  # noqa: E402
 from .runtime import UnsupportedModelError, wrap  # noqa: E402
 from .runtime.export import export_pretrained, master_state_dict  # noqa: E402
+from .runtime.loading import CheckpointError, from_config, from_pretrained  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
@@ -34,5 +35,5 @@ def cuda_status() -> str:
     return "ok"
 
 
-__all__ = ["wrap", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
+__all__ = ["wrap", "from_pretrained", "from_config", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
            "cuda_status", "UnsupportedModelError", "__version__"]

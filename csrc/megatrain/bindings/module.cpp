@@ -100,12 +100,27 @@ py::object optional_int(const std::optional<int64_t>& v) {
 
 // Python unit tables -> core specs, and the store options shared by HostStore(...) and
 // HostStore.bytes_required(...).
-std::vector<megatrain::host_store::UnitSpec> to_specs(const std::vector<PyUnit>& units) {
+// frozen: per unit, per entry (empty: nothing frozen).
+std::vector<megatrain::host_store::UnitSpec> to_specs(const std::vector<PyUnit>& units,
+                                                      const std::vector<std::vector<bool>>& frozen = {}) {
+  if (!frozen.empty() && frozen.size() != units.size()) {
+    throw std::invalid_argument("HostStore: frozen must have one list per unit, got " +
+                                std::to_string(frozen.size()) + " for " + std::to_string(units.size()) +
+                                " units");
+  }
   std::vector<megatrain::host_store::UnitSpec> specs;
   specs.reserve(units.size());
-  for (const PyUnit& u : units) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!frozen.empty() && frozen[u].size() != units[u].size()) {
+      throw std::invalid_argument("HostStore: frozen[" + std::to_string(u) + "] has " +
+                                  std::to_string(frozen[u].size()) + " flags for " +
+                                  std::to_string(units[u].size()) + " entries");
+    }
     megatrain::host_store::UnitSpec spec;
-    for (const auto& [name, shape] : u) spec.push_back({name, shape});
+    for (size_t i = 0; i < units[u].size(); ++i) {
+      const auto& [name, shape] = units[u][i];
+      spec.push_back({name, shape, !frozen.empty() && frozen[u][i]});
+    }
     specs.push_back(std::move(spec));
   }
   return specs;
@@ -232,18 +247,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<HostStore, std::shared_ptr<HostStore>>(m, "HostStore")
       .def(py::init([](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
-                       bool with_grad_accum, bool pin, int64_t memory_limit_bytes) {
+                       bool with_grad_accum, bool pin, int64_t memory_limit_bytes,
+                       const std::vector<std::vector<bool>>& frozen) {
              HostStoreOptions o = make_options(compute_dtype, with_grad_accum);
-             auto specs = to_specs(units);
+             auto specs = to_specs(units, frozen);
              o.pin = pin;
              o.memory_limit_bytes = memory_limit_bytes;
              py::gil_scoped_release release;  // page-locking a large arena takes seconds
              return std::make_shared<HostStore>(std::move(specs), o);
            }),
            py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
-           py::arg("pin") = false, py::arg("memory_limit_bytes") = -1)
+           py::arg("pin") = false, py::arg("memory_limit_bytes") = -1,
+           py::arg("frozen") = std::vector<std::vector<bool>>{})
       .def_property_readonly("num_units", &HostStore::num_units)
       .def("unit_numel", &HostStore::unit_numel, py::arg("u"))
+      .def("unit_state_numel", &HostStore::unit_state_numel, py::arg("u"),
+           "Padded length of the unit's fp32 sections (master, exp_avg, exp_avg_sq, grad_accum).")
+      .def("state_offsets",
+           [](const HostStore& s, int64_t u) {
+             std::vector<int64_t> out;
+             for (const auto& e : s.entries(u)) out.push_back(e.state_offset);
+             return out;
+           },
+           py::arg("u"), "Element offset of each entry in the unit's fp32 sections (-1: frozen).")
+      .def("pin", &HostStore::pin, py::call_guard<py::gil_scoped_release>(),
+           "Page-lock the arena now (created with pin=False and filled first). Returns is_pinned.")
+      .def_property_readonly("frozen_numel", &HostStore::frozen_numel)
       .def("entries",
            [](const HostStore& s, int64_t u) {
              py::list out;
@@ -256,8 +285,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("section",
            [](HostStore& s, int64_t u, const std::string& name) {
              const Section sec = megatrain::host_store::parse_section(name);
-             return store_tensor(s.shared_from_this(), s.section_data(u, sec), {s.unit_numel(u)},
-                                 section_dtype(s, sec));
+             const int64_t n = sec == Section::kCompute ? s.unit_numel(u) : s.unit_state_numel(u);
+             return store_tensor(s.shared_from_this(), s.section_data(u, sec), {n}, section_dtype(s, sec));
            },
            py::arg("u"), py::arg("name"))
       .def("view",
@@ -269,8 +298,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      " out of range [0, " + std::to_string(entries.size()) + ")");
              }
              const auto& e = entries[i];
+             const int64_t off = sec == Section::kCompute ? e.offset : e.state_offset;
+             if (off < 0) {
+               throw std::invalid_argument("HostStore.view: entry '" + e.name + "' is frozen: it has a compute copy only, no " +
+                                           megatrain::host_store::section_name(sec));
+             }
              char* base = static_cast<char*>(s.section_data(u, sec));
-             return store_tensor(s.shared_from_this(), base + e.offset * s.element_size(sec),
+             return store_tensor(s.shared_from_this(), base + off * s.element_size(sec),
                                  e.shape, section_dtype(s, sec));
            },
            py::arg("u"), py::arg("i"), py::arg("name"))
@@ -301,10 +335,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              [](const HostStore& s) { return s.options().with_grad_accum; })
       .def_static("bytes_required",
                   [](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
-                     bool with_grad_accum) {
-                    return HostStore::bytes_required(to_specs(units),
+                     bool with_grad_accum, const std::vector<std::vector<bool>>& frozen) {
+                    return HostStore::bytes_required(to_specs(units, frozen),
                                                      make_options(compute_dtype, with_grad_accum));
                   },
                   py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
+                  py::arg("frozen") = std::vector<std::vector<bool>>{},
                   "Arena bytes a HostStore with these units would need (nothing allocated).");
 }

@@ -116,6 +116,12 @@ PinnedBuffer::~PinnedBuffer() {
   }
 }
 
+bool PinnedBuffer::pin() {
+  if (pinned_ || data_ == nullptr || !common::cuda_device_present()) return pinned_;
+  pinned_ = common::cuda_host_register(data_, static_cast<size_t>(mapped_));
+  return pinned_;
+}
+
 int64_t PinnedBuffer::allocation_count() { return g_allocation_count.load(); }
 
 // ---------------------------------------------------------------------------------------------
@@ -147,14 +153,17 @@ Section parse_section(const std::string& name) {
 
 std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& units,
                                                    const HostStoreOptions& options,
-                                                   int64_t* total_bytes, int64_t* total_numel) {
+                                                   int64_t* total_bytes, int64_t* total_numel,
+                                                   int64_t* frozen_numel) {
   std::vector<UnitLayout> layouts;
   layouts.reserve(units.size());
   int64_t cursor = 0;
   int64_t params = 0;
+  int64_t frozen = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     UnitLayout L;
     int64_t off = 0;
+    int64_t state_off = 0;
     for (const TensorSpec& t : units[u]) {
       int64_t numel = 1;
       for (int64_t d : t.shape) {
@@ -164,21 +173,25 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
         }
         numel = checked_mul(numel, d);
       }
-      L.entries.push_back(Entry{t.name, t.shape, numel, off});
+      L.entries.push_back(Entry{t.name, t.shape, numel, off, t.frozen ? -1 : state_off});
       off = checked_add(off, round_up(numel, kAlignElements));
+      if (!t.frozen) state_off = checked_add(state_off, round_up(numel, kAlignElements));
       params = checked_add(params, numel);
+      if (t.frozen) frozen = checked_add(frozen, numel);
     }
     L.numel = off;
+    L.state_numel = state_off;
     L.base_bytes = cursor;
     int64_t rel = 0;
-    const bool skew = options.skew_sections && checked_mul(L.numel, 4) >= kSkewMinSectionBytes;
+    const bool skew = options.skew_sections && checked_mul(L.state_numel, 4) >= kSkewMinSectionBytes;
     for (int s = 0; s < kNumSections; ++s) {
       const Section sec = static_cast<Section>(s);
       int64_t bytes = 0;
       if (sec != Section::kGradAccum || options.with_grad_accum) {
         const int64_t esize =
             (sec == Section::kCompute && options.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
-        bytes = round_up(checked_mul(L.numel, esize), kSectionAlignBytes);
+        const int64_t n = sec == Section::kCompute ? L.numel : L.state_numel;
+        bytes = round_up(checked_mul(n, esize), kSectionAlignBytes);
       }
       if (skew && bytes > 0) {
         const int64_t want = (kSkewBaseBytes + s * kSkewStepBytes) % kSkewPeriodBytes;
@@ -194,6 +207,7 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
   }
   *total_bytes = cursor;
   *total_numel = params;
+  if (frozen_numel != nullptr) *frozen_numel = frozen;
   return layouts;
 }
 
@@ -205,7 +219,7 @@ int64_t HostStore::bytes_required(const std::vector<UnitSpec>& units,
 }
 
 HostStore::HostStore(std::vector<UnitSpec> units, HostStoreOptions options) : options_(options) {
-  units_ = plan(units, options_, &total_bytes_, &total_numel_);
+  units_ = plan(units, options_, &total_bytes_, &total_numel_, &frozen_numel_);
   // PinnedBuffer runs the budget check before mapping anything.
   arena_ = std::make_unique<PinnedBuffer>(total_bytes_, options_.pin, options_.memory_limit_bytes,
                                           "HostStore");
@@ -223,6 +237,11 @@ void HostStore::check_unit(int64_t u) const {
 int64_t HostStore::unit_numel(int64_t u) const {
   check_unit(u);
   return units_[u].numel;
+}
+
+int64_t HostStore::unit_state_numel(int64_t u) const {
+  check_unit(u);
+  return units_[u].state_numel;
 }
 
 const std::vector<Entry>& HostStore::entries(int64_t u) const {

@@ -2,7 +2,9 @@
 // resident group), one contiguous block of sections
 //   [compute (bf16|fp32)] [master fp32] [exp_avg fp32] [exp_avg_sq fp32] [grad_accum fp32]?
 // ("layer-contiguous tiling", DESIGN.md section 1); in large units the sections are staggered
-// by a small gap (kSkewMinSectionBytes). Torch-free.
+// by a small gap (kSkewMinSectionBytes). A frozen entry (a parameter that never trains: a LoRA
+// base, a frozen embedding) has a place in the compute section only; the fp32 sections of its
+// unit hold the trainable entries alone. Torch-free.
 #pragma once
 
 #include <array>
@@ -43,6 +45,13 @@ class PinnedBuffer {
   /// THP mode (/sys/kernel/mm/transparent_hugepage/enabled); see huge_page_bytes().
   bool hugepage_advised() const { return hugepage_advised_; }
 
+  /// \brief Page-lock a buffer created with pin=false (after it was filled: registering first
+  /// faults every page in while the caller's source may still occupy memory). No-op when already
+  /// pinned, empty, or CUDA is absent.
+  /// \return whether the buffer is pinned afterwards.
+  /// \throws std::runtime_error if page-locking fails.
+  bool pin();
+
   /// \brief Number of successful mappings made by PinnedBuffer in this process (tests use it to
   /// prove a failed budget check allocated nothing).
   static int64_t allocation_count();
@@ -55,10 +64,11 @@ class PinnedBuffer {
   bool hugepage_advised_ = false;
 };
 
-/// \brief One tensor of a unit: name and shape.
+/// \brief One tensor of a unit: name, shape, and whether it is frozen (compute copy only).
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
+  bool frozen = false;
 };
 using UnitSpec = std::vector<TensorSpec>;
 
@@ -82,12 +92,14 @@ struct HostStoreOptions {
   bool skew_sections = common::tuning().store_skew;
 };
 
-/// \brief A tensor's place in its unit: same element offset in every section.
+/// \brief A tensor's place in its unit.
 struct Entry {
   std::string name;
   std::vector<int64_t> shape;
   int64_t numel;
-  int64_t offset;  ///< element offset inside each section of the unit, a multiple of 64
+  int64_t offset;        ///< element offset inside the unit's compute section, a multiple of 64
+  int64_t state_offset;  ///< element offset inside the unit's fp32 sections (-1: frozen); equal to
+                         ///< offset in a unit without frozen entries
 };
 
 class HostStore : public std::enable_shared_from_this<HostStore> {
@@ -119,8 +131,11 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   static int64_t bytes_required(const std::vector<UnitSpec>& units, const HostStoreOptions& options);
 
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
-  /// \brief Padded flat length (elements) of every section of unit u.
+  /// \brief Padded flat length (elements) of the compute section of unit u.
   int64_t unit_numel(int64_t u) const;
+  /// \brief Padded flat length (elements) of the fp32 sections of unit u (== unit_numel without
+  /// frozen entries).
+  int64_t unit_state_numel(int64_t u) const;
   const std::vector<Entry>& entries(int64_t u) const;
   bool has_section(Section s) const;
   /// \brief Start of section s of unit u (4 KiB aligned).
@@ -138,6 +153,11 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   bool is_pinned() const { return arena_ && arena_->is_pinned(); }
   /// \brief Unpadded parameter count summed over all entries.
   int64_t total_numel() const { return total_numel_; }
+  /// \brief Unpadded parameter count of the frozen entries.
+  int64_t frozen_numel() const { return frozen_numel_; }
+  /// \brief Page-lock the arena now (a store created with pin=false, filled first).
+  /// \return whether it is pinned afterwards. \throws std::runtime_error if page-locking fails.
+  bool pin() { return arena_ ? arena_->pin() : false; }
   /// \brief total_bytes / total_numel (0 when there are no parameters).
   double bytes_per_param() const;
   const HostStoreOptions& options() const { return options_; }
@@ -147,20 +167,22 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
  private:
   struct UnitLayout {
     std::vector<Entry> entries;
-    int64_t numel = 0;
+    int64_t numel = 0;        ///< compute section elements
+    int64_t state_numel = 0;  ///< fp32 section elements
     int64_t base_bytes = 0;  ///< byte offset of the unit block in the arena
     std::array<int64_t, kNumSections> section_offset_bytes{};  ///< relative to base
     std::array<int64_t, kNumSections> section_bytes{};
   };
   static std::vector<UnitLayout> plan(const std::vector<UnitSpec>& units,
                                       const HostStoreOptions& options, int64_t* total_bytes,
-                                      int64_t* total_numel);
+                                      int64_t* total_numel, int64_t* frozen_numel = nullptr);
   void check_unit(int64_t u) const;
 
   HostStoreOptions options_;
   std::vector<UnitLayout> units_;
   int64_t total_bytes_ = 0;
   int64_t total_numel_ = 0;
+  int64_t frozen_numel_ = 0;
   std::unique_ptr<PinnedBuffer> arena_;
 };
 

@@ -58,6 +58,9 @@ class Entry:
         owners: ``(module, attribute)`` pairs that hold this parameter (more than one when tied).
         param: the user-visible ``nn.Parameter`` (a meta placeholder for streamed layers, a real
             device parameter for the resident unit).
+        frozen: ``requires_grad=False`` when the model was wrapped: the store holds only its
+            compute copy (no master, exp_avg, exp_avg_sq or accumulator).
+        state_offset: element offset inside the unit's fp32 sections (-1 when frozen).
     """
 
     name: str
@@ -66,6 +69,8 @@ class Entry:
     offset: int
     owners: list
     param: torch.nn.Parameter
+    frozen: bool = False
+    state_offset: int = 0
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Unit:
     numel: int
     template: tuple
     module: Optional[torch.nn.Module] = None
+    state_numel: int = 0  # padded length of the unit's fp32 sections (frozen entries have none)
     version: int = 0
     update_done: threading.Event = field(default_factory=threading.Event)
     # Written only on the worker thread: entry i received a gradient since the last step/zero_grad.
@@ -307,16 +313,23 @@ class Engine:
             (``torch.bfloat16`` or ``torch.float32``).
         num_slots: device slots per distinct layer template (>= 2 for prefetch).
         staging_buffers: pinned staging buffers for layer gradients (bounded pool).
-        grad_accumulator: allocate the fp32 gradient accumulator section (4 B/param). Without it
-            every optimizer step must have exactly one backward pass (gradients go straight into
-            the compute section; see ``submit_grads``).
+        grad_accumulator: ``True``: the fp32 gradient accumulator is a section of the store
+            (4 B/param). ``False``: never; every optimizer step must have exactly one backward
+            pass (gradients go straight into the compute section; see ``submit_grads``).
+            ``None`` (auto): allocated outside the store, for the trainable entries only, when
+            first needed (``CPUAdamW(gradient_accumulation_steps > 1)``, or a second backward
+            before ``step()``); see ``enable_accumulator``.
+        reclaimable_bytes: host bytes the caller frees while the store is filled (the source
+            model's parameters, released layer by layer): counted as available by the budget
+            check when the store is page-locked only after the fill (the default).
 
     Raises:
         HostMemoryError: if the host store does not fit (raised before anything is allocated).
     """
 
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
-                 num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: bool = True):
+                 num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: Optional[bool] = True,
+                 reclaimable_bytes: int = 0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.units = units
@@ -326,20 +339,31 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
         tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
+        frozen = [[bool(e.frozen) for e in u.entries] for u in units]
         elem = torch.tensor([], dtype=compute_dtype).element_size()
-        self.has_accumulator = bool(grad_accumulator)
-        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, self.has_accumulator))
+        self.accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
+        in_store = self.accumulator_mode is True
+        self._accum: Optional[dict] = None  # auto mode: unit index -> flat fp32 accumulator (trainable entries)
+        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, in_store, frozen))
         staging_bytes = staging_buffers * elem * max((sum(-(-e.numel // 64) * 64 for e in u.entries)
                                                       for u in units), default=0)
+        # MEGATRAIN_PIN_AFTER_FILL=0: page-lock the arena when it is mapped (every page faulted in
+        # before the fill) instead of after it (benchmarks/bench_load.py measures both).
+        self.pin_after_fill = os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0"
+        credit = int(reclaimable_bytes) if self.pin_after_fill else 0
         check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
-                          "host store")
+                          "host store", reclaimable_bytes=credit)
         with checked_in_python():
-            self.store = _C.HostStore(tables, compute_dtype, self.has_accumulator, self.cuda)
+            self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
+                                      frozen=frozen)
         for u in units:
-            for e, (_, _, numel, off) in zip(u.entries, self.store.entries(u.index)):
+            state_offs = self.store.state_offsets(u.index)
+            for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
                 assert e.numel == numel, (e.name, e.numel, numel)
                 e.offset = off
+                e.state_offset = soff
             u.numel = self.store.unit_numel(u.index)
+            u.state_numel = self.store.unit_state_numel(u.index)
         self.debug = _debug_races()
         # MEGATRAIN_OVERLAP=0 (benchmarks' "before"): updates in submission order and step()
         # waits for all of them, so no update overlaps the next forward.
@@ -381,6 +405,46 @@ class Engine:
         self.optimizer = None
 
     # ------------------------------------------------------------------ memory helpers
+    @property
+    def has_accumulator(self) -> bool:
+        """Whether a second gradient before ``step()`` can be summed (accumulator present or allocatable)."""
+        return self.accumulator_mode is not False
+
+    @property
+    def accumulator_allocated(self) -> bool:
+        return self.accumulator_mode is True or self._accum is not None
+
+    def enable_accumulator(self) -> None:
+        """Allocate the fp32 gradient accumulator now (auto mode; no-op when present).
+
+        4 bytes per trainable parameter, outside the store (CPU only: it is never DMA'd), zeroed.
+
+        Raises:
+            RuntimeError: the model was wrapped with ``grad_accumulator=False``.
+            HostMemoryError: it does not fit in host memory (nothing allocated).
+        """
+        if self.accumulator_allocated:
+            return
+        if self.accumulator_mode is False:
+            raise RuntimeError("megatrain: the model was wrapped with grad_accumulator=False; gradient accumulation "
+                               "needs the fp32 accumulator: wrap with grad_accumulator=None (auto) or True")
+        need = sum(u.state_numel * 4 for u in self.units)
+        check_host_budget(need, 0, "gradient accumulator")
+        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units}
+
+    def accumulator_bytes(self) -> int:
+        """Host bytes of the fp32 gradient accumulator now allocated (store section or separate)."""
+        if self.accumulator_mode is True:
+            return int(self.store.section_bytes.get("grad_accum", 0))
+        if self._accum is None:
+            return 0
+        return sum(t.numel() * 4 for t in self._accum.values())
+
+    def finish_fill(self) -> None:
+        """The store is filled: page-lock it now (pin-after-fill, the default on CUDA)."""
+        if self.cuda and self.pin_after_fill and not self.store.is_pinned:
+            self.store.pin()
+
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:
             with checked_in_python():  # bounded staging, counted in the store's budget check
@@ -392,7 +456,18 @@ class Engine:
         return self.store.section(unit.index, name)
 
     def entry_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
-        """Shaped zero-copy view of entry ``i`` of ``unit`` in store section ``name``."""
+        """Shaped zero-copy view of entry ``i`` of ``unit`` in store section ``name``.
+
+        Raises:
+            ValueError: a frozen entry has no fp32 sections (only ``compute``).
+        """
+        if name == "grad_accum" and self.accumulator_mode is not True:
+            if self._accum is None:
+                self.enable_accumulator()
+            e = unit.entries[i]
+            if e.state_offset < 0:
+                raise ValueError(f"megatrain: entry {e.name} is frozen: it has no gradient accumulator")
+            return self._accum[unit.index][e.state_offset:e.state_offset + e.numel].view(e.shape)
         return self.store.view(unit.index, i, name)
 
     # ------------------------------------------------------------------ streams
@@ -428,7 +503,11 @@ class Engine:
             # A load between backward and step() (e.g. an evaluation forward): the compute
             # section holds gradients; stream the weights rebuilt from the fp32 masters instead
             # (a rare path: pageable memory, copied synchronously, so the temporary may die after).
-            src = self.section(unit, "master").to(self.compute_dtype)
+            src = self.section(unit, "compute").clone()
+            for i, d in enumerate(unit.direct):
+                if d:
+                    e = unit.entries[i]
+                    src[e.offset:e.offset + e.numel].copy_(self.entry_view(unit, i, "master").view(-1))
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
             dst.copy_(src)
@@ -578,6 +657,8 @@ class Engine:
                 "was wrapped with grad_accumulator=False and CPUAdamW has gradient_accumulation_steps="
                 f"{getattr(opt, 'gradient_accumulation_steps', 1)}: call step() after every backward, or wrap with "
                 "grad_accumulator=True (4 more bytes of host memory per parameter)")
+        if any(p and not d for p, d in zip(present, direct)):
+            self.enable_accumulator()  # auto mode: allocated at the first gradient that needs summing
         if any(unit.direct[i] and present[i] for i in range(len(present))):
             self.ensure_weights(unit)  # a second gradient: the first one moves to the fp32 accumulator
         unit.last_task = task_id
@@ -733,6 +814,7 @@ class Engine:
         direct = [i for i, d in enumerate(unit.direct) if d]
         if not direct:
             return
+        self.enable_accumulator()
         unit.direct = [False] * len(unit.entries)
         done = threading.Event()
 

@@ -88,8 +88,12 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str) -> None:
+def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:
     """Raise ``HostMemoryError`` if ``needed_bytes`` (of which ``pinned_bytes`` page-locked) cannot fit.
+
+    ``reclaimable_bytes``: memory the caller frees while the new allocation is filled (a model's
+    own parameters, released layer by layer as they are copied into the store); it counts as
+    available for the MemAvailable and cgroup limits, not for the locked-memory limit.
 
     Skipped when ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1`` (VMs that grow their RAM lazily report
     too little MemAvailable).
@@ -108,14 +112,17 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str) -> None:
         err.needed_bytes, err.available_bytes, err.limit = needed_bytes, available, limit
         raise err
 
-    if lim["mem_available_bytes"] is not None and needed_bytes > lim["mem_available_bytes"]:
-        fail(lim["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)",
+    credit = max(0, int(reclaimable_bytes))
+    freed = (f" (plus {credit} bytes ({_gib(credit)}) of the model's own weights, freed while the store is filled)"
+             if credit else "")
+    if lim["mem_available_bytes"] is not None and needed_bytes > lim["mem_available_bytes"] + credit:
+        fail(lim["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)" + freed,
              "Free host memory or train a smaller model; if this VM grows its RAM lazily, set "
              f"{_ENV}=1.")
     if lim["cgroup_limit_bytes"] is not None:
         remaining = lim["cgroup_limit_bytes"] - (lim["cgroup_usage_bytes"] or 0)
-        if needed_bytes > remaining:
-            fail(remaining, f"cgroup memory limit ({lim['cgroup_path']}, minus current usage)",
+        if needed_bytes > remaining + credit:
+            fail(remaining, f"cgroup memory limit ({lim['cgroup_path']}, minus current usage)" + freed,
                  "Raise the container's memory limit or train a smaller model.")
     if pinned_bytes and lim["memlock_bytes"] is not None and pinned_bytes > lim["memlock_bytes"]:
         fail(lim["memlock_bytes"], "locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)",

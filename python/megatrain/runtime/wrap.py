@@ -266,7 +266,8 @@ class WrappedEngine(Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
-                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int, grad_accumulator: bool = True):
+                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
+                 grad_accumulator: Optional[bool] = True, source=None):
         self.block_k = check_activation_policy(activation_policy)
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
@@ -301,28 +302,36 @@ class WrappedEngine(Engine):
         self.resident = Unit(len(units), "resident", res_entries, 0, ("resident",)) if res_entries else None
         if self.resident is not None:
             units.append(self.resident)
-        super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator)
+        # The model's own weights are freed unit by unit as they are copied (below): with the
+        # store page-locked after the fill, the peak is the store plus one layer.
+        reclaim = 0 if source is not None else sum(
+            e.numel * e.param.element_size() for u in units for e in u.entries if e.param.device.type == "cpu")
+        super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
+                         reclaimable_bytes=reclaim)
 
-        # Initialise the store from the model's weights: master (fp32) and compute copy.
+        # Initialise the store: master (fp32) and compute copy, from the model's weights or from
+        # ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta).
         with torch.no_grad():
+            if source is not None:
+                source.fill(self)  # every master
             for u in self.units:
                 for i, e in enumerate(u.entries):
-                    src = e.param.detach()
-                    self.entry_view(u, i, "master").copy_(src)
+                    if source is None:
+                        self.entry_view(u, i, "master").copy_(e.param.detach())
                     self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
                     self.entry_view(u, i, "exp_avg").zero_()
                     self.entry_view(u, i, "exp_avg_sq").zero_()
+                if u.kind == "layer":
+                    self._placeholders(u)  # the layer's own parameters are released here
+                elif source is None:
+                    for e in u.entries:
+                        if e.param.device.type == "cpu":
+                            e.param.data = torch.empty(0, dtype=e.param.dtype)
+        self.finish_fill()
 
         # Streamed layers: placeholders + streamed class.
         for u in self.layers:
             layer = u.module
-            for e in u.entries:
-                ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
-                                  requires_grad=e.param.requires_grad)
-                e.param = ph
-                for mod, attr in e.owners:
-                    mod._parameters[attr] = ph
-                ph._megatrain = (self, u, u.entries.index(e))
             _move_buffers(layer, device)
             layer.__class__ = _streamed_class(type(layer))
             layer._megatrain_engine = self
@@ -337,7 +346,14 @@ class WrappedEngine(Engine):
             self._resident_hooked = set()
             owners_seen = set()
             for i, e in enumerate(self.resident.entries):
-                e.param.data = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
+                view = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
+                if e.param.device.type == "meta":  # streamed load: a new parameter (meta .data cannot be set)
+                    newp = nn.Parameter(view, requires_grad=e.param.requires_grad)
+                    for mod, attr in e.owners:
+                        mod._parameters[attr] = newp
+                    e.param = newp
+                else:
+                    e.param.data = view
                 e.param._megatrain = (self, self.resident, i)
                 # Modules that own resident weights refresh the device copy when called, so calling
                 # an inner module directly (model.model(...)) after step() sees the new weights too.
@@ -356,6 +372,16 @@ class WrappedEngine(Engine):
         # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
         self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
         model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
+
+    def _placeholders(self, u: Unit) -> None:
+        """Replace layer unit ``u``'s parameters by meta placeholders (same shape, same ``requires_grad``)."""
+        for k, e in enumerate(u.entries):
+            ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
+                              requires_grad=e.param.requires_grad)
+            e.param = ph
+            for mod, attr in e.owners:
+                mod._parameters[attr] = ph
+            ph._megatrain = (self, u, k)
 
     # ------------------------------------------------------------------ resident unit
     def load_resident(self) -> None:
@@ -706,6 +732,12 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
         HostMemoryError: the host store does not fit in host memory (nothing is allocated).
     """
+    return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator)
+
+
+def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None):
+    """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
+    writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     if getattr(model, "megatrain", None) is not None:
         raise ValueError("megatrain.wrap: this model is already wrapped")
     if device is None:
@@ -732,7 +764,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     check_activation_policy(activation_policy)
     for name, p in model.named_parameters():
-        if p.device.type == "meta":
+        if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
     cfg = getattr(model, "config", None)
@@ -745,7 +777,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
-                           grad_accumulator=bool(grad_accumulator))
+                           grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
+                           source=source)
     object.__setattr__(model, "megatrain", engine)
     if hasattr(model, "save_pretrained"):
         # transformers' save_pretrained would read the streamed layers' meta placeholders.
