@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import long_context
 from .engine import Engine, Entry, Unit
 
 _POLICY_RE = re.compile(r"recompute|store|auto|block:(\d+)")
@@ -695,7 +696,8 @@ class WrappedEngine(Engine):
 
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
-         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: bool = True) -> nn.Module:
+         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: bool = True,
+         chunked_loss="auto", tile_mlp="auto") -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -718,6 +720,13 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             18 B/param in all). ``False`` (14 B/param) is for training with one backward pass per
             optimizer step: each gradient goes straight into the store's bf16 compute copy and is
             read from there by the update; a second backward before ``step()`` raises.
+        chunked_loss: LM head + cross-entropy over row chunks without the full logits when the
+            forward gets ``labels`` (``outputs.logits`` is then ``None``): ``"auto"`` (when the fp32
+            logits would exceed 1/16 of the free device memory), ``True``, ``False`` or rows per
+            chunk. See ``docs/long_context.md``.
+        tile_mlp: run each decoder layer's ``mlp`` over row tiles (exact; backward re-runs each
+            tile): ``"auto"`` (when its intermediates would exceed 1/16 of the free device memory),
+            ``True``, ``False`` or rows per tile.
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
@@ -774,12 +783,14 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         raise UnsupportedModelError(
             f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
+    long_context.check(model, layers, chunked_loss, tile_mlp)
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
                            source=source)
     object.__setattr__(model, "megatrain", engine)
+    engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp)
     if hasattr(model, "save_pretrained"):
         # transformers' save_pretrained would read the streamed layers' meta placeholders.
         object.__setattr__(model, "save_pretrained", _save_pretrained_refused)

@@ -1,0 +1,253 @@
+"""Long context: the chunked LM-head loss and the sequence-tiled MLP are exact (fp32, CPU).
+
+Reference: the same model trained the ordinary way (its own lm_head + ForCausalLMLoss, untiled
+MLP). Adam runs with eps=1 here, so updates are proportional to the gradients (with a small eps,
+Adam's m / sqrt(v) would hide a gradient scaled by a constant, e.g. a wrong loss divisor).
+"""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import megatrain
+from megatrain.runtime import long_context as lc
+from parity import assert_close_rel
+
+VOCAB, SEQ, BATCH = 96, 16, 2
+RTOL = 1e-6
+OPT = dict(lr=0.05, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
+
+
+def tiny(arch: str):
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
+                                       tie_word_embeddings=False)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def batches(steps: int, micro: int):
+    """Micro-batches with right padding (attention_mask 0, labels -100) and a few ignored labels."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(micro):
+            x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            mask = torch.ones_like(x)
+            mask[0, SEQ - 5:] = 0
+            labels = x.masked_fill(mask == 0, -100)
+            labels[1, 3] = -100
+            step.append((x, mask, labels))
+        out.append(step)
+    return out
+
+
+def _train(model, opt, data, wrapped):
+    losses = []
+    for step in data:
+        n = sum(int((lab[..., 1:] != -100).sum()) for _, _, lab in step)  # as the HF Trainer counts them
+        total = 0.0
+        for x, mask, labels in step:
+            out = model(input_ids=x, attention_mask=mask, labels=labels, num_items_in_batch=n)
+            out.loss.backward()
+            total += out.loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, out
+
+
+def run(arch, micro=2, steps=3, policy="recompute", **wrap_kw):
+    model = tiny(arch)
+    data = batches(steps, micro)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **OPT)
+    ref_losses, _ = _train(ref, ref_opt, data, False)
+    w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32, activation_policy=policy, **wrap_kw)
+    opt = megatrain.optim.CPUAdamW(w.parameters(), gradient_accumulation_steps=micro, **OPT)
+    try:
+        losses, last = _train(w, opt, data, True)
+        params = megatrain.master_state_dict(w)
+    finally:
+        w.megatrain.close()
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {i}: loss {a} vs reference {b}"
+    checked = 0
+    for name, p in ref.named_parameters():
+        assert_close_rel(params[name], p.detach(), RTOL, name)
+        checked += 1
+    assert checked == len(list(ref.parameters())) and checked > 0
+    return w, last
+
+
+@pytest.mark.parametrize("arch,rows,policy", [
+    ("llama", 1, "recompute"), ("llama", 7, "recompute"), ("llama", 1000, "recompute"), ("llama", 7, "store"),
+    ("gpt2", 1, "recompute"), ("gpt2", 7, "block:2"), ("gpt2", 1000, "store"),
+])
+def test_chunked_loss_and_tiled_mlp_match_the_untiled_model_after_3_steps(arch, rows, policy):
+    w, last = run(arch, policy=policy, chunked_loss=rows, tile_mlp=rows)
+    assert w.megatrain.long_context.last["loss_rows"] == rows
+    assert w.megatrain.long_context.last["mlp_rows"] == rows
+    assert last.logits is None and "logits" not in last.keys()  # no full logits exist
+
+
+def test_chunked_loss_alone_with_one_micro_batch():
+    w, _ = run("llama", micro=1, chunked_loss=5, tile_mlp=False)
+    assert w.megatrain.long_context.last["mlp_rows"] is None
+
+
+def _grads(fn, *tensors):
+    for t in tensors:
+        t.grad = None
+    loss = fn()
+    loss.backward()
+    return loss.detach(), [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 10, 10 ** 6])
+@pytest.mark.parametrize("num_items", [None, 23])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_loss_value_and_gradients_are_the_hf_loss(rows, num_items, with_bias):
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 8, requires_grad=True)
+    w = torch.randn(VOCAB, 8, requires_grad=True)
+    b = torch.randn(VOCAB, requires_grad=True) if with_bias else None
+    y = torch.randint(0, VOCAB, (2, 5))
+    y[0, 2] = -100
+    ts = [h, w] + ([b] if with_bias else [])
+    ref_loss, ref_g = _grads(lambda: 0.7 * ForCausalLMLoss(torch.nn.functional.linear(h, w, b), y, VOCAB,
+                                                           num_items_in_batch=num_items), *ts)
+    got_loss, got_g = _grads(lambda: 0.7 * lc.chunked_causal_lm_loss(h, w, b, y, rows, num_items_in_batch=num_items),
+                             *ts)
+    assert abs(float(got_loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
+    for name, a, r in zip(["hidden", "weight", "bias"], got_g, ref_g):
+        assert_close_rel(a, r, RTOL, name)
+
+
+def test_chunked_loss_shift_labels_and_ignore_index():
+    torch.manual_seed(0)
+    h = torch.randn(1, 6, 8, requires_grad=True)
+    w = torch.randn(VOCAB, 8, requires_grad=True)
+    shift = torch.tensor([[3, 7, 7, 7, 1, 7]])
+    ref_loss, ref_g = _grads(lambda: ForCausalLMLoss(h @ w.t(), None, VOCAB, ignore_index=7, shift_labels=shift), h, w)
+    got_loss, got_g = _grads(lambda: lc.chunked_causal_lm_loss(h, w, None, None, 4, ignore_index=7,
+                                                               shift_labels=shift), h, w)
+    assert abs(float(got_loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
+    for a, r in zip(got_g, ref_g):
+        assert_close_rel(a, r, RTOL, "grad")
+
+
+class _Rows:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def mlp_tile_rows(self, mlp, x):
+        return self.rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, 10 ** 6])
+def test_tiled_mlp_gradients_are_the_untiled_ones(rows):
+    model = tiny("llama")
+    tiled = copy.deepcopy(model)
+    for layer in tiled.model.layers:
+        layer.mlp.__class__ = lc._tiled_class(type(layer.mlp))
+        layer.mlp._megatrain_long = _Rows(rows)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    a = model(input_ids=x, labels=x).loss
+    b = tiled(input_ids=x, labels=x).loss
+    a.backward()
+    b.backward()
+    assert abs(float(a) - float(b)) <= RTOL * abs(float(a))
+    for (name, p), (_, q) in zip(model.named_parameters(), tiled.named_parameters()):
+        assert_close_rel(q.grad, p.grad, RTOL, name)
+
+
+def test_logits_are_there_without_labels_and_auto_is_off_at_short_context():
+    model = tiny("llama")
+    ref = copy.deepcopy(model)
+    w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32)  # chunked_loss / tile_mlp "auto"
+    try:
+        megatrain.optim.CPUAdamW(w.parameters(), lr=1e-3)
+        x = torch.randint(0, VOCAB, (BATCH, SEQ))
+        with torch.no_grad():
+            out = w(input_ids=x, labels=x)
+            expect = ref(input_ids=x, labels=x)
+        assert w.megatrain.long_context.last["loss_rows"] is None
+        assert w.megatrain.long_context.last["mlp_rows"] is None
+        assert out.logits is not None and out.logits.shape == (BATCH, SEQ, VOCAB)
+        assert torch.allclose(out.logits, expect.logits, rtol=1e-5, atol=1e-6)
+    finally:
+        w.megatrain.close()
+
+
+def test_chunked_loss_true_without_labels_returns_logits():
+    model = tiny("gpt2")
+    ref = copy.deepcopy(model)
+    w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32, chunked_loss=True, tile_mlp=True)
+    try:
+        x = torch.randint(0, VOCAB, (BATCH, SEQ))
+        with torch.no_grad():
+            out = w(input_ids=x)
+            loss = w(input_ids=x, labels=x, return_dict=False)
+            expect = ref(input_ids=x, labels=x)
+        assert torch.allclose(out.logits, expect.logits, rtol=1e-5, atol=1e-6)
+        assert isinstance(loss, tuple) and loss[1] is None  # (loss, logits=None, ...)
+        assert abs(float(loss[0]) - float(expect.loss)) <= 1e-6 * float(expect.loss)
+        assert w.megatrain.long_context.last["loss_rows"] >= 1
+    finally:
+        w.megatrain.close()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(chunked_loss="sometimes"), "chunked_loss must be"), (dict(tile_mlp=0), "tile_mlp must be"),
+    (dict(chunked_loss=-3), "chunked_loss must be"),
+])
+def test_bad_modes_rejected_before_wrapping(kw, match):
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=match):
+        megatrain.wrap(model, device="cpu", **kw)
+    assert getattr(model, "megatrain", None) is None
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_chunked_loss_refused_for_soft_capped_logits():
+    model = tiny("llama")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        megatrain.wrap(model, device="cpu", chunked_loss=True)
+    assert getattr(model, "megatrain", None) is None
+
+
+def _long_context_refusal(monkeypatch, impl, mask, match):
+    model = tiny("llama")
+    model.config._attn_implementation = impl
+    w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32)
+    try:
+        monkeypatch.setattr(w.megatrain, "_free_device_bytes", lambda: 8 * 1024 ** 3)
+        t = 40000
+        x = torch.zeros(1, t, dtype=torch.long)
+        m = torch.ones_like(x)
+        if mask:
+            m[0, -1] = 0
+        with pytest.raises(ValueError, match=match):
+            with torch.no_grad():
+                w(input_ids=x, attention_mask=m, labels=x)
+    finally:
+        w.megatrain.close()
+
+
+def test_eager_attention_at_long_context_is_refused(monkeypatch):
+    _long_context_refusal(monkeypatch, "eager", False, "eager attention at 40000 tokens")
+
+
+def test_padding_mask_at_long_context_is_refused(monkeypatch):
+    _long_context_refusal(monkeypatch, "sdpa", True, "B x 1 x T x T mask")
