@@ -68,7 +68,11 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog="Precedence: --preset < --config < flags < --set. Keys: megatrain train --print-config.",
     )
     tr.add_argument("--config", "-c", help="YAML config file (sections model, data, train, runtime, eval, log)")
-    tr.add_argument("--preset", default="default", help="built-in starting point: default | gpu (default: default)")
+    tr.add_argument(
+        "--preset",
+        default="default",
+        help="built-in starting point: default | gpu | 1b (1b: a 1B model streamed through one GPU; default: default)",
+    )
     tr.add_argument(
         "--model",
         help="a local HF model directory (model.path) or an architecture name such as llama (model.arch)",

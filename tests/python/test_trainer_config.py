@@ -156,3 +156,7 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     gpu = config.build_config(os.path.join(root, "gpu_llama_76m.yaml"))
     preset = config.build_config(preset="gpu")
     assert (gpu.model, gpu.data, gpu.train) == (preset.model, preset.data, preset.train)
+    one_b = config.build_config(os.path.join(root, "h200_1b.yaml"))
+    preset = config.build_config(preset="1b")
+    assert (one_b.model, one_b.data, one_b.train, one_b.runtime, one_b.eval) == (
+        preset.model, preset.data, preset.train, preset.runtime, preset.eval)

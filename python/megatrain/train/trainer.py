@@ -649,6 +649,9 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tokens_per_step} tokens/step; out {out_dir}"
         + (f"; resumed at step {start_step} from {resume.path}" if resume is not None else "")
     )
+    if device.type == "cuda" and params["total"] < 100e6:
+        say("megatrain train: a model this small fits in GPU memory; `megatrain train --preset 1b` streams a 1B "
+            "model's layers from host memory (about 2 minutes on an H200)")
 
     sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
     stats = metrics_mod.StatsWindow(engine)
