@@ -455,7 +455,8 @@ class _RecordedInitSource:
 
 # ---------------------------------------------------------------------------------------------- public
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
-    wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator"}
+    wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
+                 "tile_mlp"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -465,7 +466,8 @@ def _wrap_with(model, source, wrap_kwargs):
     kw = dict(device=None, compute_dtype=None, activation_policy="recompute", num_slots=2, grad_accumulator=True)
     kw.update(wrap_kwargs)
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
-                 kw["grad_accumulator"], source=source)
+                 kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
+                 tile_mlp=kw.get("tile_mlp", "auto"))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:

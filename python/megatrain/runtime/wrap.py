@@ -741,10 +741,12 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
         HostMemoryError: the host store does not fit in host memory (nothing is allocated).
     """
-    return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator)
+    return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
+                 chunked_loss=chunked_loss, tile_mlp=tile_mlp)
 
 
-def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None):
+def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
+          chunked_loss="auto", tile_mlp="auto"):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     if getattr(model, "megatrain", None) is not None:
