@@ -251,3 +251,11 @@ def test_eager_attention_at_long_context_is_refused(monkeypatch):
 
 def test_padding_mask_at_long_context_is_refused(monkeypatch):
     _long_context_refusal(monkeypatch, "sdpa", True, "B x 1 x T x T mask")
+
+
+def test_checkpoint_spacing():
+    gib = 1024 ** 3
+    assert lc.checkpoint_spacing(32, gib, 40 * gib) == 1  # all 32 inputs fit
+    assert lc.checkpoint_spacing(32, 2 * gib, 49 * gib) == 2  # 16 + 1 inputs of 2 GiB
+    assert lc.checkpoint_spacing(32, 4 * gib, 49 * gib) == 4  # 8 + 3 inputs of 4 GiB
+    assert lc.checkpoint_spacing(32, 8 * gib, 10 * gib) == 4  # none fits: fewest (11, at K = 4..6)

@@ -489,6 +489,27 @@ class LongContext:
                 "attn_implementation='flash_attention_2'")
 
 
+def checkpoint_spacing(num_layers: int, checkpoint_bytes: int, budget_bytes: float) -> int:
+    """K of ``activation_policy="block:K"`` for long context: the smallest K whose checkpoints fit.
+
+    Under ``block:K`` one layer input of every K is kept through the forward ((L / K) rounded up)
+    and, while a block runs its backward, up to K - 1 more recomputed inputs of that block.
+
+    Args:
+        num_layers: L, decoder layers. checkpoint_bytes: bytes of one layer input (B x T x hidden x
+            element size). budget_bytes: device memory granted to the checkpoints.
+
+    Returns:
+        The smallest K in 1..L with ``(ceil(L / K) + K - 1) * checkpoint_bytes <= budget_bytes``;
+        when none fits, the K with the fewest checkpoints (about sqrt(L)).
+    """
+    count = {k: math.ceil(num_layers / k) + k - 1 for k in range(1, max(1, num_layers) + 1)}
+    for k in sorted(count):
+        if count[k] * checkpoint_bytes <= budget_bytes:
+            return k
+    return min(count, key=lambda k: (count[k], k))
+
+
 def _head_owner(model: nn.Module, head: nn.Module) -> nn.Module:
     """The innermost module whose output embedding is ``head`` (the causal LM itself, also under a
     PEFT wrapper): its forward calls ``self.loss_function``."""
