@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -55,6 +56,23 @@ def _fail(message: str):
     sys.stderr.write(f"megatrain: error: {message}\n")
     sys.stderr.flush()
     raise SystemExit(EXIT_USAGE)
+
+
+# errno -> what to do: file-system errors the user fixes (disk full, permissions, read-only mount).
+_USER_ERRNOS = {
+    errno.ENOSPC: "free disk space or choose another --out",
+    errno.EDQUOT: "free disk quota or choose another --out",
+    errno.EACCES: "check the permissions or choose another --out",
+    errno.EPERM: "check the permissions or choose another --out",
+    errno.EROFS: "the file system is read-only: choose another --out",
+    errno.ENOENT: "a directory vanished or cannot be created there: choose another --out",
+    errno.EIO: "the disk reported an I/O error: check it or choose another --out",
+}
+
+
+def _line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -185,6 +203,16 @@ def cmd_train(args) -> int:
             summary = trainer.run(cfg, plan)
     except UsageError as exc:
         _fail(str(exc).replace("\n", " "))
+    except FloatingPointError as exc:  # a non-finite loss / gradient (train.nonfinite=raise)
+        _fail(f"{_line(exc)} (nothing non-finite reached the weights; no model was saved)")
+    except MemoryError as exc:  # HostMemoryError: the store does not fit (says what to change)
+        _fail(_line(exc))
+    except OSError as exc:
+        if exc.errno not in _USER_ERRNOS:
+            raise
+        where = f" {exc.filename!r}" if exc.filename else ""
+        _fail(f"cannot write{where}: {exc.strerror or exc}; {_USER_ERRNOS[exc.errno]} (a model saved "
+              "earlier in --out is intact)")
     except KeyboardInterrupt as exc:
         sigterm = bool(stopped_by) or getattr(exc, "signum", None) == signal.SIGTERM
         how = "terminated (SIGTERM)" if sigterm else "interrupted"

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers  # noqa: F401 - imported here: its log handler then binds the real stderr, not a test's capture
 
 HERE = os.path.abspath(__file__)
 _PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
@@ -303,6 +304,235 @@ def test_two_processes_saving_one_checkpoint_both_complete(tmp_path):
     model, opt = _wrapped(seed=2)
     assert megatrain.checkpoint.load_checkpoint(ckpt, model, opt) == {"who": "slow"}  # the last swap wins
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+# ---------------------------------------------------------------------------- 5. non-finite loss / gradient
+def _masters(model):
+    import megatrain
+
+    return {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
+
+
+def _nan_step(model, opt, scale=float("nan"), x=None):
+    x = torch.randint(0, 257, (2, 12)) if x is None else x
+    (model(input_ids=x, labels=x).loss * scale).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("clip", [1.0, None], ids=["max_grad_norm", "no_clipping"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_loss_never_reaches_the_masters_and_the_next_step_is_torch_adamw(clip, bad):
+    model, opt = _wrapped(max_grad_norm=clip)
+    before = _masters(model)
+    x0, x1 = torch.randint(0, 257, (2, 12)), torch.randint(0, 257, (2, 12))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        _nan_step(model, opt, bad, x0)
+        _nan_step(model, opt, 1.0, x1)  # without clipping the skip is reported at the next step()
+    assert opt.skipped_steps == 1
+    assert all(float(st["step"]) == 1.0 for st in opt.state.values())
+    # The skipped step changed nothing: the good step from the same start is plain torch AdamW's.
+    ref = _tiny_model()
+    for n, p in ref.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(input_ids=x1, labels=x1).loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+    after = _masters(model)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(after[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_nonfinite_raise_mode_raises_before_any_update():
+    for clip in (1.0, None):
+        model, opt = _wrapped(max_grad_norm=clip, nonfinite="raise")
+        before = _masters(model)
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            _nan_step(model, opt)
+        opt.zero_grad()
+        after = _masters(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        _nan_step(model, opt, 1.0)  # training goes on after the error
+        assert all(torch.isfinite(v).all() for v in _masters(model).values())
+
+
+def test_nonfinite_gradient_in_one_layer_without_clipping_skips_that_layer_and_those_below():
+    """Without max_grad_norm each layer updates during backward: a NaN entering backward at layer 1's
+    output reaches layer 1, layer 0 and the embedding (skipped), not layer 2+ or the LM head (updated)."""
+    import megatrain
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = megatrain.wrap(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
+
+    def poison(mod, args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        t.register_hook(lambda g: g * float("nan"))
+
+    h = model.model.layers[1].register_forward_hook(poison)
+    before = _masters(model)
+    with pytest.warns(RuntimeWarning, match=r"model\.layers\.1"):
+        _nan_step(model, opt, 1.0)
+        h.remove()
+        opt.step()  # reports the skipped layers
+    after = _masters(model)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    for k in before:
+        skipped = k.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))
+        assert torch.equal(before[k], after[k]) == skipped, k
+    steps = {n: float(opt.state[p]["step"]) for n, p in model.named_parameters()}
+    assert steps["model.layers.0.mlp.up_proj.weight"] == 0 and steps["model.layers.2.mlp.up_proj.weight"] == 1
+
+
+def test_eps_zero_is_refused_in_the_api():
+    import megatrain
+
+    model = megatrain.wrap(_tiny_model(), device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, eps=0.0)
+    with pytest.raises(ValueError, match="nonfinite must be"):
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, nonfinite="ignore")
+
+
+# ---------------------------------------------------------------------------- 6, 7. one line, exit 2, nothing written
+@pytest.mark.parametrize("argv, fragment", [
+    (["--seq-len", "1"], "data.seq_len must be >= 2"),
+    (["--set", "model.hidden_size=32768", "--set", "model.num_layers=64", "--set", "model.num_heads=256",
+      "--set", "model.num_kv_heads=256", "--set", "model.intermediate_size=65536"], "of host memory but only"),
+    (["--set", "model.vocab_size=400000000"], "of host memory but only"),
+    (["--out", "/proc/megatrain-out"], "cannot write output directory"),
+], ids=["seq_len_1", "huge_model", "huge_vocab", "out_under_proc"])  # fmt: skip
+def test_cli_bad_size_or_out_is_one_line_before_anything_is_written(tmp_path, capsys, argv, fragment):
+    out = tmp_path / "out"
+    code, _, err = _cli(["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F, *argv], capsys)
+    _one_line(code, err, fragment)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_cli_read_only_out_dir_is_one_line(tmp_path, capsys):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        code, _, err = _cli(["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F], capsys)
+    finally:
+        out.chmod(0o755)
+    _one_line(code, err, "not writable")
+    assert os.listdir(out) == []
+
+
+def test_cli_huge_lr_is_one_line_and_the_masters_stay_finite(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = _cli(["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F, "--steps", "6",
+                         "--lr", "1e6", "--set", "train.warmup_steps=0"], capsys)
+    _one_line(code, err, "non-finite")
+    assert json.load(open(out / "summary.json"))["status"] == "failed"
+
+
+def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import megatrain.checkpoint
+    from megatrain.train import trainer
+
+    out = tmp_path / "out"
+    args = ["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F]
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "config.yaml"))
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "to_yaml", full)
+        code, _, err = _cli(args, capsys)
+    _one_line(code, err, "No space left on device; free disk space or choose another --out")
+    code, _, err = _cli(args + ["--set", "log.overwrite=true"], capsys)
+    assert code == 0, err
+    first = _snapshot_bytes(out / "model")
+
+    def full_save(model, d, dtype=None):
+        open(os.path.join(d, "model.safetensors"), "wb").write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(d, "model.safetensors"))
+
+    monkeypatch.setattr(megatrain.checkpoint, "save_pretrained_streamed", full_save)
+    code, _, err = _cli(args + ["--set", "log.overwrite=true"], capsys)
+    _one_line(code, err, "No space left on device")
+    assert _snapshot_bytes(out / "model") == first, "the previous model is intact"
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+# ---------------------------------------------------------------------------- 3. a model directory missing a tensor
+def test_cli_refuses_a_model_dir_missing_a_tensor(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    _tiny_model().save_pretrained(base)
+    sd = load_file(base / "model.safetensors")
+    del sd["model.layers.1.self_attn.q_proj.weight"]
+    save_file(sd, base / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code, _, err = _cli(["train", "--model", str(base), "--out", str(out), "--data", str(_corpus(tmp_path)), *F],
+                        capsys)
+    _one_line(code, err, "has no weights for 1 tensor(s) of the model: model.layers.1.self_attn.q_proj.weight")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------- 4. data that is not text
+def test_binary_files_are_skipped_with_a_warning_naming_them(tmp_path, capsys):
+    from megatrain.train import data as data_mod
+
+    d = _corpus(tmp_path)
+    shutil.copy(sys.executable if os.path.isfile(sys.executable) else "/bin/ls", d / "elf.txt")
+    (d / "zeros.md").write_bytes(b"abc\0\0\0def" * 100)
+    cfg = SimpleNamespace(path=str(d), include=["*.txt", "*.md"], text_field="text", tokenizer=None, seq_len=32,
+                          eval_fraction=0.2, max_documents=None)
+    data = data_mod.load_text_data(cfg, 0)
+    err = capsys.readouterr().err
+    assert "skipping 2 binary data file(s)" in err and "elf.txt" in err and "zeros.md" in err
+    assert data.num_documents == 6
+    with pytest.raises(data_mod.UsageError, match="is binary"):  # the one file the user named
+        data_mod.load_text_data(SimpleNamespace(**{**vars(cfg), "path": str(d / "elf.txt")}), 0)
+
+
+def test_latin1_text_keeps_every_byte_with_the_byte_tokenizer(tmp_path):
+    from megatrain.train import data as data_mod
+
+    raw = "caf\u00e9 na\u00efve \u00fcber ".encode("latin-1") * 50
+    (tmp_path / "a.txt").write_bytes(raw)
+    docs = data_mod.read_documents([str(tmp_path / "a.txt")], keep_bytes=True)
+    ids = data_mod.ByteTokenizer().encode(docs[0])
+    assert bytes(ids.astype("uint8").tolist()) == raw
+
+
+def test_non_utf8_text_with_another_tokenizer_warns_naming_the_file(tmp_path, capsys):
+    from megatrain.train import data as data_mod
+
+    (tmp_path / "a.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    docs = data_mod.read_documents([str(tmp_path / "a.txt")], keep_bytes=False)
+    assert docs == ["caf\ufffd"]
+    err = capsys.readouterr().err
+    assert "not valid UTF-8" in err and "a.txt" in err
+
+
+def test_a_fifo_in_the_data_dir_is_skipped_not_read(tmp_path, capsys):
+    from megatrain.train import data as data_mod
+
+    d = _corpus(tmp_path)
+    os.mkfifo(d / "pipe.txt")
+    os.symlink(d / "missing.txt", d / "dangling.txt")
+    files = data_mod.find_files(str(d), ["*.txt"])
+    assert str(d / "pipe.txt") not in files and len(files) == 6
+    err = capsys.readouterr().err
+    assert "pipe.txt" in err and "dangling.txt" in err and "not regular files" in err
+    with pytest.raises(data_mod.UsageError, match="FIFO"):
+        data_mod.find_files(str(d / "pipe.txt"), ["*.txt"])
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from typing import Iterable, Optional
 
 import torch
 
+NONFINITE_MODES = ("skip", "raise")
 
 
 def _ref(p: torch.Tensor):
@@ -45,6 +48,16 @@ class CPUAdamW(torch.optim.Optimizer):
         eps: term added to the denominator, > 0 or 0.
         weight_decay: decoupled weight decay coefficient.
         max_grad_norm: clip the global gradient L2 norm to this value (None: no clipping).
+        nonfinite: what a non-finite (NaN / inf) gradient does; it never reaches the master weights.
+            ``"skip"`` (the default, as ``torch.amp.GradScaler`` and DeepSpeed do on overflow): the
+            update is skipped with a warning and counted in ``skipped_steps``. ``"raise"``:
+            ``step()`` raises ``FloatingPointError`` (after dropping the gradients). With
+            ``max_grad_norm`` the global norm is known before any update, so the whole step is
+            skipped (weights, ``exp_avg``, ``exp_avg_sq``, step counts unchanged). Without it a
+            layer's update starts during backward (see ``gradient_accumulation_steps``): each
+            layer's gradient is checked before its own update, and only the layers with a
+            non-finite gradient are skipped (a NaN / inf loss makes every gradient non-finite, so
+            then the whole step is skipped); ``"raise"`` then waits in ``step()`` for the updates.
         gradient_accumulation_steps: backward passes per ``step()``. Without clipping, a layer's
             update starts on the CPU as soon as its gradient from the last of these backward
             passes has landed, overlapping the rest of backward and the next forward (DESIGN.md
@@ -55,15 +68,21 @@ class CPUAdamW(torch.optim.Optimizer):
             correctly with clipping (the engine moves the gradient to the fp32 accumulator).
 
     Raises:
-        ValueError: a hyperparameter out of range, or a parameter not managed by megatrain.
+        ValueError: a hyperparameter out of range (``eps`` must be > 0: with 0 a zero gradient
+            gives 0/0 = NaN), or a parameter not managed by megatrain.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
-                 gradient_accumulation_steps: int = 1):
+                 gradient_accumulation_steps: int = 1, nonfinite: str = "skip"):
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"megatrain.optim.CPUAdamW: {name} must be a finite number >= 0, got {v!r}")
+        if eps == 0:
+            raise ValueError("megatrain.optim.CPUAdamW: eps must be > 0 (with eps=0 a zero gradient gives 0/0 = NaN "
+                             "weights); use e.g. 1e-8")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"megatrain.optim.CPUAdamW: nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"megatrain.optim.CPUAdamW: betas must be two numbers in [0, 1), got {betas!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0):
@@ -104,6 +123,39 @@ class CPUAdamW(torch.optim.Optimizer):
                              "grad_accumulator=True (the default)")
         self.engine.optimizer = self
         self.last_grad_norm: Optional[float] = None
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0  # steps whose update was skipped (whole or in part): non-finite gradients
+        self._skipped_ids: set = set()
+        self._steps_called = 0  # step() calls that returned; the one running (or next) is number + 1
+        self._skipped_units: list = []  # (step number, unit name) appended by the CPU worker (no clipping)
+
+    def skip_unit_update(self, unit, items, step_number: int) -> None:
+        """CPU worker: ``unit``'s gradient is non-finite, its update is not applied: undo the step counts.
+
+        ``step_number``: the ``step()`` call the update belongs to (1-based)."""
+        for i, *_ in items:
+            self.state[self._entry[(unit.index, i)][1]]["step"] -= 1
+        names = [unit.entries[i].name for i, *_ in items]
+        label = names[0] if len(names) == 1 else (os.path.commonprefix(names).rsplit(".", 1)[0] or f"unit {unit.index}")
+        self._skipped_units.append((step_number, label))
+
+    def _count_skipped(self, step_number: int) -> None:
+        self._skipped_ids.add(step_number)
+        self.skipped_steps = len(self._skipped_ids)
+
+    def _report_skipped_units(self) -> None:
+        done, self._skipped_units = self._skipped_units, []
+        if not done:
+            return
+        for s, _ in done:
+            self._count_skipped(s)
+        names = ", ".join(sorted({n for _, n in done}))
+        msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {done[0][0]}: the update of {names} "
+               "was skipped (its weights, exp_avg, exp_avg_sq and step count are unchanged; without max_grad_norm "
+               "layers with finite gradients were updated). Lower the learning rate or check the loss")
+        if self.nonfinite == "raise":
+            raise FloatingPointError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def _items(self, unit, has_grad):
         """Adam work items of ``unit`` (main thread: bumps the per-parameter step counts)."""
@@ -168,14 +220,35 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         eng = self.engine
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
+        if self.nonfinite == "raise" and any(u.eager_queued for u in eng.units):
+            eng.flush()  # their finite checks are done: a non-finite gradient raises now, not a step late
         # Entries whose update was not queued during backward (all of them with clipping). An
         # eagerly queued entry may still be running: its has_grad is the worker's to reset.
         pending = [(u, [i for i in range(len(u.entries)) if not u.eager[i]]) for u in eng.units]
         pending = [(u, idx) for u, idx in pending if idx]
         scale = 1.0
+        sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
+                 if u.has_grad[i] and (u.index, i) in self._entry)
+        number = self._steps_called + 1
+        try:
+            self._report_skipped_units()
+        except FloatingPointError:
+            eng.zero_grad()
+            self._steps_called = number
+            raise
+        if not math.isfinite(sq):  # known before any of these updates: skip them all
+            self.last_grad_norm = math.sqrt(sq) if sq == sq else float("nan")
+            eng.zero_grad()  # gradients dropped, compute copies rewritten from the (untouched) masters
+            self._count_skipped(number)
+            self._steps_called = number
+            msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {number} (global norm "
+                   f"{self.last_grad_norm}): the step was skipped (weights, exp_avg, exp_avg_sq and step counts "
+                   "unchanged). Lower the learning rate or check the loss")
+            if self.nonfinite == "raise":
+                raise FloatingPointError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return loss
         if self.max_grad_norm is not None:
-            sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
-                     if u.has_grad[i] and (u.index, i) in self._entry)
             self.last_grad_norm = math.sqrt(sq)
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
             scale = min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
@@ -188,6 +261,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if items or any(unit.direct[i] for i in idx):
                 eng.submit_update(unit, items, scale, entries=idx)
         eng.zero_grad()
+        self._steps_called = number
         return loss
 
     def wait(self) -> None:

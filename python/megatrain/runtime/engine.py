@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
+import math
 import os
 import queue
 import threading
@@ -672,7 +673,9 @@ class Engine:
             for i, p in enumerate(present):
                 unit.eager[i] = unit.eager[i] or p
             unit.version += 1
-        need_norm = any(direct) and plan is None and getattr(opt, "max_grad_norm", None) is not None
+        # Squared norms of direct gradients: for clipping, and for the finite check before any update.
+        need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
+                                     getattr(opt, "nonfinite", None) is not None)
         staged = [p and not d for p, d in zip(present, direct)]
         own_staging = staging is None and any(staged)
         if own_staging:
@@ -783,11 +786,19 @@ class Engine:
         def grad_src(i):
             return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
 
+        check = getattr(self.optimizer, "nonfinite", None) is not None
+        step_number = getattr(self.optimizer, "_steps_called", 0) + 1  # the step() this update belongs to
+
         def task():
             t0 = time.perf_counter()
             try:
-                run_adam(self, unit, items, scale, grad_src)
-                self._weights_back(unit, restore)
+                if check and not all(math.isfinite(unit.grad_sq[it[0]]) for it in items):
+                    # A non-finite gradient never reaches the masters: the unit's update is skipped.
+                    self._weights_back(unit, [i for i in entries if direct[i]])
+                    self.optimizer.skip_unit_update(unit, items, step_number)
+                else:
+                    run_adam(self, unit, items, scale, grad_src)
+                    self._weights_back(unit, restore)
                 for i in entries:
                     unit.has_grad[i] = False
                     unit.grad_sq[i] = 0.0

@@ -90,6 +90,7 @@ class TrainSection:
     beta2: float = 0.95
     eps: float = 1.0e-8
     max_grad_norm: Optional[float] = 1.0  # None or 0: no clipping
+    nonfinite: str = "raise"  # NaN/inf loss or gradient: raise (stop, one line) | skip (skip the step, warn)
     seed: int = 0
     save_every: int = 0  # steps between checkpoints in out/checkpoints/ (0: none; SIGINT/SIGTERM always save)
     keep_last: int = 2  # checkpoints kept (the oldest are deleted once a newer one is complete)
@@ -342,12 +343,16 @@ def validate(cfg: Config) -> None:
             f"data.seq_len ({d.seq_len}) is above the model's limit max_position_embeddings "
             f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings"
         )
+    if d.seq_len < 2:
+        raise UsageError(f"data.seq_len must be >= 2 (a next-token loss needs two tokens per row), got {d.seq_len}")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UsageError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {d.eval_fraction}")
     if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
         raise UsageError(f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UsageError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.nonfinite not in ("raise", "skip"):
+        raise UsageError(f"train.nonfinite must be raise or skip, got {t.nonfinite!r}")
     if t.lr_schedule not in ("cosine", "linear", "constant"):
         raise UsageError(f"train.lr_schedule must be cosine, linear or constant, got {t.lr_schedule!r}")
     if r.compute_dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32"):

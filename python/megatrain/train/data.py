@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
@@ -42,8 +43,16 @@ class ByteTokenizer:
     eos_token_id = 256
 
     def encode(self, text: str) -> np.ndarray:
-        """Returns the ids of ``text``'s UTF-8 bytes, shape [len(bytes)], int32."""
-        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int32)
+        """Returns the ids of ``text``'s UTF-8 bytes, shape [len(bytes)], int32.
+
+        Surrogate escapes (bytes of a file that is not UTF-8, read with ``errors="surrogateescape"``)
+        become those original bytes again: nothing is lost or replaced.
+        """
+        try:
+            raw = text.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (e.g. "\\ud800" in JSON)
+            raw = text.encode("utf-8", errors="replace")
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
         return [self.encode(t) for t in texts]
@@ -142,27 +151,51 @@ def stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def warn(message: str) -> None:
+    """A one-line warning on stderr (``megatrain: warning: ...``)."""
+    sys.stderr.write(f"megatrain: warning: {message}\n")
+    sys.stderr.flush()
+
+
+def _names(paths: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
 def find_files(path: str, include: Sequence[str]) -> List[str]:
-    """Files of ``path`` (a file, a directory searched recursively, or ``stdlib``), sorted.
+    """Regular files of ``path`` (a file, a directory searched recursively, or ``stdlib``), sorted.
+
+    FIFOs, sockets, devices and broken symlinks in a directory are skipped with a warning naming
+    them (reading a FIFO would block the run).
 
     Raises:
-        UsageError: the path does not exist or holds no matching file.
+        UsageError: the path does not exist, is not a regular file or directory, or holds no
+            matching file.
     """
     if path == STDLIB:
         root, patterns, skip = stdlib_dir(), ["*.py"], {"site-packages", "dist-packages", "__pycache__"}
     else:
         root, patterns, skip = path, list(include), {"__pycache__", ".git"}
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise UsageError(f"data path {path!r} does not exist; pass a text/JSONL file or a directory with --data")
+        if not os.path.exists(path):
+            raise UsageError(f"data path {path!r} is a broken symlink; pass a text/JSONL file or a directory with --data")
         if os.path.isfile(path):
             return [path]
-    files = []
+        if not os.path.isdir(path):
+            raise UsageError(f"data path {path!r} is not a regular file or a directory (a FIFO, socket or device); "
+                             "pass a text/JSONL file or a directory with --data")
+    files, special = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
         for name in filenames:
             if any(fnmatch.fnmatch(name, p) for p in patterns):
-                files.append(os.path.join(dirpath, name))
+                full = os.path.join(dirpath, name)
+                (files if os.path.isfile(full) else special).append(full)
     files.sort()
+    if special:
+        warn(f"skipping {len(special)} data path(s) that are not regular files (FIFO, socket, device or broken "
+             f"symlink): {_names(sorted(special))}")
     if not files:
         raise UsageError(
             f"data path {path!r} has no files matching {', '.join(patterns)}; add text files or set data.include"
@@ -170,36 +203,73 @@ def find_files(path: str, include: Sequence[str]) -> List[str]:
     return files
 
 
-def read_documents(files: Sequence[str], text_field: str = "text") -> List[str]:
+def _is_binary(head: bytes) -> bool:
+    """A NUL byte in the first 8 KiB: not text (the test git and grep use)."""
+    return b"\0" in head[:8192]
+
+
+def _decode(raw: bytes, path: str, keep_bytes: bool, lossy: list) -> str:
+    """UTF-8 text of ``raw``. Bytes that are not UTF-8 are kept exactly (``keep_bytes``: as surrogate
+    escapes, which the byte tokenizer turns back into the same bytes) or replaced by U+FFFD, and
+    ``path`` is added to ``lossy``."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        if keep_bytes:
+            return raw.decode("utf-8", errors="surrogateescape")
+        lossy.append(path)
+        return raw.decode("utf-8", errors="replace")
+
+
+def read_documents(files: Sequence[str], text_field: str = "text", keep_bytes: bool = False,
+                   explicit: bool = False) -> List[str]:
     """Reads documents (non-empty strings) from ``files``.
 
+    Binary files (a NUL byte in the first 8 KiB: executables, archives, images, whatever their
+    name) are skipped with a warning naming them. Text that is not UTF-8 (e.g. Latin-1) keeps its
+    bytes exactly with ``keep_bytes`` (the byte tokenizer); otherwise the undecodable bytes become
+    U+FFFD and a warning names the files.
+
+    Args:
+        explicit: ``files`` is the one file the user named: a binary one is an error, not skipped.
+
     Raises:
-        UsageError: a JSONL line is not JSON or lacks ``text_field``; a file cannot be read.
+        UsageError: a JSONL line is not JSON or lacks ``text_field``; a file cannot be read; the one
+            named file is binary.
     """
     docs: List[str] = []
+    binary, lossy = [], []
     for path in files:
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                if path.endswith(".jsonl"):
-                    for lineno, line in enumerate(f, 1):
-                        if not line.strip():
-                            continue
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError:
-                            raise UsageError(f"{path}:{lineno} is not valid JSON; each JSONL line must be an object") from None
-                        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                            raise UsageError(
-                                f"{path}:{lineno} has no string field {text_field!r}; set data.text_field"
-                            )
-                        if record[text_field]:
-                            docs.append(record[text_field])
-                else:
-                    text = f.read()
-                    if text:
-                        docs.append(text)
+            with open(path, "rb") as f:
+                raw = f.read()
         except OSError as exc:
             raise UsageError(f"cannot read data file {path!r} ({exc.strerror}); check its permissions") from None
+        if _is_binary(raw):
+            if explicit:
+                raise UsageError(f"data file {path!r} is binary, not text (it holds NUL bytes); pass text or JSONL")
+            binary.append(path)
+            continue
+        text = _decode(raw, path, keep_bytes, lossy)
+        if path.endswith(".jsonl"):
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise UsageError(f"{path}:{lineno} is not valid JSON; each JSONL line must be an object") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise UsageError(f"{path}:{lineno} has no string field {text_field!r}; set data.text_field")
+                if record[text_field]:
+                    docs.append(record[text_field])
+        elif text:
+            docs.append(text)
+    if binary:
+        warn(f"skipping {len(binary)} binary data file(s) (NUL bytes: not text): {_names(binary)}")
+    if lossy:
+        warn(f"{len(lossy)} data file(s) are not valid UTF-8; their undecodable bytes were replaced by U+FFFD for "
+             f"the tokenizer: {_names(lossy)} (convert them to UTF-8, e.g. iconv -f latin1 -t utf-8)")
     return docs
 
 
@@ -298,9 +368,10 @@ def load_text_data(cfg: DataConfig, seed: int, tokenizer=None) -> TextData:
     """
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
     files = find_files(cfg.path, cfg.include)
-    docs = read_documents(files, cfg.text_field)
+    docs = read_documents(files, cfg.text_field, keep_bytes=getattr(tokenizer, "kind", None) == "byte",
+                          explicit=cfg.path != STDLIB and os.path.isfile(cfg.path))
     if not docs:
-        raise UsageError(f"data path {cfg.path!r} holds no text (all files are empty); point --data at text")
+        raise UsageError(f"data path {cfg.path!r} holds no text (its files are empty or binary); point --data at text")
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(docs))
     if cfg.max_documents is not None:

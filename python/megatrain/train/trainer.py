@@ -172,6 +172,65 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
     return config
 
 
+def check_writable(directory: str, out_dir: str) -> None:
+    """Raises a one-line UsageError unless a file can be created in ``directory`` (tried: a
+    temporary file, removed at once; permission bits do not tell for root, /proc or a read-only mount)."""
+    import tempfile
+
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write output directory {out_dir!r}: {directory!r} is not writable; choose another --out")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write output directory {out_dir!r}: creating a file in {directory!r} fails "
+                         f"({exc.strerror}); choose another --out") from None
+
+
+def estimate_params(model_config) -> int:
+    """Parameter count of the model ``model_config`` describes, from a build on the meta device (no memory).
+
+    Raises:
+        UsageError: transformers cannot build the model from this config.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    except Exception as exc:  # noqa: BLE001
+        raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes") from None
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def check_model_fits(cfg: Config, model_config) -> int:
+    """Host bytes the run needs before anything is built: the fp32 model (4 B/param) plus its host
+    store (fp32 master, exp_avg, exp_avg_sq, fp32 gradient accumulator, compute copy: 18 B/param).
+
+    Returns:
+        The parameter count.
+
+    Raises:
+        UsageError: it does not fit in host memory (bytes needed vs available, what to change).
+    """
+    from megatrain.runtime.host_memory import check_host_budget
+
+    params = estimate_params(model_config)
+    try:
+        check_host_budget(params * (4 + 18), 0, f"train ({params / 1e6:.1f}M parameters: the fp32 model at 4 B/param "
+                                                "and its host store at 18 B/param)")
+    except MemoryError as exc:
+        raise UsageError(_first_line(exc, 400) + " Lower the model sizes (model.hidden_size, model.num_layers, "
+                         "model.vocab_size)") from None
+    return params
+
+
 def default_out_dir() -> str:
     return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
@@ -205,17 +264,17 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
             f"checkpoint {resume.path!r} is at step {resume.step} and train.steps is {cfg.train.steps}: nothing to "
             "train; raise --steps"
         )
-    ancestor = existing_ancestor(out_dir)
+    ancestor = out_dir if os.path.isdir(out_dir) else existing_ancestor(out_dir)
     if not os.path.isdir(ancestor):
         raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is a file; choose another --out")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot create output directory {out_dir!r}: {ancestor!r} is not writable; choose another --out")
+    check_writable(ancestor, out_dir)
     if cfg.log.save_model:
         check_model_dest(out_dir)
     tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
     device = resolve_device(cfg.runtime.device)
+    check_model_fits(cfg, model_config)
     text = data_mod.load_text_data(cfg.data, cfg.train.seed, tokenizer)
     if text.max_token_id() >= model_config.vocab_size:
         raise UsageError(
@@ -240,6 +299,29 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
     )
 
 
+def check_loading_info(path: str, info: dict) -> None:
+    """Refuse a model directory whose weights do not cover the model (transformers would initialise
+    the missing tensors at random and train on that) or do not fit it.
+
+    Raises:
+        UsageError: naming the first missing / mismatched tensors.
+    """
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = [k[0] if isinstance(k, (tuple, list)) else k for k in (info.get("mismatched_keys") or [])]
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if missing or mismatched:
+        bad = missing or sorted(mismatched)
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        what = "has no weights for" if missing else "has weights of the wrong shape for"
+        hint = f" (it holds {len(unexpected)} tensors the model does not use: a different architecture?)" if unexpected else ""
+        raise UsageError(f"model directory {path!r} {what} {len(bad)} tensor(s) of the model: {shown}{hint}; they would "
+                         "train from a random initialisation: use a complete checkpoint (its config.json must match)")
+    if unexpected:
+        shown = ", ".join(unexpected[:3]) + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+        data_mod.warn(f"model directory {path!r} holds {len(unexpected)} tensor(s) the model does not use (ignored): "
+                      f"{shown}")
+
+
 def build_model(plan: Plan):
     """The fp32 CPU model: ``from_pretrained(model.path)`` or random init from the seed."""
     import torch
@@ -247,10 +329,23 @@ def build_model(plan: Plan):
 
     torch.manual_seed(plan.cfg.train.seed)
     if plan.cfg.model.path is not None:
+        path = plan.cfg.model.path
+        from transformers.utils import logging as hf_logging
+
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()  # its load report of missing keys: ours below is one line
+        hf_logging.disable_progress_bar()
         try:
-            return AutoModelForCausalLM.from_pretrained(plan.cfg.model.path, dtype=torch.float32, local_files_only=True)
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                               output_loading_info=True)
         except Exception as exc:  # noqa: BLE001
-            raise UsageError(f"cannot load model {plan.cfg.model.path!r} ({_first_line(exc)})") from None
+            raise UsageError(f"cannot load model {path!r} ({_first_line(exc)})") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+        check_loading_info(path, info)
+        return model
     return AutoModelForCausalLM.from_config(plan.model_config, dtype=torch.float32)
 
 
@@ -608,6 +703,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm or None,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
+        nonfinite=t.nonfinite,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
@@ -711,7 +807,13 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
                 done_step = step
                 last_loss = float(step_loss)  # syncs: the step's work is done when this returns
                 if not math.isfinite(last_loss):
-                    raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr")
+                    if t.nonfinite == "raise":
+                        raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr (or set "
+                                                 "train.nonfinite=skip to skip such steps)")
+                    say(f"step {step} | loss {last_loss}: non-finite, the update was skipped "
+                        f"({optimizer.skipped_steps} skipped so far)")
+                    bar.update(1)
+                    continue
                 ms["window_steps"] += 1
                 ms["window_loss"] += last_loss
                 now = time.perf_counter()
@@ -731,6 +833,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
                         "lr": scheduler.get_last_lr()[0],
                         # global gradient L2 norm before clipping, last step (CPUAdamW with max_grad_norm)
                         "grad_norm": getattr(optimizer, "last_grad_norm", None),
+                        "skipped_steps": optimizer.skipped_steps,  # non-finite loss / gradient: update skipped
                         "step_time_s": step_s,
                         "tokens_per_s": tok_s,
                         "tokens": step * tokens_per_step,
