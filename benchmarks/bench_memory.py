@@ -1,7 +1,7 @@
 """GPU memory vs depth: peak allocated for L1 vs L2 layers of the same width at the same tokens/step.
 
 Everything except the saved layer inputs (one B x T x hidden activation per layer, L/K of them)
-must not grow with depth (issue 3). Prints a breakdown and writes JSON.
+must not grow with depth. Prints a breakdown and writes JSON.
 
     python benchmarks/bench_memory.py --layers 28 112 --out docs/benchmarks/memory_depth.json
 """

@@ -2,7 +2,7 @@
 # One call on the H200 machine: build, C++ tests (AVX-512 there), GPU tests, then the named
 # benchmark stages. Logs go to $OUT (or ./out); a short table is printed last.
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
-#                                               profile ablate stretch sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
+#                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -68,12 +68,12 @@ for s in "${stages[@]}"; do
     profile)  # one profiled step of megatrain at 3b: stream overlap, idle gaps, host syncs (~2 min)
       run profile timeout 400 python3 benchmarks/bench_train.py --systems megatrain --profile --steps 3 --warmup 1 \
         --out docs/benchmarks/train_3b_profile.json ;;
-    ablate)  # before/after ratios at 3b in one run: prefetch depth (slots=1: none, 3: two ahead), gradient D2H overlap
-      run ablate timeout 590 python3 benchmarks/bench_train.py --systems megatrain megatrain:slots=1 megatrain:slots=3 megatrain:d2h=0 \
-        --steps 3 --warmup 1 --out docs/benchmarks/train_3b_ablate.json ;;
-    stretch)  # Adam overlap with the next forward, store / auto policies, against GPU-resident PyTorch without checkpointing
-      run stretch timeout 590 python3 benchmarks/bench_train.py --systems megatrain megatrain:overlap=0 megatrain:policy=store \
-        megatrain:policy=auto torch_nockpt torch_ckpt --steps 3 --warmup 1 --out docs/benchmarks/train_3b_stretch.json ;;
+    prefetch_d2h)  # ratios at 3b in one run: prefetch depth (slots=1: none, 3: two ahead), gradient D2H overlap
+      run prefetch_d2h timeout 590 python3 benchmarks/bench_train.py --systems megatrain megatrain:slots=1 megatrain:slots=3 megatrain:d2h=0 \
+        --steps 3 --warmup 1 --out docs/benchmarks/train_3b_prefetch_d2h.json ;;
+    policies)  # Adam overlap with the next forward, store / auto policies, against GPU-resident PyTorch without checkpointing
+      run policies timeout 590 python3 benchmarks/bench_train.py --systems megatrain megatrain:overlap=0 megatrain:policy=store \
+        megatrain:policy=auto torch_nockpt torch_ckpt --steps 3 --warmup 1 --out docs/benchmarks/train_3b_policies.json ;;
     sweep_tokens)  # 2K..64K tokens/step at 3b, megatrain + torch_ckpt (~10 min: split with --tokens)
       run sweep_tokens python3 benchmarks/bench_train.py --sweep tokens --steps 3 --warmup 1 ${SWEEP_ARGS:-} \
         --out docs/benchmarks/sweep_tokens.json ;;

@@ -1,6 +1,6 @@
 """CPU parity: megatrain vs the same model trained with plain PyTorch + torch.optim.AdamW (fp32 compute).
 
-DESIGN.md section 6 / issue 3: per-step loss and every parameter within 1e-5 relative after 10 steps.
+DESIGN.md section 6: per-step loss and every parameter within 1e-5 relative after 10 steps.
 """
 
 import copy

@@ -1,6 +1,6 @@
 """GPU parity (H200): megatrain bf16 streaming vs GPU-resident training (fp32 master, autocast bf16, torch AdamW).
 
-Issue 3: a ~1B Llama-architecture model, 20 steps: per-step loss within 1e-2 relative and final
+A ~1B Llama-architecture model, 20 steps: per-step loss within 1e-2 relative and final
 parameters with cosine similarity > 0.9999 per tensor; the same with the race-hunting debug switch
 (copy streams delayed, slots poisoned with NaN on release); and with the ``store`` activation
 policy on a store without the fp32 gradient accumulator.

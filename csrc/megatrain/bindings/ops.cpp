@@ -23,7 +23,7 @@ using cpu_adam::OutDtype;
 constexpr int64_t kChunkNumel = 64 * 1024;
 
 // "[a, b, c]" built with std::to_string only: on the H200 build, streaming c10 types into the
-// error message is the suspect of a crash (SIGSEGV instead of ValueError; see the session notes).
+// error message is the suspect of a crash (SIGSEGV instead of ValueError).
 std::string int_list(c10::IntArrayRef v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) {
