@@ -215,5 +215,7 @@ def test_overwrite_starts_a_fresh_run_and_summary_reports_auto_decisions(tmp_pat
     assert sorted(_records(out)) == [1, 2]  # the old run's step 3 is gone: a fresh metrics file
     assert not (out / "checkpoints").exists()  # and its checkpoints (they would resume the old run)
     decisions = json.loads((out / "summary.json").read_text())["auto_decisions"]
-    assert decisions and all(d["policy"] in ("store", "recompute") and d["bytes_per_layer"] > 0 for d in decisions)
+    assert decisions and all(d["bytes_per_layer"] > 0 and d["free_bytes"] > 0 for d in decisions)
+    assert all(d["policy"] == ("store" if d["recompute_layers"] == 0 else "recompute" if d["store_layers"] == 0
+                               else f"store {d['store_layers']} layers, recompute the rest") for d in decisions)
     assert decisions[0]["input_shapes"][0] == [4, 64, 64]  # [micro batch, seq_len, hidden]
