@@ -356,6 +356,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         directory: a checkpoint directory.
         model: the same architecture, wrapped by ``megatrain.wrap`` (compute dtype may differ).
         optimizer: its ``CPUAdamW`` (None: weights only). Param groups are matched by parameter name.
+            Its ``max_grad_norm`` is kept (a warning names the checkpoint's when they differ).
         lr_scheduler: restored from ``scheduler.pt`` when given (error if the checkpoint has none).
         restore_rng: restore Python / NumPy / torch (CPU, CUDA) RNG states.
 
@@ -443,7 +444,12 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                     g[k] = v
         for name, step in opt_state["steps"].items():
             optimizer.state[by_name[name]]["step"] = torch.tensor(float(step))
-        optimizer.max_grad_norm = opt_state["max_grad_norm"]
+        saved_mgn = opt_state.get("max_grad_norm")
+        if saved_mgn != optimizer.max_grad_norm:
+            # The caller's optimizer settings win (as torch's load_state_dict keeps the caller's clipping).
+            warnings.warn(f"megatrain.load_checkpoint: {directory} was saved with max_grad_norm={saved_mgn!r}; the "
+                          f"optimizer's max_grad_norm={optimizer.max_grad_norm!r} is kept. Pass "
+                          f"CPUAdamW(max_grad_norm={saved_mgn!r}) to train on as before", UserWarning, stacklevel=2)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(torch.load(os.path.join(directory, SCHEDULER), weights_only=True))
     if restore_rng:

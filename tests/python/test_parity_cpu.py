@@ -282,15 +282,6 @@ def test_bad_activation_policy_rejected_before_wrapping(policy):
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
 
 
-def test_save_pretrained_on_a_wrapped_model_points_to_export_pretrained(tmp_path):
-    model = megatrain.wrap(tiny("llama"), device="cpu")
-    with pytest.raises(RuntimeError, match=r"megatrain\.export_pretrained\(model, path\)"):
-        model.save_pretrained(str(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()  # refused before anything is written
-    megatrain.export_pretrained(model, str(tmp_path / "out"))  # the way that works
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():
     model = tiny("llama")

@@ -22,11 +22,11 @@ Two changed lines in a Trainer script::
 * adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
   :class:`MegatrainCallback`.
 
-A plain ``Trainer`` also trains a wrapped model, given ``optimizers=(create_optimizer(model, args,
-max_grad_norm=...), None)``, ``max_grad_norm=0`` in its TrainingArguments,
-``callbacks=[MegatrainCallback()]`` and, on CUDA, ``trainer.accelerator.device_placement = False``;
-it cannot save or resume (``save_model`` / checkpoints go through ``save_pretrained`` and
-``optimizer.pt``): see docs/hf_trainer.md.
+A plain ``Trainer`` also trains, saves and resumes a wrapped model, given
+``optimizers=(CPUAdamW(..., max_grad_norm=args.max_grad_norm) or create_optimizer(model, args), scheduler)``,
+``callbacks=[MegatrainCallback()]`` and, on CUDA, ``trainer.accelerator.device_placement = False``:
+its checkpoints are then the ordinary ones (``model.safetensors`` from the fp32 masters through the
+wrapped model's ``save_pretrained``, ``optimizer.pt`` from ``CPUAdamW.state_dict()``); see docs/hf_trainer.md.
 """
 
 from __future__ import annotations
@@ -90,18 +90,19 @@ def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUA
 class MegatrainCallback(TrainerCallback):
     """Adds megatrain's figures to the Trainer's log records and checks the set-up at train start.
 
-    ``MegatrainTrainer`` adds it itself. With a plain ``Trainer`` (training only: no save / resume),
-    pass it in ``callbacks`` with ``optimizers=(create_optimizer(model, args, max_grad_norm=...),
-    None)`` and ``max_grad_norm=0`` in the TrainingArguments; on CUDA also set
-    ``trainer.accelerator.device_placement = False`` before ``train()``. It checks both at train start.
+    ``MegatrainTrainer`` adds it itself. With a plain ``Trainer`` pass it in ``callbacks`` with
+    ``optimizers=(create_optimizer(model, args), None)`` (or your own ``CPUAdamW``, with
+    ``max_grad_norm`` set when the TrainingArguments' is > 0: the Trainer's clip is then exact); on
+    CUDA also set ``trainer.accelerator.device_placement = False`` before ``train()``. It checks
+    both at train start.
 
     Keys added to each log record (window = since the previous log record):
     ``megatrain/tokens_per_s`` (training input tokens / wall second), ``megatrain/h2d_gbps``
     (achieved host-to-device rate while copying; CUDA only), ``megatrain/h2d_gb``, ``megatrain/d2h_gb``,
     ``megatrain/adam_exposed_s`` (CPU Adam time the forward waited for), ``megatrain/host_rss_gib``,
     ``megatrain/host_store_gib``, and ``grad_norm``: CPUAdamW's pre-clip global norm (with clipping),
-    replacing any figure the Trainer computed over the streamed layers' meta placeholders (dropped
-    without clipping).
+    replacing any figure the Trainer computed without clipping (dropped where CPUAdamW computes
+    none); a plain Trainer's own clipping figure is kept (it is exact).
     """
 
     def __init__(self):
@@ -161,7 +162,9 @@ class MegatrainCallback(TrainerCallback):
         # A Trainer's own grad_norm (recent transformers compute one even with max_grad_norm=0) only
         # saw the meta placeholders of streamed layers: replace it with CPUAdamW's pre-clip global
         # norm, or drop it where CPUAdamW computes none (no clipping: eager per-layer updates).
-        if opt is not None and opt.last_grad_norm is not None:
+        if getattr(self, "_trainer_clips", False):
+            pass  # the Trainer's own clip_grad_norm_ figure is exact on a wrapped model
+        elif opt is not None and opt.last_grad_norm is not None:
             logs["grad_norm"] = float(opt.last_grad_norm)
         else:
             logs.pop("grad_norm", None)
@@ -180,15 +183,14 @@ class MegatrainCallback(TrainerCallback):
                              "in host memory); the Trainer's autocast would recast what megatrain already runs in "
                              "compute_dtype")
         plain = not getattr(self, "_clip_handled", False)  # a plain transformers.Trainer, not MegatrainTrainer
-        if plain and args.max_grad_norm and args.max_grad_norm > 0:
-            raise ValueError("megatrain: with a plain Trainer set max_grad_norm=0 in TrainingArguments and give the "
-                             "value to CPUAdamW (create_optimizer(model, args, max_grad_norm=...)); the Trainer's "
-                             "clip_grad_norm_ only sees meta placeholders. MegatrainTrainer does this for you.")
-        if plain and str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-            raise ValueError("megatrain: with a plain Trainer set save_strategy='no' in TrainingArguments: its "
-                             "checkpoints and save_model() only see the layers' meta placeholders and would fail at "
-                             "the first save, after training time was spent. Save with megatrain.save_checkpoint / "
-                             "megatrain.export_pretrained, or use MegatrainTrainer, which saves both.")
+        # A plain Trainer clips with torch.nn.utils.clip_grad_norm_, which is exact on a wrapped model
+        # once CPUAdamW defers its updates to step() (max_grad_norm set); its grad_norm is then the true one.
+        self._trainer_clips = bool(plain and args.max_grad_norm and args.max_grad_norm > 0)
+        if self._trainer_clips and self._optimizer.max_grad_norm is None:
+            raise ValueError("megatrain: the Trainer clips (max_grad_norm > 0 in TrainingArguments) but CPUAdamW has no "
+                             "max_grad_norm, so its updates start during backward, before the Trainer's clip: create it "
+                             "with CPUAdamW(..., max_grad_norm=args.max_grad_norm) (create_optimizer(model, args) does), "
+                             "or set max_grad_norm=0 in TrainingArguments")
         if getattr(self._engine, "device", torch.device("cpu")).type != "cpu" and _device_placed(optimizer):
             # accelerate's AcceleratedOptimizer(device_placement=True) has copied the optimizer's
             # state_dict (every Adam moment: 8 bytes/parameter of GPU memory) to the GPU and loaded it

@@ -12,6 +12,53 @@ import torch
 NONFINITE_MODES = ("skip", "raise")
 
 
+# torch.optim.AdamW options with no effect on the result here (implementation selectors): accepted.
+_NO_OP_OPTIONS = ("foreach", "fused", "capturable")
+# torch.optim.AdamW options megatrain's fused update does not implement: refused when switched on.
+_REFUSED_OPTIONS = {
+    "amsgrad": "amsgrad=True is not implemented by megatrain's fused CPU AdamW (it keeps no max_exp_avg_sq); "
+               "use amsgrad=False",
+    "maximize": "maximize=True is not implemented by megatrain's fused CPU AdamW; minimise the negated loss instead",
+    "differentiable": "differentiable=True is not supported: megatrain's update runs outside autograd, on the CPU",
+}
+
+
+def _check_options(where: str, opts: dict) -> None:
+    for k, msg in _REFUSED_OPTIONS.items():
+        if opts.get(k):
+            raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
+
+
+class _ParamState(dict):
+    """``optimizer.state[p]``: reading a value first waits for the parameter's update in flight, so
+    ``exp_avg`` / ``exp_avg_sq`` read right after ``step()`` show the new values (as torch's do)."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._wait = wait
+
+    def __getitem__(self, k):
+        self._wait()
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        self._wait()
+        return super().get(k, default)
+
+    def items(self):
+        self._wait()
+        return super().items()
+
+    def values(self):
+        self._wait()
+        return super().values()
+
+    def __reduce__(self):
+        return (dict, (dict(super().items()),))
+
+
 def _ref(p: torch.Tensor):
     ref = getattr(p, "_megatrain", None)
     if ref is None:
@@ -66,15 +113,26 @@ class CPUAdamW(torch.optim.Optimizer):
             straight into its compute copy in host memory and read from there by the fused
             update: no fp32 accumulation pass. More backward passes than declared still sum
             correctly with clipping (the engine moves the gradient to the fp32 accumulator).
+        amsgrad, maximize, differentiable: ``torch.optim.AdamW``'s; only ``False`` is accepted.
+        foreach, fused, capturable: ``torch.optim.AdamW``'s implementation selectors; accepted and
+            without effect (there is one fused CPU implementation).
+
+    As ``torch.optim.AdamW``: ``add_param_group`` trains the new group from the next ``step()``;
+    ``zero_grad(set_to_none=False)`` followed by ``step()`` runs a zero-gradient update of the
+    parameters that held a gradient; ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+    clips exactly when ``max_grad_norm`` is set (see ``megatrain.runtime.module_api``). Unlike it,
+    a second ``step()`` without a backward in between raises (the gradients were consumed).
 
     Raises:
         ValueError: a hyperparameter out of range (``eps`` must be > 0: with 0 a zero gradient
-            gives 0/0 = NaN), or a parameter not managed by megatrain.
+            gives 0/0 = NaN), a refused option, or a parameter not managed by megatrain.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
-                 gradient_accumulation_steps: int = 1, nonfinite: str = "skip"):
+                 gradient_accumulation_steps: int = 1, nonfinite: str = "skip", *, amsgrad: bool = False,
+                 maximize: bool = False, foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False):
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"megatrain.optim.CPUAdamW: {name} must be a finite number >= 0, got {v!r}")
@@ -90,25 +148,22 @@ class CPUAdamW(torch.optim.Optimizer):
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError("megatrain.optim.CPUAdamW: gradient_accumulation_steps must be an int >= 1, "
                              f"got {gradient_accumulation_steps!r}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        _check_options("", dict(amsgrad=amsgrad, maximize=maximize, differentiable=differentiable))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+                        foreach=foreach, fused=fused, capturable=capturable, differentiable=False)
+        self.engine = None
+        self._entry = {}  # (unit index, entry index) -> (group, param)
+        # torch's p.grad, per entry: "alive" (a tensor, maybe all zeros: zero_grad(set_to_none=False))
+        # or None; "zero": alive and all zeros; "consumed": the last step() applied gradients and
+        # no backward / zero_grad came since (a second step() would re-apply them in torch).
+        self._alive: set = set()
+        self._zero: set = set()
+        self._consumed = False
+        # clip_grad_norm_ on the model's parameters since the last step: its coefficient(s), applied in step()
+        self.user_clip_scale = 1.0
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.engine = None
-        self._entry = {}  # (unit index, entry index) -> (group, param)
-        for group in self.param_groups:
-            for p in group["params"]:
-                eng, unit, i = _ref(p)
-                self._entry[(unit.index, i)] = (group, p)
-                if self.engine is None:
-                    self.engine = eng
-                elif eng is not self.engine:
-                    raise ValueError("megatrain.optim.CPUAdamW: parameters come from two different wrapped models")
-                self.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": eng.entry_view(unit, i, "exp_avg"),
-                    "exp_avg_sq": eng.entry_view(unit, i, "exp_avg_sq"),
-                }
         if self.engine is None:
             raise ValueError("megatrain.optim.CPUAdamW: got an empty parameter list")
         prev = self.engine.optimizer
@@ -134,7 +189,8 @@ class CPUAdamW(torch.optim.Optimizer):
 
         ``step_number``: the ``step()`` call the update belongs to (1-based)."""
         for i, *_ in items:
-            self.state[self._entry[(unit.index, i)][1]]["step"] -= 1
+            st = self.state[self._entry[(unit.index, i)][1]]  # (no waiting: this runs inside the unit's update)
+            dict.__setitem__(st, "step", dict.get(st, "step") - 1)
         names = [unit.entries[i].name for i, *_ in items]
         label = names[0] if len(names) == 1 else (os.path.commonprefix(names).rsplit(".", 1)[0] or f"unit {unit.index}")
         self._skipped_units.append((step_number, label))
@@ -157,6 +213,32 @@ class CPUAdamW(torch.optim.Optimizer):
             raise FloatingPointError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``: the group's parameters are updated from the next ``step()``.
+
+        Raises:
+            ValueError: a parameter not managed by megatrain, from another wrapped model, already in
+                a group, or an option CPUAdamW refuses (``amsgrad`` / ``maximize`` / ``differentiable``).
+        """
+        _check_options(".add_param_group", param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        refs = [_ref(p) for p in params]
+        for eng, _, _ in refs:
+            if self.engine is None:
+                self.engine = eng
+            elif eng is not self.engine:
+                raise ValueError("megatrain.optim.CPUAdamW: parameters come from two different wrapped models")
+        super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
+        group = self.param_groups[-1]
+        for p, (eng, unit, i) in zip(group["params"], refs):
+            self._entry[(unit.index, i)] = (group, p)
+            self.state[p] = _ParamState(lambda u=unit, e=eng: e.wait_update(u), {
+                "step": torch.tensor(0.0),
+                "exp_avg": eng.entry_view(unit, i, "exp_avg"),
+                "exp_avg_sq": eng.entry_view(unit, i, "exp_avg_sq"),
+            })
+
     def _items(self, unit, has_grad):
         """Adam work items of ``unit`` (main thread: bumps the per-parameter step counts)."""
         items = []
@@ -166,10 +248,11 @@ class CPUAdamW(torch.optim.Optimizer):
                 continue
             group, p = gp  # a gradient that arrived counts even if p was frozen since (as in torch)
             st = self.state[p]
-            st["step"] += 1
+            step = dict.get(st, "step") + 1  # not st["step"]: that waits for the unit's update in flight
+            dict.__setitem__(st, "step", step)
             b1, b2 = group["betas"]
             items.append((i, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                          float(group["weight_decay"]), int(st["step"].item())))
+                          float(group["weight_decay"]), int(step.item())))
         return items
 
     def raise_extra_backward(self, same_backward: bool = False):
@@ -204,8 +287,20 @@ class CPUAdamW(torch.optim.Optimizer):
         return self._items(unit, present), 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget gradients accumulated since the last step (the next backward starts afresh)."""
+        """Forget gradients accumulated since the last step (the next backward starts afresh).
+
+        ``set_to_none=False`` as torch: the parameters that held a gradient now hold zeros, so a
+        ``step()`` still updates them (``exp_avg`` / ``exp_avg_sq`` decay, weight decay applies)
+        unless a backward gives them a gradient first.
+        """
         self.engine.zero_grad()
+        self._consumed = False
+        self.user_clip_scale = 1.0
+        if set_to_none:
+            self._alive.clear()
+            self._zero.clear()
+        else:
+            self._zero = set(self._alive)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -220,13 +315,21 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         eng = self.engine
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
+        got = {(u.index, i) for u in eng.units for i in range(len(u.entries)) if u.has_grad[i] or u.eager[i]}
+        if not got and self._consumed:
+            raise RuntimeError(
+                "megatrain.optim.CPUAdamW: step() again without a backward since the last step(): torch.optim.AdamW "
+                "would apply the same gradients a second time, but megatrain's update consumes them (in host memory). "
+                "Call backward() before each step() (zero_grad(set_to_none=False) + step() runs a zero-gradient step)")
         if self.nonfinite == "raise" and any(u.eager_queued for u in eng.units):
             eng.flush()  # their finite checks are done: a non-finite gradient raises now, not a step late
         # Entries whose update was not queued during backward (all of them with clipping). An
         # eagerly queued entry may still be running: its has_grad is the worker's to reset.
         pending = [(u, [i for i in range(len(u.entries)) if not u.eager[i]]) for u in eng.units]
         pending = [(u, idx) for u, idx in pending if idx]
-        scale = 1.0
+        # zero_grad(set_to_none=False) left zeros where no backward wrote since: a zero-gradient update
+        zeros = {k for k in self._zero if k not in got and k in self._entry}
+        scale = self.user_clip_scale
         sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
                  if u.has_grad[i] and (u.index, i) in self._entry)
         number = self._steps_called + 1
@@ -239,6 +342,8 @@ class CPUAdamW(torch.optim.Optimizer):
         if not math.isfinite(sq):  # known before any of these updates: skip them all
             self.last_grad_norm = math.sqrt(sq) if sq == sq else float("nan")
             eng.zero_grad()  # gradients dropped, compute copies rewritten from the (untouched) masters
+            self._consumed = bool(got)
+            self.user_clip_scale = 1.0
             self._count_skipped(number)
             self._steps_called = number
             msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {number} (global norm "
@@ -249,19 +354,25 @@ class CPUAdamW(torch.optim.Optimizer):
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             return loss
         if self.max_grad_norm is not None:
-            self.last_grad_norm = math.sqrt(sq)
+            # the norm of what this step receives (after any clip_grad_norm_ of the caller)
+            self.last_grad_norm = math.sqrt(sq) * self.user_clip_scale
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
-            scale = min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
+            scale *= min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
         else:
             self.last_grad_norm = None
         # Resident unit first (the next forward needs the embedding first), then layers in forward order.
         for unit, idx in sorted(pending, key=lambda ui: (ui[0].kind != "resident", ui[0].index)):
             todo = set(idx)
-            items = self._items(unit, [unit.has_grad[i] and i in todo for i in range(len(unit.entries))])
+            z = [i for i in idx if (unit.index, i) in zeros]
+            items = self._items(unit, [(unit.has_grad[i] or i in z) and i in todo for i in range(len(unit.entries))])
             if items or any(unit.direct[i] for i in idx):
-                eng.submit_update(unit, items, scale, entries=idx)
+                eng.submit_update(unit, items, scale, entries=idx, zero_grads=z)
         eng.zero_grad()
         self._steps_called = number
+        self._alive |= got
+        self._zero -= got
+        self._consumed = bool(got)
+        self.user_clip_scale = 1.0
         return loss
 
     def wait(self) -> None:
@@ -269,8 +380,12 @@ class CPUAdamW(torch.optim.Optimizer):
         self.engine.flush()
 
     def state_dict(self):
+        """``torch.optim.Optimizer.state_dict()`` after the updates in flight: ``exp_avg`` / ``exp_avg_sq``
+        are zero-copy fp32 CPU views of the host store (plain dicts and tensors: ``torch.load(...,
+        weights_only=True)`` reads them)."""
         self.wait()
         sd = super().state_dict()
+        sd["state"] = {k: dict(dict.items(v)) for k, v in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict) -> None:
@@ -281,6 +396,8 @@ class CPUAdamW(torch.optim.Optimizer):
         """
         self.wait()
         groups = state_dict["param_groups"]
+        for g in groups:
+            _check_options(".load_state_dict", g)
         if len(groups) != len(self.param_groups):
             raise ValueError(f"megatrain.optim.CPUAdamW.load_state_dict: {len(groups)} param groups in the state dict, "
                              f"{len(self.param_groups)} in the optimizer")
@@ -302,7 +419,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 continue
             self.state[p]["exp_avg"].copy_(st["exp_avg"])
             self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
-            self.state[p]["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+            self.state[p]["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu").clone()
         for g, sg in zip(self.param_groups, groups):
             for k, v in sg.items():
                 if k != "params":

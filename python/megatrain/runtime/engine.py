@@ -766,7 +766,7 @@ class Engine:
             self._submit_adam(unit, items, scale, after=grad_done, entries=[i for i, p in enumerate(present) if p])
 
     def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None,
-                     entries: Optional[List[int]] = None) -> None:
+                     entries: Optional[List[int]] = None, zero_grads=()) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
 
         The unit is "in flight" from when the task is queued (``_submit_updating``) until it ran.
@@ -774,7 +774,8 @@ class Engine:
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
         back. ``after``: set when the unit's gradient task ran (the update is not started before).
         Takes over (and clears) ``unit.direct`` of those entries: the compute section holds
-        weights after the update.
+        weights after the update. ``zero_grads``: entries updated with an all-zero gradient
+        (``zero_grad(set_to_none=False)`` and no backward since).
         """
         entries = list(range(len(unit.entries))) if entries is None else list(entries)
         direct = list(unit.direct)
@@ -783,7 +784,11 @@ class Engine:
         updated = {it[0] for it in items}
         restore = [i for i in entries if direct[i] and i not in updated]
 
+        zero = set(zero_grads)
+
         def grad_src(i):
+            if i in zero:
+                return torch.zeros(unit.entries[i].numel, dtype=torch.float32)
             return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
 
         check = getattr(self.optimizer, "nonfinite", None) is not None
@@ -911,14 +916,15 @@ class Engine:
                 u.end_update()
             raise
 
-    def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None) -> None:
+    def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,
+                      zero_grads=()) -> None:
         """Queue the AdamW update of ``unit``'s ``entries`` (default all; worker, by deadline).
 
         Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
         after a direct D2H.
         """
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
-        self._submit_adam(unit, items, scale, entries=entries)
+        self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:

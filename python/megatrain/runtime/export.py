@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import tempfile
+
 import torch
 from torch import nn
 
@@ -47,7 +52,10 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
         model: a model wrapped by ``megatrain.wrap`` (a ``transformers.PreTrainedModel``).
         out_dir: destination directory: new, empty, or an earlier megatrain export (only
             ``config.json``, ``generation_config.json`` and megatrain-marked ``model.safetensors``),
-            which is replaced. Any other model directory is refused (nothing is deleted).
+            which is replaced. It may also hold a run's ``checkpoint-N/`` folders (the Hugging Face
+            layout): they are kept, and the model files are then replaced one by one (each
+            atomically) instead of the whole directory. Any other model directory is refused
+            (nothing is deleted).
         dtype: dtype of the saved weights (``torch.float32`` or ``torch.bfloat16``).
 
     Returns:
@@ -58,15 +66,58 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
             is a file or a non-empty directory that is not its own earlier export (it would be deleted).
     """
     from ..atomic import atomic_directory, check_replaceable
-    from ..checkpoint import is_megatrain_export, save_pretrained_streamed
+    from ..checkpoint import save_pretrained_streamed
 
     if getattr(model, "megatrain", None) is None:
         raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"megatrain.export_pretrained: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     expected = ("an earlier megatrain.export_pretrained output (config.json, generation_config.json, "
-                "model.safetensors marked by megatrain, nothing else)")
-    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", is_megatrain_export, expected)
-    with atomic_directory(out_dir, "megatrain.export_pretrained", is_megatrain_export, expected) as tmp:
+                "model.safetensors marked by megatrain, beside checkpoint-N/ folders, nothing else)")
+    out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", _own_or_run_dir, expected)
+    keep = _run_checkpoints(out_dir) if os.path.isdir(out_dir) else []
+    if not keep:
+        with atomic_directory(out_dir, "megatrain.export_pretrained", _own_or_run_dir, expected) as tmp:
+            save_pretrained_streamed(model, tmp, dtype=dtype)
+        return out_dir
+    # The run's checkpoint-N/ folders stay: the model files are written beside the directory and
+    # moved in one by one (each atomically, weights first); an own file the new export lacks goes.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-export-", dir=os.path.dirname(out_dir))
+    try:
         save_pretrained_streamed(model, tmp, dtype=dtype)
+        new = sorted(os.listdir(tmp), key=lambda n: n != "model.safetensors")
+        for name in new:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        for name in _EXPORT_FILES - set(new):
+            if os.path.isfile(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+_EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors"}
+_RUN_CHECKPOINT = re.compile(r"checkpoint-\d+")
+
+
+def _run_checkpoints(path: str) -> list:
+    """The ``checkpoint-N/`` folders of a training run's output directory (the Hugging Face layout)."""
+    return [n for n in os.listdir(path) if _RUN_CHECKPOINT.fullmatch(n) and os.path.isdir(os.path.join(path, n))
+            and not os.path.islink(os.path.join(path, n))]
+
+
+def _own_or_run_dir(path: str) -> bool:
+    """An earlier export, or a run directory whose only other content is checkpoint-N/ folders."""
+    from ..checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
+
+    names = set(os.listdir(path)) - set(_run_checkpoints(path))
+    if not names:
+        return True
+    if not names <= _EXPORT_FILES or "model.safetensors" not in names:
+        return False
+    try:
+        with open(os.path.join(path, "model.safetensors"), "rb") as f:
+            header, _ = _read_header(f, path)
+    except (OSError, CheckpointError):
+        return False
+    return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER

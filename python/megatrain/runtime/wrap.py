@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import long_context
 from .engine import Engine, Entry, Unit
+from .module_api import EngineModuleApi, install as _install_module_api
 
 _POLICY_RE = re.compile(r"recompute|store|auto|block:(\d+)")
 
@@ -58,15 +59,6 @@ def check_activation_policy(policy, what: str = "megatrain.wrap: activation_poli
     if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
         raise ValueError(f"{what} must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got {policy!r}")
     return int(m.group(1)) if m.group(1) else 1
-
-
-def _save_pretrained_refused(*args, **kwargs):
-    """``save_pretrained`` of a wrapped model: refused before anything is written."""
-    raise RuntimeError(
-        "megatrain: save_pretrained cannot save a model wrapped by megatrain.wrap (its decoder layers' parameters "
-        "are meta-device placeholders; the weights live in megatrain's host store). Use "
-        "megatrain.export_pretrained(model, path) for a Hugging Face model directory (fp32 master weights), or "
-        "megatrain.save_checkpoint(path, model, optimizer, scheduler) to resume training")
 
 
 def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
@@ -263,7 +255,7 @@ class _LayerFunction(torch.autograd.Function):
         return (None, None, None) + tuple(grads)
 
 
-class WrappedEngine(Engine):
+class WrappedEngine(EngineModuleApi, Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
@@ -730,8 +722,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the
-        optimizer (``megatrain.optim.CPUAdamW(model.parameters(), ...)``) afterwards. Its
-        ``save_pretrained`` raises ``RuntimeError`` (use :func:`megatrain.export_pretrained`), and
+        optimizer (``megatrain.optim.CPUAdamW(model.parameters(), ...)``) afterwards.
+        ``state_dict()`` / ``load_state_dict()`` / ``save_pretrained()`` read and write the fp32
+        master weights (see ``megatrain.runtime.module_api`` and docs/drop_in.md), and
         transformers' gradient checkpointing (``gradient_checkpointing_enable()``) is ignored with a
         warning: ``activation_policy`` decides what is recomputed.
 
@@ -793,7 +786,5 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                            source=source)
     object.__setattr__(model, "megatrain", engine)
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp)
-    if hasattr(model, "save_pretrained"):
-        # transformers' save_pretrained would read the streamed layers' meta placeholders.
-        object.__setattr__(model, "save_pretrained", _save_pretrained_refused)
+    _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
     return model
