@@ -528,3 +528,36 @@ def _roundtrip(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_state_dict_load_state_dict_clip_and_save_pretrained(tmp_path):
+    """On the GPU (bf16 compute copy): state_dict gives the fp32 masters, load_state_dict refreshes the
+    streamed layers and the resident device buffer, clip_grad_norm_ returns the global norm."""
+    if megatrain.cuda_status() != "ok":
+        pytest.skip(megatrain.cuda_status())
+    ref = tiny()
+    model = megatrain.wrap(copy.deepcopy(ref), device="cuda")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
+    sd = model.state_dict()
+    assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in sd.values())
+    x = batches(1)[0].cuda()
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    rl = ref(input_ids=x.cpu(), labels=x.cpu()).loss
+    rl.backward()
+    rtotal = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert float(total) == pytest.approx(float(rtotal), rel=2e-2)  # bf16 compute
+    opt.step()
+    opt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    assert torch.equal(model.lm_head.weight.float().cpu(), ref.lm_head.weight.detach().bfloat16().float())
+    with torch.no_grad():
+        got = model(input_ids=x).logits.float().cpu()
+        want = ref(input_ids=x.cpu()).logits
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+    model.save_pretrained(str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -75,6 +75,8 @@ class _Masters:
         key = (u.index, i)
         v = self._views.get(key)
         if v is None:
+            if getattr(u.entries[i], "frozen", False):  # no fp32 sections: its compute copy is its value
+                return self.eng.entry_view(u, i, "compute").float()
             v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
         return v
