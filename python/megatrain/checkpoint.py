@@ -264,7 +264,10 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         for u in eng.units:
             fname = f"unit-{u.index:05d}.safetensors"
             tensors = [(f"{sec}.{e.name}", eng.entry_view(u, i, sec))
-                       for sec in SECTIONS for i, e in enumerate(u.entries)]
+                       for sec in SECTIONS for i, e in enumerate(u.entries) if not e.frozen]
+            # frozen entries (no fp32 state): their compute copy, exactly what trains against
+            tensors += [(f"compute.{e.name}", eng.entry_view(u, i, "compute").contiguous())
+                        for i, e in enumerate(u.entries) if e.frozen]
             files[fname] = _write_safetensors(os.path.join(tmp, fname), tensors,
                                               metadata={"format": "pt", "megatrain_unit": u.index})
             del tensors
@@ -413,12 +416,15 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
             header, base = _read_header(f, path)
             for sec in sections:
                 for i, e in enumerate(u.entries):
-                    key = f"{sec}.{e.name}"
+                    if e.frozen and sec != "master":
+                        continue
+                    key = f"{'compute' if e.frozen else sec}.{e.name}"
+                    want = "F32" if not e.frozen or eng.compute_dtype == torch.float32 else "BF16"
                     info = header.get(key)
-                    if info is None or info["dtype"] != "F32" or list(info["shape"]) != list(e.shape):
-                        raise CheckpointError(f"megatrain.load_checkpoint: {path} has no float32 tensor {key} "
+                    if info is None or info["dtype"] != want or list(info["shape"]) != list(e.shape):
+                        raise CheckpointError(f"megatrain.load_checkpoint: {path} has no {want} tensor {key} "
                                               f"of shape {list(e.shape)}")
-                    dst = eng.entry_view(u, i, sec)
+                    dst = eng.entry_view(u, i, "compute" if e.frozen else sec)
                     b, end = info["data_offsets"]
                     mv = _buffer(dst)
                     if end - b != len(mv):
@@ -428,8 +434,9 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                     if f.readinto(mv) != len(mv):
                         raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated at {key}")
         with torch.no_grad():
-            for i in range(len(u.entries)):
-                eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+            for i, e in enumerate(u.entries):
+                if not e.frozen:
+                    eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         u.version += 1  # device slots / the resident buffer reload from the new compute copy
     if optimizer is not None:
         for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):
@@ -492,7 +499,9 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
     eng = _engine(model)
     eng.flush()
     os.makedirs(out_dir, exist_ok=True)
-    tensors = [(e.name, eng.entry_view(u, i, "master")) for u in eng.units for i, e in enumerate(u.entries)]
+    # frozen entries (no master): their compute copy
+    tensors = [(e.name, eng.entry_view(u, i, "compute" if e.frozen else "master"))
+               for u in eng.units for i, e in enumerate(u.entries)]
     persistent = []
     for mname, mod in model.named_modules():
         for bname, b in mod._buffers.items():

@@ -189,3 +189,16 @@ def test_wrap_frees_layer_weights_as_it_copies(monkeypatch):
     monkeypatch.setattr(WrappedEngine, "entry_view", spy)
     megatrain.wrap(model, device="cpu")
     assert seen and all(seen[0]), seen
+
+
+@pytest.mark.cuda
+def test_from_config_on_cuda_equals_hf_init_under_cuda_device():
+    if megatrain.cuda_status() != "ok":
+        pytest.skip(megatrain.cuda_status())
+    cfg = _llama()
+    torch.manual_seed(2)
+    with torch.device("cuda"):
+        ref = AutoModelForCausalLM.from_config(cfg)
+    ref = ref.to("cpu")
+    got = megatrain.from_config(cfg, seed=2, init_device="cuda", device="cpu")
+    _store_equal(got, megatrain.wrap(ref, device="cpu"))

@@ -543,7 +543,7 @@ def test_worker_runs_gradient_tasks_first_then_updates_by_deadline():
 def test_parity_without_gradient_accumulator(arch, clip, policy):
     ref, got, wrapped, _ = run_pair(tiny(arch), max_grad_norm=clip, policy=policy, grad_accumulator=False)
     check(ref, got)
-    with_acc = megatrain.wrap(tiny(arch), device="cpu").megatrain
+    with_acc = megatrain.wrap(tiny(arch), device="cpu", grad_accumulator=True).megatrain
     n = with_acc.store.total_numel
     assert with_acc.store.total_bytes - wrapped.megatrain.store.total_bytes >= 4 * n  # the fp32 accumulator
 

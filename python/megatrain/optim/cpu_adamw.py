@@ -172,10 +172,14 @@ class CPUAdamW(torch.optim.Optimizer):
             # act on the whole model). A replacement that covers the old one's parameters is fine.
             raise ValueError("megatrain.optim.CPUAdamW: this model already has a CPUAdamW for other parameters; use one "
                              "CPUAdamW with several param groups (each group can have its own lr, weight_decay, betas)")
+        self.engine.check_frozen()
+        self.engine.check_frozen()
         if gradient_accumulation_steps > 1 and not self.engine.has_accumulator:
             raise ValueError(f"megatrain.optim.CPUAdamW: gradient_accumulation_steps={gradient_accumulation_steps} needs the "
                              "fp32 gradient accumulator, but the model was wrapped with grad_accumulator=False; wrap with "
-                             "grad_accumulator=True (the default)")
+                             "grad_accumulator=None (the default) or True")
+        if gradient_accumulation_steps > 1:
+            self.engine.enable_accumulator()  # wrap(grad_accumulator=None): allocated now, when it is known to be needed
         self.engine.optimizer = self
         self.last_grad_norm: Optional[float] = None
         self.nonfinite = nonfinite
@@ -232,6 +236,8 @@ class CPUAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)  # torch's checks (duplicates, defaults)
         group = self.param_groups[-1]
         for p, (eng, unit, i) in zip(group["params"], refs):
+            if unit.entries[i].frozen:  # frozen at wrap: no fp32 state, never trains (torch keeps no state either)
+                continue
             self._entry[(unit.index, i)] = (group, p)
             self.state[p] = _ParamState(lambda u=unit, e=eng: e.wait_update(u), {
                 "step": torch.tensor(0.0),

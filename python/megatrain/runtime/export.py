@@ -32,7 +32,8 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     sd = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         u, i = by_id[id(p)]
-        sd[name] = eng.entry_view(u, i, "master").to(dtype=dtype, copy=True)
+        sec = "compute" if u.entries[i].frozen else "master"  # frozen at wrap: only a compute copy
+        sd[name] = eng.entry_view(u, i, sec).to(dtype=dtype, copy=True)
     for mname, mod in model.named_modules():  # persistent buffers only, as model.state_dict()
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set:
@@ -40,7 +41,55 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     return sd
 
 
-def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _export_peft(model, tmp: str, dtype: torch.dtype, merge_adapter: bool) -> None:
+    """A PEFT model: its adapter in PEFT's own format, or (``merge_adapter``) the merged base model."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    sd = master_state_dict(model, dtype=torch.float32)
+    if not merge_adapter:
+        adapter = get_peft_model_state_dict(model, state_dict=sd)
+        save_file({k: v.to(dtype).contiguous() for k, v in adapter.items()},
+                  os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config[model.active_adapter].save_pretrained(tmp)
+        return
+    from peft.tuners.lora import LoraLayer
+
+    name = model.active_adapter
+    prefix = "base_model.model."
+    for mname, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and name in getattr(mod, "lora_A", {}):
+            if getattr(mod, "fan_in_fan_out", False) or getattr(mod, "use_dora", {}).get(name, False):
+                raise ValueError(f"megatrain.export_pretrained: merging adapter {mname} (fan_in_fan_out / DoRA) is not "
+                                 "supported; export the adapter (merge_adapter=False)")
+            a = sd.pop(f"{mname}.lora_A.{name}.weight")
+            b = sd.pop(f"{mname}.lora_B.{name}.weight")
+            w = f"{mname}.base_layer.weight"
+            sd[w] = sd[w] + (b @ a) * mod.scaling[name]
+    out = {}
+    for k, v in sd.items():
+        if ".lora_" in k:
+            continue
+        k = k[len(prefix):] if k.startswith(prefix) else k
+        out[k.replace(".base_layer.", ".")] = v
+    base = model.get_base_model()
+    seen, tensors = set(), {}
+    for n, p in base.named_parameters(remove_duplicate=False):  # tied weights saved once (as save_pretrained)
+        if id(p) in seen:
+            out.pop(n, None)
+        seen.add(id(p))
+    for k, v in out.items():
+        tensors[k] = v.to(dtype).contiguous()
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    base.config.save_pretrained(tmp)
+
+
+def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float32,
+                      merge_adapter: bool = False) -> str:
     """Write ``config.json`` + safetensors weights that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Weights come from the fp32 master copies, streamed from the host store tensor by tensor
@@ -57,6 +106,11 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
             atomically) instead of the whole directory. Any other model directory is refused
             (nothing is deleted).
         dtype: dtype of the saved weights (``torch.float32`` or ``torch.bfloat16``).
+        merge_adapter: a PEFT model only. False (default): write the adapter in PEFT's format
+            (``adapter_config.json`` + ``adapter_model.safetensors``, loaded back by
+            ``PeftModel.from_pretrained(base, out_dir)``). True: write the base model with the
+            LoRA update merged into it (``W + scaling * B @ A``), a plain transformers directory.
+            Frozen weights come from their compute copy (the store keeps no master for them).
 
     Returns:
         ``out_dir``.
@@ -74,6 +128,13 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
         raise ValueError(f"megatrain.export_pretrained: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     expected = ("an earlier megatrain.export_pretrained output (config.json, generation_config.json, "
                 "model.safetensors marked by megatrain, beside checkpoint-N/ folders, nothing else)")
+    if _is_peft(model):
+        out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", None, "a new or empty directory")
+        with atomic_directory(out_dir, "megatrain.export_pretrained", None, "a new or empty directory") as tmp:
+            _export_peft(model, tmp, dtype, merge_adapter)
+        return out_dir
+    if merge_adapter:
+        raise ValueError("megatrain.export_pretrained: merge_adapter=True needs a PEFT model")
     out_dir = check_replaceable(out_dir, "megatrain.export_pretrained", _own_or_run_dir, expected)
     keep = _run_checkpoints(out_dir) if os.path.isdir(out_dir) else []
     if not keep:

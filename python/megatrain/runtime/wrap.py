@@ -278,7 +278,7 @@ class WrappedEngine(EngineModuleApi, Engine):
             for name, p in layer.named_parameters():
                 layer_param_ids.add(id(p))
                 entries.append(Entry(f"{layers_name}.{li}.{name}", tuple(p.shape), p.numel(), 0,
-                                     owners[id(p)], p))
+                                     owners[id(p)], p, frozen=not p.requires_grad))
                 rel.append((name, tuple(p.shape)))
             template = (type(layer), tuple(rel))
             units.append(Unit(li, "layer", entries, 0, template, module=layer))
@@ -291,7 +291,7 @@ class WrappedEngine(EngineModuleApi, Engine):
                     raise UnsupportedModelError(
                         f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
                         "megatrain streams each decoder layer on its own and cannot share its weights")
-            res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p))
+            res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p, frozen=not p.requires_grad))
         self.resident = Unit(len(units), "resident", res_entries, 0, ("resident",)) if res_entries else None
         if self.resident is not None:
             units.append(self.resident)
@@ -309,11 +309,15 @@ class WrappedEngine(EngineModuleApi, Engine):
                 source.fill(self)  # every master
             for u in self.units:
                 for i, e in enumerate(u.entries):
+                    if e.frozen:  # compute copy only (written by the source directly)
+                        if source is None:
+                            self.entry_view(u, i, "compute").copy_(e.param.detach())
+                        continue
                     if source is None:
                         self.entry_view(u, i, "master").copy_(e.param.detach())
                     self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
-                    self.entry_view(u, i, "exp_avg").zero_()
-                    self.entry_view(u, i, "exp_avg_sq").zero_()
+                    # exp_avg / exp_avg_sq: the arena is a fresh zero-filled mapping (not touched
+                    # here: their pages are faulted in by the first update, not during the load)
                 if u.kind == "layer":
                     self._placeholders(u)  # the layer's own parameters are released here
                 elif source is None:
@@ -441,7 +445,18 @@ class WrappedEngine(EngineModuleApi, Engine):
         else:
             self._checkpointing_asked.discard(index)
 
+    def check_frozen(self) -> None:
+        """Raise if a parameter frozen at wrap time was unfrozen (it has no fp32 state to train)."""
+        for u in self.units:
+            for e in u.entries:
+                if e.frozen and e.param.requires_grad:
+                    raise RuntimeError(
+                        f"megatrain: parameter {e.name} was frozen (requires_grad=False) when the model was wrapped, so "
+                        "the host store holds only its compute copy (no master weights or Adam moments); it cannot "
+                        "be unfrozen now. Set requires_grad before megatrain.wrap / from_pretrained")
+
     def begin_forward(self) -> None:
+        self.check_frozen()
         self._pending_block = None
         self._last_call = None
         if self.resident is not None:
@@ -688,7 +703,7 @@ class WrappedEngine(EngineModuleApi, Engine):
 
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
-         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: bool = True,
+         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
          chunked_loss="auto", tile_mlp="auto") -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
@@ -708,10 +723,13 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             per input shape, recorded in ``model.megatrain.auto_decisions``).
         num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
             loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
-        grad_accumulator: keep an fp32 gradient accumulator in the host store (4 B/param;
-            18 B/param in all). ``False`` (14 B/param) is for training with one backward pass per
-            optimizer step: each gradient goes straight into the store's bf16 compute copy and is
-            read from there by the update; a second backward before ``step()`` raises.
+        grad_accumulator: the fp32 gradient accumulator (4 B per trainable parameter). ``None``
+            (default): allocated only when needed, i.e. when ``CPUAdamW`` is created with
+            ``gradient_accumulation_steps > 1``, or at a second backward before ``step()``; a
+            loop with one backward per step costs 14 B/param. ``True``: a section of the host
+            store from the start (18 B/param). ``False``: never; a second backward before
+            ``step()`` raises. Without it each gradient goes straight into the store's bf16
+            compute copy and is read from there by the update.
         chunked_loss: LM head + cross-entropy over row chunks without the full logits when the
             forward gets ``labels`` (``outputs.logits`` is then ``None``): ``"auto"`` (when the fp32
             logits would exceed 1/16 of the free device memory), ``True``, ``False`` or rows per
@@ -719,6 +737,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         tile_mlp: run each decoder layer's ``mlp`` over row tiles (exact; backward re-runs each
             tile): ``"auto"`` (when its intermediates would exceed 1/16 of the free device memory),
             ``True``, ``False`` or rows per tile.
+
+    Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
+    embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
+    master weights, Adam moments or accumulator; unfreezing one later raises ``RuntimeError``.
 
     Returns:
         The same ``model`` object, with ``model.megatrain`` holding the engine. Create the

@@ -1,0 +1,305 @@
+"""Largest-model benchmarks: models built straight into the host store, loads, LoRA on a frozen base.
+
+Each case runs in its own child process (peak host RSS = that child's VmHWM) and prints one JSON row;
+the parent writes them to docs/benchmarks/scale_<part>_<machine>.json with the machine, date, commit.
+
+  python benchmarks/bench_scale.py train   # Llama-3-8B shape and the 6.74B shape, from_config -> store, 5 steps
+  python benchmarks/bench_scale.py load    # write a 7B bf16 HF dir layer by layer, load it with from_pretrained
+  python benchmarks/bench_scale.py lora    # PEFT LoRA r=16 (q,k,v,o) on a frozen ~30B Llama base
+
+Options: --steps N (default 5), --batch B --seq T (default 4 x 4096), --dir DIR (load: where the
+checkpoint goes; default $TMPDIR), --pin-after-fill 0|1 (load: MEGATRAIN_PIN_AFTER_FILL of the child),
+--small (tiny shapes: checks the script end to end on any machine, CPU included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit  # noqa: E402
+
+GiB = 1024 ** 3
+TAG = "BENCH_SCALE_RESULT "
+SHAPES = {
+    "llama3_8b": dict(hidden=4096, layers=32, inter=14336, heads=32, kv_heads=8, vocab=128256),
+    "llama_6.7b": dict(hidden=4096, layers=32, inter=11008, heads=32, kv_heads=32, vocab=32000),
+    "llama_7b_bf16": dict(hidden=4096, layers=32, inter=11008, heads=32, kv_heads=32, vocab=32000),
+    "llama_30b": dict(hidden=6656, layers=60, inter=17920, heads=52, kv_heads=52, vocab=32000),
+}
+SMALL = dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=256)
+
+
+def _config(m: dict, seq: int):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["inter"],
+                                   num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                                   num_key_value_heads=m["kv_heads"], max_position_embeddings=max(seq, 2048),
+                                   tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _attn_flops(m, batch, seq):
+    return 6.0 * m["layers"] * batch * seq ** 2 * m["heads"] * (m["hidden"] // m["heads"])
+
+
+def _train_steps(model, opt, spec, device):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for s in range(spec["steps"] + 1):  # the first step warms up (not timed)
+        x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if s > 0:
+            times.append(time.perf_counter() - t0)
+    opt.wait()
+    return times, float(loss)
+
+
+def child_train(spec):
+    """from_config straight into the store (init on the GPU), fp32 masters, bf16 compute, N steps."""
+    import torch
+    import megatrain
+    m = spec["model"]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if dev.type == "cuda" else "cpu",
+                                  device=dev, compute_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    build_s = time.perf_counter() - t0
+    rss_built = _rss()
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    times, loss = _train_steps(model, opt, spec, dev)
+    st = model.megatrain.stats()
+    n = st["num_params"]
+    step = sum(times) / len(times)
+    flops = 6.0 * n * spec["batch"] * spec["seq"] + _attn_flops(m, spec["batch"], spec["seq"])
+    peak = _peak_rss()
+    return dict(n_params=n, build_s=build_s, step_s=step, step_times_s=times, loss=loss,
+                tflops=flops / step / 1e12, tokens_per_s=spec["batch"] * spec["seq"] / step,
+                host_store_bytes=st["host_store_bytes"], section_bytes=dict(model.megatrain.store.section_bytes),
+                accumulator_bytes=model.megatrain.accumulator_bytes(), pinned_bytes=st["pinned_bytes"],
+                rss_after_build_gib=rss_built / GiB, peak_rss_gib=peak / GiB, peak_rss_bytes_per_param=peak / n,
+                store_bytes_per_param=st["host_store_bytes"] / n,
+                gpu_peak_gib=torch.cuda.max_memory_allocated() / GiB if dev.type == "cuda" else None)
+
+
+def child_save(spec):
+    """A bf16 HF directory written layer by layer from a seeded init (never the whole model in memory)."""
+    import torch
+    from safetensors.torch import save_file
+    from megatrain.runtime.loading import meta_model
+    m = spec["model"]
+    cfg = _config(m, 2048)
+    cfg.dtype = "bfloat16"
+    out = spec["dir"]
+    os.makedirs(out, exist_ok=True)
+    model = meta_model(cfg)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=dev).manual_seed(0)
+    groups: dict = {}
+    for name, p in model.named_parameters():
+        key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        groups.setdefault(key, []).append((name, tuple(p.shape)))
+    weight_map, total = {}, 0
+    t0 = time.perf_counter()
+    for k, (key, items) in enumerate(groups.items()):
+        fn = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name, shape in items:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = torch.empty(shape, device=dev).normal_(0.0, 0.02, generator=g).to(torch.bfloat16).cpu()
+            tensors[name] = t
+            weight_map[name] = fn
+            total += t.numel() * 2
+        save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
+        del tensors
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump(dict(metadata=dict(total_size=total), weight_map=weight_map), f)
+    cfg.save_pretrained(out)
+    return dict(save_s=time.perf_counter() - t0, checkpoint_bytes=total, peak_rss_gib=_peak_rss() / GiB)
+
+
+def child_load(spec):
+    import torch
+    import megatrain
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = megatrain.from_pretrained(spec["dir"], device=dev,
+                                      compute_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    load_s = time.perf_counter() - t0
+    st = model.megatrain.stats()
+    size = sum(os.path.getsize(os.path.join(spec["dir"], f)) for f in os.listdir(spec["dir"]) if f.endswith(".safetensors"))
+    peak = _peak_rss()
+    x = torch.randint(0, model.config.vocab_size, (1, 128)).to(dev)
+    with torch.no_grad():
+        ok = bool(torch.isfinite(model(input_ids=x).logits).all())
+    return dict(load_s=load_s, checkpoint_bytes=size, read_gb_per_s=size / load_s / 1e9,
+                store_fill_gb_per_s=st["host_store_bytes"] / load_s / 1e9, host_store_bytes=st["host_store_bytes"],
+                peak_rss_gib=peak / GiB, store_gib=st["host_store_bytes"] / GiB,
+                peak_minus_store_gib=(peak - st["host_store_bytes"]) / GiB, pinned=bool(model.megatrain.store.is_pinned),
+                pin_after_fill=os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0", n_params=st["num_params"],
+                forward_finite=ok)
+
+
+def child_lora(spec):
+    """PEFT LoRA on a frozen base built from_config straight into the store (base: compute copy only)."""
+    import peft
+    import torch
+    import megatrain
+    m = spec["model"]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lcfg = peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    t0 = time.perf_counter()
+    model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if dev.type == "cuda" else "cpu",
+                                  transform=lambda mm: peft.get_peft_model(mm, lcfg), device=dev,
+                                  compute_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    build_s = time.perf_counter() - t0
+    opt = megatrain.optim.CPUAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    times, loss = _train_steps(model, opt, spec, dev)
+    st = model.megatrain.stats()
+    store = model.megatrain.store
+    n, frozen = st["num_params"], store.frozen_numel
+    step = sum(times) / len(times)
+    tok = spec["batch"] * spec["seq"]
+    # frozen weights get no weight gradient: forward 2NT + input-gradient backward 2NT, + 2NT recompute
+    # for the streamed layers' forward (counted as model FLOPs the 6NT way would count them: reported both)
+    flops_4nt = 4.0 * n * tok + _attn_flops(m, spec["batch"], spec["seq"])
+    peak = _peak_rss()
+    base_bytes = store.section_bytes["compute"]
+    return dict(n_params=n, frozen_params=frozen, trainable_params=n - frozen, build_s=build_s, step_s=step,
+                step_times_s=times, loss=loss, tokens_per_s=tok / step, tflops_4nt=flops_4nt / step / 1e12,
+                host_store_bytes=st["host_store_bytes"], section_bytes=dict(store.section_bytes),
+                base_bytes_per_param=base_bytes / n, store_bytes_per_param=st["host_store_bytes"] / n,
+                peak_rss_gib=peak / GiB, peak_rss_bytes_per_param=peak / n,
+                gpu_peak_gib=torch.cuda.max_memory_allocated() / GiB if dev.type == "cuda" else None)
+
+
+def spawn(spec: dict, env_extra: dict | None = None, timeout: float = 600) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    print(f"==== {spec['case']}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case=spec["case"], status=f"timeout after {timeout} s")
+    row = None
+    for line in p.stdout.splitlines():
+        if line.startswith(TAG):
+            row = json.loads(line[len(TAG):])
+    if row is None:
+        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+        row = dict(case=spec["case"], status=f"error rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:300]}")
+    row["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def child_main(spec):
+    import traceback
+    row = dict(case=spec["case"], status="ok")
+    try:
+        row.update({"train": child_train, "save": child_save, "load": child_load, "lora": child_lora}[spec["kind"]](spec))
+    except Exception as e:  # reported as the row's status
+        traceback.print_exc()
+        row["status"] = f"error: {type(e).__name__}: {str(e).strip()[:300]}"
+    print(TAG + json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", nargs="?", choices=["train", "load", "lora"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--pin-after-fill", default=None, choices=["0", "1", "both"])
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--shapes", default=None, help="train: comma-separated names from SHAPES")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--_child", default=None)
+    a = ap.parse_args()
+    if a._child:
+        return child_main(json.loads(a._child))
+    if a.part is None:
+        ap.error("name a part: train, load or lora")
+    base = dict(steps=a.steps, batch=a.batch, seq=a.seq, lora_r=a.lora_r)
+    if a.small:
+        base.update(batch=2, seq=64, steps=2)
+    rows = []
+    if a.part == "train":
+        names = a.shapes.split(",") if a.shapes else ["llama3_8b", "llama_6.7b"]
+        for nm in names:
+            m = SMALL if a.small else SHAPES[nm]
+            rows.append(spawn(dict(base, case=f"train_{nm}", kind="train", model=m, vocab=m["vocab"])))
+        ok = [r for r in rows if r.get("status") == "ok"]
+        if len(ok) == 2:
+            rows.append(dict(case="ratio", tflops_ratio=ok[0]["tflops"] / ok[1]["tflops"]))
+    elif a.part == "load":
+        m = SMALL if a.small else SHAPES["llama_7b_bf16"]
+        d = a.dir or tempfile.mkdtemp(prefix="megatrain-7b-")
+        rows.append(spawn(dict(base, case="save_bf16_dir", kind="save", model=m, dir=d)))
+        pins = ["1", "0"] if a.pin_after_fill in (None, "both") else [a.pin_after_fill]
+        for pin in pins:
+            rows.append(spawn(dict(base, case=f"from_pretrained_pin_after_fill_{pin}", kind="load", dir=d),
+                              env_extra=dict(MEGATRAIN_PIN_AFTER_FILL=pin)))
+        if a.dir is None:
+            import shutil
+            shutil.rmtree(d, ignore_errors=True)
+    else:
+        m = SMALL if a.small else SHAPES["llama_30b"]
+        rows.append(spawn(dict(base, case="lora_r%d_30b" % a.lora_r, kind="lora", model=m, vocab=m["vocab"])))
+    import torch
+    result = dict(benchmark=f"bench_scale {a.part}", date=datetime.date.today().isoformat(), commit=git_commit(),
+                  machine=dict(host=platform.node(), cpu_count=os.cpu_count(),
+                               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None),
+                  versions=dict(torch=torch.__version__), settings=base, rows=rows)
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks",
+                                f"scale_{a.part}_{'small' if a.small else 'h200'}.json")
+    if not a.small or a.out:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}")
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

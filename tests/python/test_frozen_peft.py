@@ -1,0 +1,153 @@
+"""Pay only for what trains: frozen parameters hold only their compute copy; the accumulator exists only when needed."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+import megatrain  # noqa: E402
+
+from parity import assert_close_rel  # noqa: E402
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _numel(model, trainable):
+    return sum(p.numel() for p in model.parameters() if p.requires_grad == trainable)
+
+
+def test_store_accounting_frozen_params_cost_compute_copy_only():
+    model = _tiny()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.mlp.requires_grad_(False)
+    frozen, trainable = _numel(model, False), _numel(model, True)
+    wrapped = megatrain.wrap(model, device="cpu", compute_dtype=torch.bfloat16)
+    store = wrapped.megatrain.store
+    assert store.frozen_numel == frozen
+    sec = store.section_bytes
+    assert "grad_accum" not in sec
+    # compute section: 2 B for every parameter; fp32 sections: 4 B for the trainable ones only
+    # (plus the 64-element / 4 KiB alignment padding, bounded per entry / unit)
+    n_entries = sum(len(u.entries) for u in wrapped.megatrain.units)
+    pad = 64 * n_entries * 4 + 4096 * len(wrapped.megatrain.units)
+    assert 2 * (frozen + trainable) <= sec["compute"] <= 2 * (frozen + trainable) + pad
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert 4 * trainable <= sec[name] <= 4 * trainable + pad, name
+    assert wrapped.megatrain.accumulator_bytes() == 0
+
+
+def test_accumulator_only_when_gradient_accumulation_is_declared():
+    w = megatrain.wrap(_tiny(), device="cpu")
+    megatrain.optim.CPUAdamW(w.parameters(), lr=1e-3)
+    assert w.megatrain.accumulator_bytes() == 0 and "grad_accum" not in w.megatrain.store.section_bytes
+    w2 = megatrain.wrap(_tiny(), device="cpu")
+    megatrain.optim.CPUAdamW(w2.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    n = sum(p.numel() for p in w2.parameters())
+    assert 4 * n <= w2.megatrain.accumulator_bytes() <= 4 * n + 4 * 64 * 64
+
+
+def test_undeclared_second_backward_with_clipping_still_sums_exactly():
+    model = _tiny()
+    ref = copy.deepcopy(model)
+    w = megatrain.wrap(model, device="cpu")
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=1e-2, max_grad_norm=0.5)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        xs = [torch.randint(0, 96, (2, 8), generator=g) for _ in range(2)]
+        for x in xs:
+            w(input_ids=x, labels=x).loss.backward()
+            ref(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad()
+    assert w.megatrain.accumulator_bytes() > 0
+    got = megatrain.master_state_dict(w)
+    for n, p in ref.named_parameters():
+        assert_close_rel(got[n], p.detach(), 1e-5, n)
+
+
+# ------------------------------------------------------------------------------------------- PEFT
+peft = pytest.importorskip("peft")
+
+
+def _lora(model, r=4):
+    cfg = peft.LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          lora_dropout=0.0, init_lora_weights="gaussian")
+    return peft.get_peft_model(model, cfg)
+
+
+def test_peft_lora_parity_with_plain_peft_training():
+    torch.manual_seed(0)
+    ref = _lora(_tiny())
+    model = copy.deepcopy(ref)
+    frozen_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    w = megatrain.wrap(model, device="cpu")
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    opt = megatrain.optim.CPUAdamW(w.parameters(), **kw)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False, **kw)
+    store = w.megatrain.store
+    assert store.frozen_numel == sum(frozen_before[n].numel() for n in frozen_before)
+    g = torch.Generator().manual_seed(3)
+    for step in range(10):
+        x = torch.randint(0, 96, (2, 12), generator=g)
+        l1 = w(input_ids=x, labels=x).loss
+        l2 = ref(input_ids=x, labels=x).loss
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=0)
+        l1.backward(); l2.backward()
+        opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad()
+    got = megatrain.master_state_dict(w)
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert_close_rel(got[n], p.detach(), 1e-5, n)  # the project's per-element rule (parity.py)
+        else:
+            assert torch.equal(got[n], frozen_before[n]), n  # frozen: bit-identical
+            assert torch.equal(p.detach(), frozen_before[n]), n
+
+
+def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path):
+    torch.manual_seed(0)
+    base = _tiny()
+    base_dir = str(tmp_path / "base")
+    base.save_pretrained(base_dir)
+    model = _lora(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
+    w = megatrain.wrap(model, device="cpu")
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=1e-2)
+    x = torch.randint(0, 96, (2, 12))
+    for _ in range(2):
+        w(input_ids=x, labels=x).loss.backward()
+        opt.step(); opt.zero_grad()
+    with torch.no_grad():
+        want = w(input_ids=x).logits
+    out = str(tmp_path / "adapter")
+    megatrain.export_pretrained(w, out)
+    assert os.path.isfile(os.path.join(out, "adapter_config.json"))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), out)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-6)
+    merged = str(tmp_path / "merged")
+    megatrain.export_pretrained(w, merged, merge_adapter=True)
+    plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def test_from_config_with_peft_transform_equals_peft_on_hf_init():
+    cfg = _tiny().config
+    torch.manual_seed(5)
+    ref = megatrain.wrap(_lora(AutoModelForCausalLM.from_config(cfg)), device="cpu")
+    got = megatrain.from_config(cfg, seed=5, transform=_lora, device="cpu")
+    assert got.megatrain.store.frozen_numel == ref.megatrain.store.frozen_numel > 0
+    a, b = megatrain.master_state_dict(got), megatrain.master_state_dict(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
