@@ -316,8 +316,8 @@ class WrappedEngine(EngineModuleApi, Engine):
                     if source is None:
                         self.entry_view(u, i, "master").copy_(e.param.detach())
                     self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
-                    # exp_avg / exp_avg_sq: the arena is a fresh zero-filled mapping (not touched
-                    # here: their pages are faulted in by the first update, not during the load)
+                    self.entry_view(u, i, "exp_avg").zero_()
+                    self.entry_view(u, i, "exp_avg_sq").zero_()
                 if u.kind == "layer":
                     self._placeholders(u)  # the layer's own parameters are released here
                 elif source is None:
