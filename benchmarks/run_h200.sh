@@ -3,6 +3,7 @@
 # benchmark stages. Logs go to $OUT (or ./out); a short table is printed last.
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
+#                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -83,6 +84,21 @@ for s in "${stages[@]}"; do
     sweep_size)  # Llama 1b/3b/7b/13b; what does not fit the host is recorded as skipped
       run sweep_size python3 benchmarks/bench_train.py --sweep size --systems megatrain:acc=0 --steps 3 --warmup 1 \
         ${SWEEP_ARGS:-} --out docs/benchmarks/sweep_size.json ;;
+    cuda_new)  # GPU tests of the drop-in surface and of streamed loading only
+      run cuda_new timeout 200 python3 -m pytest -q -x -s -m cuda tests/python/test_drop_in.py tests/python/test_loading.py \
+        tests/python/test_long_context.py -p no:cacheprovider ;;
+    scale_train)  # Llama-3-8B and 6.74B shapes built straight into the host store, 4 x 4096 tokens, 5 steps
+      run scale_train timeout ${SCALE_TIMEOUT:-480} python3 benchmarks/bench_scale.py train ;;
+    scale_load)  # a 7B bf16 HF directory written layer by layer, loaded by from_pretrained (pin after / before the fill)
+      run scale_load timeout ${SCALE_TIMEOUT:-300} python3 benchmarks/bench_scale.py load --dir /tmp/m7b; rm -rf /tmp/m7b ;;
+    scale_lora)  # PEFT LoRA r=16 on q,k,v,o of a frozen ~30B Llama base
+      run scale_lora timeout ${SCALE_TIMEOUT:-300} python3 benchmarks/bench_scale.py lora ;;
+    long_7b)  # 6.74B at batch 1 x LONG_SEQ tokens (default 262144), one optimizer step
+      run long_7b timeout ${LONG_TIMEOUT:-540} python3 benchmarks/bench_long_context.py --preset 7b --seq ${LONG_SEQ:-262144} \
+        --out docs/benchmarks/long_context_7b.json ;;
+    long_loss)  # LM head + loss alone at long T: chunked vs full logits vs liger-kernel / cut-cross-entropy (.whl)
+      run long_loss bash -c '[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl .whl/cut_cross_entropy*.whl;
+        timeout 240 python3 benchmarks/bench_long_context.py --loss-only --seq 32768 131072 --out docs/benchmarks/long_context_loss.json' ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;
