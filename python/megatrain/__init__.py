@@ -16,6 +16,7 @@ from . import optim  # noqa: E402
 from .runtime import UnsupportedModelError, wrap  # noqa: E402
 from .runtime.export import export_pretrained, master_state_dict  # noqa: E402
 from .runtime.loading import CheckpointError, from_config, from_pretrained  # noqa: E402
+from .runtime.estimate import MemoryEstimate, estimate  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
@@ -35,5 +36,5 @@ def cuda_status() -> str:
     return "ok"
 
 
-__all__ = ["wrap", "from_pretrained", "from_config", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
+__all__ = ["wrap", "from_pretrained", "from_config", "estimate", "MemoryEstimate", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
            "cuda_status", "UnsupportedModelError", "__version__"]

@@ -143,6 +143,31 @@ TEST(HostStore, LargeUnitsApproachFourteenBytesPerParamWithoutAccumulation) {
   EXPECT_DOUBLE_EQ(hs::HostStore::bytes_required(units, o) / (2.0 * 1024 * 1024), 18.0);
 }
 
+TEST(HostStore, LayoutRequiredEqualsTheStoreItDescribes) {
+  // Large units (skew gaps between sections), a frozen entry, with and without the accumulator.
+  std::vector<hs::UnitSpec> units = {{{"a", {2048, 2048}}, {"b", {2048, 2048}, true}, {"c", {7}}},
+                                     {{"a", {2048, 2048}}, {"b", {2048, 2048}, true}, {"c", {7}}},
+                                     {{"e", {33, 5}, true}, {"h", {4096, 1024}}}};
+  for (bool accum : {false, true}) {
+    hs::HostStoreOptions o;
+    o.with_grad_accum = accum;
+    const hs::StoreLayout L = hs::HostStore::layout_required(units, o);
+    hs::HostStore store(units, o);
+    EXPECT_EQ(L.total_bytes, store.total_bytes());
+    EXPECT_EQ(L.total_bytes, hs::HostStore::bytes_required(units, o));
+    EXPECT_EQ(L.total_numel, store.total_numel());
+    EXPECT_EQ(L.frozen_numel, store.frozen_numel());
+    for (int s = 0; s < hs::kNumSections; ++s) {
+      EXPECT_EQ(L.section_bytes[s], store.section_bytes(static_cast<hs::Section>(s))) << s;
+    }
+    ASSERT_EQ(L.unit_numel.size(), 3u);
+    for (int u = 0; u < 3; ++u) {
+      EXPECT_EQ(L.unit_numel[u], store.unit_numel(u));
+      EXPECT_EQ(L.unit_state_numel[u], store.unit_state_numel(u));
+    }
+  }
+}
+
 TEST(HostStore, MemoryLimitOverrideTooSmallThrowsBudgetErrorWithNothingAllocated) {
   hs::HostStoreOptions o;
   o.memory_limit_bytes = 4096;

@@ -341,5 +341,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   },
                   py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
                   py::arg("frozen") = std::vector<std::vector<bool>>{},
-                  "Arena bytes a HostStore with these units would need (nothing allocated).");
+                  "Arena bytes a HostStore with these units would need (nothing allocated).")
+      .def_static("layout_required",
+                  [](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
+                     bool with_grad_accum, const std::vector<std::vector<bool>>& frozen) {
+                    const auto options = make_options(compute_dtype, with_grad_accum);
+                    const auto L = HostStore::layout_required(to_specs(units, frozen), options);
+                    py::dict sections;
+                    for (int i = 0; i < megatrain::host_store::kNumSections; ++i) {
+                      const auto sec = static_cast<Section>(i);
+                      if (sec != Section::kGradAccum || options.with_grad_accum) {
+                        sections[megatrain::host_store::section_name(sec)] = L.section_bytes[i];
+                      }
+                    }
+                    py::dict d;
+                    d["total_bytes"] = L.total_bytes;
+                    d["total_numel"] = L.total_numel;
+                    d["frozen_numel"] = L.frozen_numel;
+                    d["section_bytes"] = sections;
+                    d["unit_numel"] = L.unit_numel;
+                    d["unit_state_numel"] = L.unit_state_numel;
+                    return d;
+                  },
+                  py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
+                  py::arg("frozen") = std::vector<std::vector<bool>>{},
+                  "The layout a HostStore with these units would have, nothing allocated: dict of "
+                  "total_bytes, total_numel, frozen_numel, section_bytes {section: bytes} (the "
+                  "store's section_bytes), unit_numel and unit_state_numel (padded elements per unit).");
 }

@@ -218,6 +218,21 @@ int64_t HostStore::bytes_required(const std::vector<UnitSpec>& units,
   return total;
 }
 
+StoreLayout HostStore::layout_required(const std::vector<UnitSpec>& units,
+                                       const HostStoreOptions& options) {
+  StoreLayout out;
+  const std::vector<UnitLayout> layouts =
+      plan(units, options, &out.total_bytes, &out.total_numel, &out.frozen_numel);
+  for (const UnitLayout& L : layouts) {
+    for (int s = 0; s < kNumSections; ++s) {
+      out.section_bytes[s] = checked_add(out.section_bytes[s], L.section_bytes[s]);
+    }
+    out.unit_numel.push_back(L.numel);
+    out.unit_state_numel.push_back(L.state_numel);
+  }
+  return out;
+}
+
 HostStore::HostStore(std::vector<UnitSpec> units, HostStoreOptions options) : options_(options) {
   units_ = plan(units, options_, &total_bytes_, &total_numel_, &frozen_numel_);
   // PinnedBuffer runs the budget check before mapping anything.

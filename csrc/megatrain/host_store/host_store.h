@@ -92,6 +92,17 @@ struct HostStoreOptions {
   bool skew_sections = common::tuning().store_skew;
 };
 
+/// \brief What a store of given units and options would hold, without allocating it
+/// (HostStore::layout_required): the numbers its constructor computes.
+struct StoreLayout {
+  int64_t total_bytes = 0;   ///< arena bytes (sections, their 4 KiB padding, skew gaps)
+  int64_t total_numel = 0;   ///< unpadded parameter count
+  int64_t frozen_numel = 0;  ///< unpadded parameter count of the frozen entries
+  std::array<int64_t, kNumSections> section_bytes{};  ///< per section, summed over units (0: absent)
+  std::vector<int64_t> unit_numel;        ///< padded compute-section elements per unit
+  std::vector<int64_t> unit_state_numel;  ///< padded fp32-section elements per unit
+};
+
 /// \brief A tensor's place in its unit.
 struct Entry {
   std::string name;
@@ -129,6 +140,10 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
 
   /// \brief Arena bytes the given units and options need (what the budget check compares).
   static int64_t bytes_required(const std::vector<UnitSpec>& units, const HostStoreOptions& options);
+  /// \brief The whole layout the given units and options produce (sizes per section and unit),
+  /// from the same planning as the constructor; nothing allocated.
+  /// \throws std::invalid_argument for negative dimensions or sizes that overflow int64.
+  static StoreLayout layout_required(const std::vector<UnitSpec>& units, const HostStoreOptions& options);
 
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
   /// \brief Padded flat length (elements) of the compute section of unit u.

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -139,6 +139,44 @@ class Unit:
         self.batches = [0] * n
         self.eager = [False] * n
         self.direct = [False] * n
+
+
+def unit_tables(units: List[Unit]) -> Tuple[list, list]:
+    """``(tables, frozen)`` of ``units`` as ``HostStore`` takes them: per unit ``[(name, shape)]`` and frozen flags."""
+    tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
+    frozen = [[bool(e.frozen) for e in u.entries] for u in units]
+    return tables, frozen
+
+
+def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumulator: Optional[bool],
+                     staging_buffers: int = 4) -> dict:
+    """Host bytes an :class:`Engine` over ``units`` allocates, computed without allocating.
+
+    The engine's budget check and :func:`megatrain.estimate` both use this, and the store part comes
+    from ``HostStore.layout_required`` (the C++ planning the store's constructor runs).
+
+    Args:
+        units: the units in forward order (``kind`` "layer" / "resident"; ``entries[i].frozen``).
+        compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        grad_accumulator: ``True``: the fp32 accumulator is a store section; ``None`` / ``False``: not.
+        staging_buffers: pinned staging buffers for layer gradients.
+
+    Returns:
+        dict: ``layout`` (``HostStore.layout_required``'s dict: ``section_bytes``, ``unit_numel``,
+        ``unit_state_numel``, ``total_numel``, ``frozen_numel``), ``store_bytes`` (the arena),
+        ``staging_bytes`` (``staging_buffers`` buffers of the largest layer plus the resident
+        unit's gradient staging, compute dtype), ``accumulator_bytes`` (the fp32 accumulator
+        ``enable_accumulator`` allocates outside the store in auto mode: 4 B per element of the
+        units' fp32 sections), all in bytes.
+    """
+    tables, frozen = unit_tables(units)
+    layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen)
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    layer_numel = [n for n, u in zip(layout["unit_numel"], units) if u.kind == "layer"]
+    resident_numel = sum(n for n, u in zip(layout["unit_numel"], units) if u.kind != "layer")
+    staging = elem * ((staging_buffers * max(layer_numel)) if layer_numel else 0) + elem * resident_numel
+    return dict(layout=layout, store_bytes=int(layout["total_bytes"]), staging_bytes=int(staging),
+                accumulator_bytes=4 * int(sum(layout["unit_state_numel"])))
 
 
 class Slot:
@@ -339,15 +377,13 @@ class Engine:
         self.device = device
         self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
-        tables = [[(e.name, list(e.shape)) for e in u.entries] for u in units]
-        frozen = [[bool(e.frozen) for e in u.entries] for u in units]
-        elem = torch.tensor([], dtype=compute_dtype).element_size()
+        tables, frozen = unit_tables(units)
         self.accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
         in_store = self.accumulator_mode is True
         self._accum: Optional[dict] = None  # auto mode: unit index -> flat fp32 accumulator (trainable entries)
-        store_bytes = int(_C.HostStore.bytes_required(tables, compute_dtype, in_store, frozen))
-        staging_bytes = staging_buffers * elem * max((sum(-(-e.numel // 64) * 64 for e in u.entries)
-                                                      for u in units), default=0)
+        self.host_plan = plan_host_memory(units, compute_dtype, self.accumulator_mode, staging_buffers)
+        store_bytes = self.host_plan["store_bytes"]
+        staging_bytes = self.host_plan["staging_bytes"]
         # MEGATRAIN_PIN_AFTER_FILL=0: page-lock the arena when it is mapped (every page faulted in
         # before the fill) instead of after it (benchmarks/bench_load.py measures both).
         self.pin_after_fill = os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0"
@@ -429,7 +465,7 @@ class Engine:
         if self.accumulator_mode is False:
             raise RuntimeError("megatrain: the model was wrapped with grad_accumulator=False; gradient accumulation "
                                "needs the fp32 accumulator: wrap with grad_accumulator=None (auto) or True")
-        need = sum(u.state_numel * 4 for u in self.units)
+        need = self.host_plan["accumulator_bytes"]
         check_host_budget(need, 0, "gradient accumulator")
         self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units}
 

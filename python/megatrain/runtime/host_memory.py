@@ -88,6 +88,44 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def host_budget_shortfall(needed_bytes: int, pinned_bytes: int, reclaimable_bytes: int = 0,
+                          limits: Optional[dict] = None) -> Optional[dict]:
+    """The first host limit ``needed_bytes`` (of which ``pinned_bytes`` page-locked) would exceed, or None.
+
+    The rules of :func:`check_host_budget` (which raises on the result), without raising:
+    MemAvailable, then the cgroup limit minus its usage (both plus ``reclaimable_bytes``), then
+    RLIMIT_MEMLOCK for ``pinned_bytes``. None also when ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``.
+
+    Args:
+        limits: :func:`host_memory_limits` (read now when None).
+
+    Returns:
+        None, or a dict: ``available_bytes`` (under that limit, without the credit), ``limit``
+        (its name), ``kind`` ("memory" or "memlock"), ``advice`` (what to change), ``credit_bytes``.
+    """
+    if os.environ.get(_ENV) == "1":
+        return None
+    lim = host_memory_limits() if limits is None else limits
+    credit = max(0, int(reclaimable_bytes))
+    freed = (f" (plus {credit} bytes ({_gib(credit)}) of the model's own weights, freed while the store is filled)"
+             if credit else "")
+    if lim["mem_available_bytes"] is not None and needed_bytes > lim["mem_available_bytes"] + credit:
+        return dict(available_bytes=lim["mem_available_bytes"], limit="MemAvailable limit (/proc/meminfo)" + freed,
+                    kind="memory", credit_bytes=credit,
+                    advice="Free host memory or train a smaller model; if this VM grows its RAM lazily, set "
+                           f"{_ENV}=1.")
+    if lim["cgroup_limit_bytes"] is not None:
+        remaining = lim["cgroup_limit_bytes"] - (lim["cgroup_usage_bytes"] or 0)
+        if needed_bytes > remaining + credit:
+            return dict(available_bytes=remaining, kind="memory", credit_bytes=credit,
+                        limit=f"cgroup memory limit ({lim['cgroup_path']}, minus current usage)" + freed,
+                        advice="Raise the container's memory limit or train a smaller model.")
+    if pinned_bytes and lim["memlock_bytes"] is not None and pinned_bytes > lim["memlock_bytes"]:
+        return dict(available_bytes=lim["memlock_bytes"], limit="locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)",
+                    kind="memlock", credit_bytes=0, advice="Raise it (ulimit -l unlimited, docker --ulimit memlock=-1).")
+    return None
+
+
 def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:
     """Raise ``HostMemoryError`` if ``needed_bytes`` (of which ``pinned_bytes`` page-locked) cannot fit.
 
@@ -96,37 +134,21 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimab
     available for the MemAvailable and cgroup limits, not for the locked-memory limit.
 
     Skipped when ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1`` (VMs that grow their RAM lazily report
-    too little MemAvailable).
+    too little MemAvailable). The rules are :func:`host_budget_shortfall`'s.
 
     Raises:
         megatrain._C.HostMemoryError: names bytes needed vs available, the limit, and what to change.
     """
-    if os.environ.get(_ENV) == "1":
+    short = host_budget_shortfall(needed_bytes, pinned_bytes, reclaimable_bytes)
+    if short is None:
         return
-    lim = host_memory_limits()
-
-    def fail(available, limit, advice):
-        err = load_extension().HostMemoryError(
-            f"megatrain {what}: needs {needed_bytes} bytes ({_gib(needed_bytes)}) of host memory but only "
-            f"{available} bytes ({_gib(available)}) are available under the {limit}. {advice} Nothing was allocated.")
-        err.needed_bytes, err.available_bytes, err.limit = needed_bytes, available, limit
-        raise err
-
-    credit = max(0, int(reclaimable_bytes))
-    freed = (f" (plus {credit} bytes ({_gib(credit)}) of the model's own weights, freed while the store is filled)"
-             if credit else "")
-    if lim["mem_available_bytes"] is not None and needed_bytes > lim["mem_available_bytes"] + credit:
-        fail(lim["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)" + freed,
-             "Free host memory or train a smaller model; if this VM grows its RAM lazily, set "
-             f"{_ENV}=1.")
-    if lim["cgroup_limit_bytes"] is not None:
-        remaining = lim["cgroup_limit_bytes"] - (lim["cgroup_usage_bytes"] or 0)
-        if needed_bytes > remaining + credit:
-            fail(remaining, f"cgroup memory limit ({lim['cgroup_path']}, minus current usage)" + freed,
-                 "Raise the container's memory limit or train a smaller model.")
-    if pinned_bytes and lim["memlock_bytes"] is not None and pinned_bytes > lim["memlock_bytes"]:
-        fail(lim["memlock_bytes"], "locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)",
-             "Raise it (ulimit -l unlimited, docker --ulimit memlock=-1).")
+    available, limit = short["available_bytes"], short["limit"]
+    err = load_extension().HostMemoryError(
+        f"megatrain {what}: needs {needed_bytes} bytes ({_gib(needed_bytes)}) of host memory but only "
+        f"{available} bytes ({_gib(available)}) are available under the {limit}. {short['advice']} Nothing was "
+        "allocated.")
+    err.needed_bytes, err.available_bytes, err.limit = needed_bytes, available, limit
+    raise err
 
 
 @contextlib.contextmanager

@@ -255,6 +255,42 @@ class _LayerFunction(torch.autograd.Function):
         return (None, None, None) + tuple(grads)
 
 
+def model_units(model: nn.Module, layers_name: str, layers: nn.ModuleList) -> List[Unit]:
+    """The store units of ``model``: one per decoder layer (in order), then the resident unit
+    (every other parameter, tied weights once) if there is one. Nothing is allocated or changed;
+    a parameter with ``requires_grad=False`` is a frozen entry. The parameters may be on the meta
+    device (:func:`megatrain.estimate` plans the store of a model that is never built).
+
+    Raises:
+        UnsupportedModelError: a parameter shared between a decoder layer and another module.
+    """
+    owners = _param_owners(model)
+    layer_param_ids = set()
+    units: List[Unit] = []
+    for li, layer in enumerate(layers):
+        entries, rel = [], []
+        for name, p in layer.named_parameters():
+            layer_param_ids.add(id(p))
+            entries.append(Entry(f"{layers_name}.{li}.{name}", tuple(p.shape), p.numel(), 0,
+                                 owners[id(p)], p, frozen=not p.requires_grad))
+            rel.append((name, tuple(p.shape)))
+        template = (type(layer), tuple(rel))
+        units.append(Unit(li, "layer", entries, 0, template, module=layer))
+    res_entries = []
+    for name, p in model.named_parameters():
+        if id(p) in layer_param_ids:
+            continue
+        for mod, _ in owners[id(p)]:
+            if any(mod is l or any(mod is s for s in l.modules()) for l in layers):
+                raise UnsupportedModelError(
+                    f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
+                    "megatrain streams each decoder layer on its own and cannot share its weights")
+        res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p, frozen=not p.requires_grad))
+    if res_entries:
+        units.append(Unit(len(units), "resident", res_entries, 0, ("resident",)))
+    return units
+
+
 class WrappedEngine(EngineModuleApi, Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
@@ -270,31 +306,8 @@ class WrappedEngine(EngineModuleApi, Engine):
         self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
         self.activation_policy = activation_policy
         self.model = model
-        owners = _param_owners(model)
-        layer_param_ids = set()
-        units: List[Unit] = []
-        for li, layer in enumerate(layers):
-            entries, rel = [], []
-            for name, p in layer.named_parameters():
-                layer_param_ids.add(id(p))
-                entries.append(Entry(f"{layers_name}.{li}.{name}", tuple(p.shape), p.numel(), 0,
-                                     owners[id(p)], p, frozen=not p.requires_grad))
-                rel.append((name, tuple(p.shape)))
-            template = (type(layer), tuple(rel))
-            units.append(Unit(li, "layer", entries, 0, template, module=layer))
-        res_entries = []
-        for name, p in model.named_parameters():
-            if id(p) in layer_param_ids:
-                continue
-            for mod, _ in owners[id(p)]:
-                if any(mod is l or any(mod is s for s in l.modules()) for l in layers):
-                    raise UnsupportedModelError(
-                        f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
-                        "megatrain streams each decoder layer on its own and cannot share its weights")
-            res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p, frozen=not p.requires_grad))
-        self.resident = Unit(len(units), "resident", res_entries, 0, ("resident",)) if res_entries else None
-        if self.resident is not None:
-            units.append(self.resident)
+        units = model_units(model, layers_name, layers)
+        self.resident = units[-1] if units and units[-1].kind == "resident" else None
         # The model's own weights are freed unit by unit as they are copied (below): with the
         # store page-locked after the fill, the peak is the store plus one layer.
         reclaim = 0 if source is not None else sum(

@@ -1,0 +1,425 @@
+"""``megatrain.estimate``: the memory a wrapped model will take, said before anything is allocated.
+
+The host numbers come from the code that allocates: the model's units are built the way
+``wrap`` builds them (:func:`megatrain.runtime.wrap.model_units`, on a meta model when given a
+config or a directory) and sized by :func:`megatrain.runtime.engine.plan_host_memory`, whose
+store part is the C++ ``HostStore.layout_required`` (the planning the store's constructor runs).
+Whether they fit is decided by the rules of the engine's budget check
+(:func:`megatrain.runtime.host_memory.host_budget_shortfall`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+_SECTION_LABELS = [("compute", "compute copy"), ("master", "master (fp32)"), ("exp_avg", "exp_avg (fp32)"),
+                   ("exp_avg_sq", "exp_avg_sq (fp32)"), ("grad_accum", "grad accumulator (fp32)")]
+
+
+def _fmt(n: Optional[float]) -> str:
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+@dataclass
+class MemoryEstimate:
+    """What :func:`estimate` found. All sizes in bytes.
+
+    Exact (the numbers the allocation uses): ``host_sections``, ``store_bytes``,
+    ``accumulator_bytes``, ``staging_bytes``, ``host_bytes``, ``pinned_bytes``, the parameter
+    counts, ``slot_bytes`` and ``resident_bytes``. Estimated: ``activation_bytes`` and
+    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack
+    (~0.5-1 GiB of GPU memory), the Python process itself (~0.5-1 GiB of host memory),
+    transient buffers (one tensor while loading a non-fp32 checkpoint).
+    """
+
+    model_class: str
+    device: str
+    compute_dtype: str
+    activation_policy: str
+    num_slots: int
+    micro_batch_size: int
+    seq_len: Optional[int]
+    gradient_accumulation_steps: int
+    num_params: int
+    trainable_params: int
+    frozen_params: int
+    num_layers: int
+    host_sections: dict  # store section -> bytes (as HostStore.section_bytes)
+    store_bytes: int  # the arena: sections + their 4 KiB padding + skew gaps
+    accumulator_bytes: int  # fp32 accumulator CPUAdamW allocates outside the store (auto mode), 0 if none
+    staging_bytes: int  # gradient staging buffers (pinned on CUDA)
+    host_bytes: int  # store + accumulator + staging
+    pinned_bytes: int  # page-locked part of host_bytes (CUDA only)
+    reclaimable_bytes: int  # the in-memory model's own weights, freed while the store is filled
+    host_available_bytes: Optional[int]
+    host_limit: Optional[str]
+    host_fits: bool
+    slot_bytes: int  # num_slots x largest layer (per layer shape) in compute dtype
+    resident_bytes: int  # the resident unit (embedding, norm, LM head) and its gradients on the device
+    activation_bytes: int
+    logits_bytes: int
+    gpu_bytes: int  # slot + resident + activation + logits (device memory; host memory when device is cpu)
+    gpu_free_bytes: Optional[int]
+    gpu_fits: Optional[bool]  # None: not checked (CPU device, or no CUDA here)
+    reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
+    advice: List[str] = field(default_factory=list)  # what to change
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Whether it fits this machine (host budget; GPU memory when the device is CUDA)."""
+        return self.host_fits and self.gpu_fits is not False
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.host_bytes / self.num_params if self.num_params else 0.0
+
+    def reason(self) -> str:
+        """One line: why it does not fit and what to change ('' when it fits)."""
+        if self.fits:
+            return ""
+        return "; ".join(self.reasons) + (". " + "; ".join(self.advice) if self.advice else "")
+
+    def to_dict(self) -> dict:
+        import dataclasses
+
+        d = dataclasses.asdict(self)
+        d["fits"] = self.fits
+        return d
+
+    def __str__(self) -> str:
+        L = []
+        L.append(f"megatrain estimate: {self.model_class}, {_count(self.num_params)} parameters "
+                 f"({_count(self.trainable_params)} trainable, {_count(self.frozen_params)} frozen), "
+                 f"{self.num_layers} streamed layers, {self.compute_dtype} compute on {self.device}")
+        L.append("host memory (exact):")
+        for key, label in _SECTION_LABELS:
+            if key in self.host_sections:
+                L.append(f"  {label:<28}{_fmt(self.host_sections[key]):>12}")
+            elif key == "grad_accum":
+                if self.accumulator_bytes:
+                    L.append(f"  {label:<28}{_fmt(self.accumulator_bytes):>12}  (outside the store, allocated when "
+                             f"CPUAdamW has gradient_accumulation_steps={self.gradient_accumulation_steps})")
+                else:
+                    L.append(f"  {label:<28}{'none':>12}  (one backward per step)")
+        pad = self.store_bytes - sum(self.host_sections.values())
+        L.append(f"  {'store total':<28}{_fmt(self.store_bytes):>12}  (incl. {_fmt(pad)} alignment)")
+        L.append(f"  {'gradient staging':<28}{_fmt(self.staging_bytes):>12}")
+        L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; pinned "
+                 f"{_fmt(self.pinned_bytes)}")
+        if self.host_available_bytes is None:
+            L.append("  host check: skipped (MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 or no limit found)")
+        else:
+            credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
+            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
+                     + ("fits" if self.host_fits else "DOES NOT FIT"))
+        where = "GPU" if self.device.startswith("cuda") else "device (cpu: host)"
+        tokens = f"{self.micro_batch_size} x {self.seq_len} tokens" if self.seq_len else "no sequence length given"
+        L.append(f"{where} memory (slots and resident exact; activations and logits rough, {self.activation_policy}, "
+                 f"{tokens}):")
+        L.append(f"  {'layer slots':<28}{_fmt(self.slot_bytes):>12}  ({self.num_slots} per layer shape)")
+        L.append(f"  {'resident unit + grads':<28}{_fmt(self.resident_bytes):>12}")
+        L.append(f"  {'activations':<28}{'~' + _fmt(self.activation_bytes):>12}")
+        L.append(f"  {'logits + loss':<28}{'~' + _fmt(self.logits_bytes):>12}")
+        free = f"; {_fmt(self.gpu_free_bytes)} free: " + ("fits" if self.gpu_fits else "DOES NOT FIT") \
+            if self.gpu_free_bytes is not None and self.gpu_fits is not None else ""
+        L.append(f"  {'total':<28}{'~' + _fmt(self.gpu_bytes):>12}{free}")
+        for n in self.notes:
+            L.append(f"note: {n}")
+        L.append("fits this machine" if self.fits else f"does not fit: {self.reason()}")
+        return "\n".join(L)
+
+
+def _cfg_int(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return default
+
+
+def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: str, block_k: int,
+                      free: Optional[int]) -> tuple:
+    """Rough device bytes of activations (and the policy ``auto`` would pick) for ``tokens`` tokens."""
+    if not tokens or config is None:
+        return 0, policy
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=0)
+    inter = _cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h
+    heads = _cfg_int(cfg, "num_attention_heads", "n_head", default=1) or 1
+    kv = _cfg_int(cfg, "num_key_value_heads", default=heads) or heads
+    head_dim = _cfg_int(cfg, "head_dim", default=h // heads if heads else h) or 1
+    q_dim = heads * head_dim
+    kv_dim = kv * head_dim
+    layer_in = tokens * h * elem
+    # One layer's saved activations with a fused attention kernel: norms, q/k/v, attention output,
+    # o_proj, residuals, and the MLP's gate/up/activation/product.
+    per_layer = tokens * elem * (6 * h + 2 * q_dim + 2 * kv_dim + 4 * inter)
+    chosen = policy
+    if policy == "auto":
+        from .wrap import AUTO_STORE_FRACTION
+
+        chosen = "store" if free is not None and per_layer * num_layers <= AUTO_STORE_FRACTION * free else "recompute"
+    if chosen == "store":
+        act = num_layers * per_layer
+    elif chosen.startswith("block:"):
+        act = math.ceil(num_layers / block_k) * layer_in + block_k * per_layer
+    else:
+        act = num_layers * layer_in + per_layer
+    return act + 2 * layer_in, chosen  # + the gradient flowing back and the current input
+
+
+def _logits_bytes(config, tokens: int, elem: int, free: Optional[int]) -> int:
+    if not tokens or config is None:
+        return 0
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = _cfg_int(cfg, "vocab_size", default=0)
+    full = tokens * vocab * (elem + 4 + 4)  # logits, their fp32 upcast, the fp32 gradient
+    if free is not None and tokens * vocab * 4 > free / 16:  # chunked_loss="auto" takes over (docs/long_context.md)
+        return int(min(full, 2 * free / 16))
+    return full
+
+
+def _model_and_kind(model, model_kwargs, transform):
+    """The model to plan (meta for a config / directory), its config, and whether its weights are in memory."""
+    from .loading import CheckpointError, CheckpointIndex, _CheckpointSource, _load_config, meta_model
+
+    if isinstance(model, nn.Module):
+        if getattr(model, "megatrain", None) is not None:
+            raise ValueError("megatrain.estimate: this model is already wrapped; its store is "
+                             "model.megatrain.store.section_bytes (model.megatrain.memory_stats())")
+        if transform is not None:
+            raise ValueError("megatrain.estimate: transform= applies to a config or a model directory; transform "
+                             "the module before estimating it")
+        return model, getattr(model, "config", None), True
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"megatrain.estimate: {path} is not a local directory (give a model directory, a "
+                                  "transformers config or an nn.Module)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"megatrain.estimate: {path} has no config.json")
+        index = CheckpointIndex(path)  # headers only
+        config = _load_config(path)
+        meta = meta_model(config, **model_kwargs)
+        _CheckpointSource(meta, index)  # every parameter present with its shape (headers only)
+    else:
+        from transformers import PretrainedConfig
+
+        if not isinstance(model, PretrainedConfig):
+            raise TypeError(f"megatrain.estimate: expected an nn.Module, a transformers config or a local model "
+                            f"directory, got {type(model).__name__}")
+        config = model
+        meta = meta_model(config, **model_kwargs)
+    if transform is not None:
+        with torch.device("meta"):
+            meta = transform(meta)
+    return meta, config, False
+
+
+def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None, activation_policy: str = "recompute",
+             num_slots: int = 2, grad_accumulator: Optional[bool] = None, gradient_accumulation_steps: int = 1,
+             max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
+             transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
+             staging_buffers: int = 4, **model_kwargs) -> MemoryEstimate:
+    """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
+
+    Args:
+        model: an ``nn.Module`` (as ``wrap`` takes it; not changed), a ``transformers``
+            ``PretrainedConfig`` (as ``from_config``) or a local Hugging Face model directory
+            (as ``from_pretrained``: only ``config.json`` and the safetensors headers are read,
+            and every parameter is checked present with its shape; never the weights).
+        device, compute_dtype, activation_policy, num_slots, grad_accumulator: as :func:`megatrain.wrap`
+            (same defaults: CUDA when available; bf16 on CUDA, fp32 on CPU).
+        gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
+            ``grad_accumulator=None``, ``gradient_accumulation_steps > 1`` allocates the fp32
+            accumulator (4 B per trainable parameter); ``max_grad_norm`` changes no byte (the
+            clip reads the gradients where they are).
+        trainable: ``name -> bool`` (parameter names as ``named_parameters`` gives them); the
+            others are frozen (2 B/param in bf16). None: as the model has them
+            (``requires_grad``), everything for a config or a directory.
+        transform: ``model -> model`` run on the meta model of a config / directory (as
+            ``from_config(transform=)``), e.g. ``lambda m: peft.get_peft_model(m, lora_config)``.
+        micro_batch_size, seq_len: the batch the activation estimate is for (``seq_len=None``:
+            no activation estimate).
+        staging_buffers: the engine's gradient staging buffers (4).
+        **model_kwargs: passed to ``AutoModelForCausalLM.from_config`` for a config / directory.
+
+    Returns:
+        :class:`MemoryEstimate` (``str()`` prints it): host bytes per store section (exact: the
+        same planning as the allocation), the accumulator, staging, pinned bytes, frozen vs
+        trainable counts, device bytes (slots and the resident unit exact, activations and
+        logits rough), whether it fits this machine (the budget check's limits: MemAvailable,
+        cgroup, RLIMIT_MEMLOCK; ``torch.cuda.mem_get_info`` for a CUDA device) and, if not, why
+        (``reason()``, one line) and what to change (``advice``).
+
+    Raises:
+        CheckpointError: a directory without config.json / safetensors, or missing a parameter.
+        UnsupportedModelError: no decoder layer list (as ``wrap``).
+        ValueError / TypeError: a bad option or input.
+    """
+    from .host_memory import host_budget_shortfall, host_memory_limits, _ENV
+    from .engine import plan_host_memory
+    from .wrap import check_activation_policy, find_decoder_layers, model_units
+
+    block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"megatrain.estimate: device must be a CUDA device or 'cpu', got {str(device)!r}")
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"megatrain.estimate: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(f"megatrain.estimate: gradient_accumulation_steps must be an int >= 1, got "
+                         f"{gradient_accumulation_steps!r}")
+    if gradient_accumulation_steps > 1 and grad_accumulator is False:
+        raise ValueError("megatrain.estimate: gradient_accumulation_steps > 1 needs the fp32 accumulator; "
+                         "grad_accumulator=False forbids it (use None or True)")
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+
+    module, config, in_memory = _model_and_kind(model, model_kwargs, transform)
+    layers_name, layers = find_decoder_layers(module)
+    units = model_units(module, layers_name, layers)
+    if trainable is not None:
+        for u in units:
+            for e in u.entries:
+                e.frozen = not trainable(e.name)
+    accum_mode = None if grad_accumulator is None else bool(grad_accumulator)
+    plan = plan_host_memory(units, compute_dtype, accum_mode, staging_buffers)
+    layout = plan["layout"]
+    accum = plan["accumulator_bytes"] if (accum_mode is None and gradient_accumulation_steps > 1) else 0
+    store, staging = plan["store_bytes"], plan["staging_bytes"]
+    host = store + staging + accum
+    cuda = device.type == "cuda"
+    pinned = store + staging if cuda else 0
+    pin_after_fill = os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0"
+    reclaim = 0
+    if in_memory and pin_after_fill:
+        reclaim = sum(e.numel * e.param.element_size() for u in units for e in u.entries
+                      if e.param.device.type == "cpu")
+    limits = host_memory_limits()
+    short = host_budget_shortfall(host, pinned, reclaim, limits)
+    if os.environ.get(_ENV) == "1":
+        available, limit_name = None, None
+    elif short is not None:
+        available, limit_name = short["available_bytes"], short["limit"]
+    else:  # the tightest limit that applies
+        cands = []
+        if limits["mem_available_bytes"] is not None:
+            cands.append((limits["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)"))
+        if limits["cgroup_limit_bytes"] is not None:
+            cands.append((limits["cgroup_limit_bytes"] - (limits["cgroup_usage_bytes"] or 0),
+                          f"cgroup memory limit ({limits['cgroup_path']}, minus current usage)"))
+        available, limit_name = min(cands) if cands else (None, None)
+
+    # ---- device
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    unit_numel = layout["unit_numel"]
+    per_template = {}
+    for u, n in zip(units, unit_numel):
+        if u.kind == "layer":
+            per_template[u.template] = n
+    slot_bytes = num_slots * elem * sum(per_template.values())
+    resident = [(u, n) for u, n in zip(units, unit_numel) if u.kind != "layer"]
+    resident_bytes = sum(elem * n + elem * sum(e.numel for e in u.entries if not e.frozen) for u, n in resident)
+    free = None
+    if cuda and torch.cuda.is_available():
+        free = int(torch.cuda.mem_get_info(device)[0])
+    elif not cuda:
+        free = limits["mem_available_bytes"]
+    tokens = micro_batch_size * seq_len if seq_len else 0
+    act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free)
+    logits = _logits_bytes(config, tokens, elem, free)
+    gpu = slot_bytes + resident_bytes + act + logits
+    gpu_fits = (gpu <= free) if (cuda and free is not None) else None
+
+    total = int(layout["total_numel"])
+    frozen = int(layout["frozen_numel"])
+    trainable_n = total - frozen
+    est = MemoryEstimate(
+        model_class=type(module).__name__, device=str(device), compute_dtype=str(compute_dtype).replace("torch.", ""),
+        activation_policy=activation_policy if chosen == activation_policy else f"{activation_policy} ({chosen})",
+        num_slots=num_slots, micro_batch_size=micro_batch_size, seq_len=seq_len,
+        gradient_accumulation_steps=gradient_accumulation_steps, num_params=total, trainable_params=trainable_n,
+        frozen_params=frozen, num_layers=len(layers), host_sections=dict(layout["section_bytes"]), store_bytes=store,
+        accumulator_bytes=accum, staging_bytes=staging, host_bytes=host, pinned_bytes=pinned,
+        reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name, host_fits=short is None,
+        slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
+        gpu_bytes=gpu, gpu_free_bytes=free if cuda else None, gpu_fits=gpu_fits)
+    if cuda and not torch.cuda.is_available():
+        est.notes.append("CUDA is not available here: GPU memory not checked")
+    if max_grad_norm:
+        est.notes.append("max_grad_norm changes no byte (the clip reads the gradients where they are)")
+
+    # ---- why not, and what to change
+    gib = 2**30
+    if short is not None:
+        if short["kind"] == "memlock":
+            est.reasons.append(f"{_fmt(pinned)} must be page-locked but the {short['limit']} allows "
+                               f"{_fmt(short['available_bytes'])}")
+            est.advice.append(short["advice"].rstrip("."))
+        else:
+            have = short["available_bytes"] + short["credit_bytes"]
+            est.reasons.append(f"needs {host} bytes ({_fmt(host)}) of host memory but only {short['available_bytes']} "
+                               f"bytes ({_fmt(short['available_bytes'])}) are available under the {short['limit']}")
+            est.advice.append(f"needs {(host - have) / gib:.2f} GiB more host RAM")
+            if accum:
+                est.advice.append(f"gradient_accumulation_steps={gradient_accumulation_steps} allocates the fp32 "
+                                  f"accumulator, 4 B/param more ({_fmt(accum)}): use 1 with a larger micro-batch")
+            elif accum_mode is True:
+                est.advice.append(f"grad_accumulator=True puts 4 B/param in the store ({_fmt(layout['section_bytes'].get('grad_accum', 0))}): "
+                                  "use the default grad_accumulator=None")
+            if trainable_n:
+                frozen_all = plan_host_memory(_all_frozen(units), compute_dtype, None, staging_buffers)
+                est.advice.append(f"freeze the base / use LoRA: frozen parameters hold only their compute copy "
+                                  f"({elem} B/param; all frozen: {_fmt(frozen_all['store_bytes'])})")
+            if host and have > 0:
+                est.advice.append(f"or a smaller model: about {_count(int(total * have / host))} parameters fit")
+    if gpu_fits is False:
+        est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory but {_fmt(free)} are free")
+        if act + logits > slot_bytes + resident_bytes:
+            tip = "lower micro_batch_size or seq_len"
+            if chosen == "store" or chosen.startswith("block:"):
+                tip += ", or activation_policy='recompute'"
+            est.advice.append(tip)
+        else:
+            est.advice.append(f"the streamed slots ({_fmt(slot_bytes)}) and the resident embedding / LM head "
+                              f"({_fmt(resident_bytes)}) alone are too large for this GPU: a smaller model"
+                              + (" or num_slots=2" if num_slots > 2 else ""))
+    return est
+
+
+def _all_frozen(units):
+    import copy
+
+    out = []
+    for u in units:
+        v = copy.copy(u)
+        v.entries = [copy.copy(e) for e in u.entries]
+        for e in v.entries:
+            e.frozen = True
+        out.append(v)
+    return out

@@ -1,0 +1,175 @@
+"""megatrain.estimate: the host bytes it says are the bytes the real store, staging and accumulator take;
+whether it fits follows the budget check's limits; a directory is estimated from its headers alone."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
+
+import megatrain  # noqa: E402
+from megatrain.runtime import host_memory  # noqa: E402
+
+
+def _llama(tied=False):
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied)
+
+
+def _gpt2():
+    return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def _real_bytes(model):
+    """What the wrapped model's engine allocated, read from the objects themselves."""
+    eng = model.megatrain
+    elem = torch.tensor([], dtype=eng.compute_dtype).element_size()
+    staging = sum(b.numel() * b.element_size() for b in list(eng._staging.queue))
+    if eng.resident is not None:
+        staging += eng.resident_staging.numel() * eng.resident_staging.element_size()
+    slots = sum(s.buf.numel() * s.buf.element_size() for ss in eng.slots.values() for s in ss)
+    resident = 0
+    if eng.resident is not None:
+        resident = eng.resident_buf.numel() * elem + elem * sum(e.numel for e in eng.resident.entries if not e.frozen)
+    return dict(sections=dict(eng.store.section_bytes), store=int(eng.store.total_bytes), staging=staging,
+                accum=0 if eng.accumulator_mode is True else eng.accumulator_bytes(),  # outside the store
+                slots=slots, resident=resident,
+                frozen=int(eng.store.frozen_numel), numel=int(eng.store.total_numel))
+
+
+def _check(est, real):
+    assert est.host_sections == real["sections"]
+    assert est.store_bytes == real["store"]
+    assert est.staging_bytes == real["staging"]
+    assert est.accumulator_bytes == real["accum"]
+    assert est.host_bytes == real["store"] + real["staging"] + real["accum"]
+    assert est.slot_bytes == real["slots"]
+    assert est.resident_bytes == real["resident"]
+    assert est.frozen_params == real["frozen"] and est.num_params == real["numel"]
+    assert est.trainable_params == real["numel"] - real["frozen"]
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [_llama(), _llama(tied=True), _gpt2()], ids=["llama", "llama-tied", "gpt2-tied"])
+@pytest.mark.parametrize("accum", ["none", "auto-gas2", "in-store"])
+def test_estimate_of_a_config_equals_the_real_store(cfg, compute_dtype, accum):
+    gas = 2 if accum == "auto-gas2" else 1
+    grad_accumulator = True if accum == "in-store" else None
+    est = megatrain.estimate(cfg, device="cpu", compute_dtype=compute_dtype, grad_accumulator=grad_accumulator,
+                             gradient_accumulation_steps=gas, seq_len=16, micro_batch_size=2)
+    model = megatrain.from_config(cfg, seed=0, device="cpu", compute_dtype=compute_dtype,
+                                  grad_accumulator=grad_accumulator)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=gas)
+    real = _real_bytes(model)
+    assert (real["accum"] > 0) == (accum == "auto-gas2")
+    assert ("grad_accum" in real["sections"]) == (accum == "in-store")
+    _check(est, real)
+    assert est.fits and est.activation_bytes > 0 and est.logits_bytes > 0
+    text = str(est)
+    for word in ("compute copy", "master", "exp_avg", "exp_avg_sq", "grad accumulator", "staging", "pinned",
+                 "layer slots", "resident", "activations", "fits this machine"):
+        assert word in text, word
+
+
+def test_estimate_of_a_module_with_frozen_parameters_equals_wrap():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama(tied=True))
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    est = megatrain.estimate(model, device="cpu", compute_dtype=torch.bfloat16)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # not touched
+    assert est.reclaimable_bytes == sum(p.numel() * 4 for p in model.parameters())
+    wrapped = megatrain.wrap(model, device="cpu", compute_dtype=torch.bfloat16)
+    _check(est, _real_bytes(wrapped))
+    assert est.frozen_params == 96 * 32 + sum(before[n].numel() for n in before if n.startswith("model.layers.0."))
+    with pytest.raises(ValueError, match="already wrapped"):
+        megatrain.estimate(wrapped)
+
+
+def test_trainable_and_transform_freeze_like_from_config_does():
+    cfg = _llama()
+
+    def freeze(m):
+        for n, p in m.named_parameters():
+            if "mlp" in n:
+                p.requires_grad_(False)
+        return m
+
+    real = _real_bytes(megatrain.from_config(cfg, seed=0, device="cpu", transform=freeze))
+    assert real["frozen"] > 0
+    _check(megatrain.estimate(cfg, device="cpu", transform=freeze), real)
+    _check(megatrain.estimate(cfg, device="cpu", trainable=lambda name: "mlp" not in name), real)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_estimate_of_a_directory_reads_headers_only(tmp_path, monkeypatch, tied):
+    from megatrain.runtime import loading
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_llama(tied)).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+
+    def no_reads(self, key, dst):
+        raise AssertionError(f"estimate read tensor {key}")
+
+    with monkeypatch.context() as m:
+        m.setattr(loading.CheckpointIndex, "read_into", no_reads)
+        est = megatrain.estimate(str(tmp_path), device="cpu", compute_dtype=torch.bfloat16)
+    _check(est, _real_bytes(megatrain.from_pretrained(str(tmp_path), device="cpu", compute_dtype=torch.bfloat16)))
+
+
+def test_estimate_of_a_directory_missing_a_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_llama()).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(megatrain.CheckpointError, match="model.layers.1.mlp.up_proj.weight is missing"):
+        megatrain.estimate(str(tmp_path))
+
+
+def _limits(mem_available):
+    return dict(mem_available_bytes=mem_available, cgroup_limit_bytes=None, cgroup_usage_bytes=None,
+                memlock_bytes=None, cgroup_path=None)
+
+
+def test_fits_follows_the_budget_check(monkeypatch):
+    """With MemAvailable between the store without and with the accumulator: estimate says fits at
+    gradient_accumulation_steps=1 and not at 2, and the real wrap / CPUAdamW agree."""
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    cfg = _llama()
+    one = megatrain.estimate(cfg, device="cpu")
+    two = megatrain.estimate(cfg, device="cpu", gradient_accumulation_steps=2)
+    limit = (one.host_bytes + two.host_bytes) // 2
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(limit))
+    one = megatrain.estimate(cfg, device="cpu")
+    two = megatrain.estimate(cfg, device="cpu", gradient_accumulation_steps=2)
+    assert one.fits and one.host_available_bytes == limit
+    assert not two.fits and not two.host_fits
+    line = two.reason()
+    assert "\n" not in line and "of host memory but only" in line and "more host RAM" in line
+    assert "gradient_accumulation_steps=2 allocates the fp32 accumulator, 4 B/param more" in line
+    assert "freeze the base / use LoRA" in line and "does not fit" in str(two)
+    model = megatrain.from_config(cfg, seed=0, device="cpu")  # the store fits
+    # CPUAdamW's accumulator check sees what is left after the store: the same shortfall.
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(limit - one.host_bytes))
+    with pytest.raises(MemoryError, match="gradient accumulator"):
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(one.host_bytes - 1))
+    assert not megatrain.estimate(cfg, device="cpu").fits
+    with pytest.raises(MemoryError, match="of host memory but only"):
+        megatrain.from_config(cfg, seed=0, device="cpu")
+
+
+def test_bad_options_are_one_line_errors():
+    with pytest.raises(ValueError, match="activation_policy"):
+        megatrain.estimate(_llama(), device="cpu", activation_policy="never")
+    with pytest.raises(ValueError, match="grad_accumulator=False forbids it"):
+        megatrain.estimate(_llama(), device="cpu", grad_accumulator=False, gradient_accumulation_steps=2)
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        megatrain.estimate(42)
+    with pytest.raises(megatrain.CheckpointError, match="is not a local directory"):
+        megatrain.estimate("/nonexistent/model")
