@@ -170,6 +170,9 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         units' fp32 sections), all in bytes.
     """
     tables, frozen = unit_tables(units)
+    if not hasattr(_C.HostStore, "layout_required"):
+        raise RuntimeError("megatrain: the compiled extension megatrain._C is older than its Python code (no "
+                           "HostStore.layout_required); rebuild it: python setup.py build_ext --inplace")
     layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen)
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     layer_numel = [n for n, u in zip(layout["unit_numel"], units) if u.kind == "layer"]
