@@ -535,5 +535,40 @@ def test_a_fifo_in_the_data_dir_is_skipped_not_read(tmp_path, capsys):
         data_mod.find_files(str(d / "pipe.txt"), ["*.txt"])
 
 
+# ---------------------------------------------------------------------------- more bad inputs
+def test_model_dir_whose_config_does_not_match_its_weights_is_one_line(tmp_path, capsys):
+    base = tmp_path / "base"
+    _tiny_model().save_pretrained(base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128)
+    (base / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    code, _, err = _cli(["train", "--model", str(base), "--out", str(tmp_path / "out"), "--data",
+                         str(_corpus(tmp_path)), *F], capsys)
+    _one_line(code, err, "holds weights whose shapes differ from its config.json")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--micro-batch-size", "100000000"], "is more than the"),
+    (["--set", "model.hidden_size=6", "--set", "model.num_heads=2", "--set", "model.num_kv_heads=1",
+      "--set", "model.intermediate_size=8"], "fails on a 3-token forward"),
+], ids=["micro_batch_larger_than_the_data", "odd_rotary_head_dim"])  # fmt: skip
+def test_cli_more_bad_sizes_are_one_line(tmp_path, capsys, argv, fragment):
+    out = tmp_path / "out"
+    code, _, err = _cli(["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F, *argv], capsys)
+    _one_line(code, err, fragment)
+    assert not out.exists()
+
+
+def test_unknown_model_extra_key_warns(tmp_path, capsys):
+    from megatrain.train import trainer
+    from megatrain.train.config import build_config
+
+    cfg = build_config(overrides=[("model", "extra", {"hiden_act": "gelu"})])
+    trainer.load_model_config(cfg, 257, 256)
+    assert "'hiden_act' are not attributes of LlamaConfig" in capsys.readouterr().err
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1:])

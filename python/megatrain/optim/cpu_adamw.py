@@ -215,7 +215,7 @@ class CPUAdamW(torch.optim.Optimizer):
                "layers with finite gradients were updated). Lower the learning rate or check the loss")
         if self.nonfinite == "raise":
             raise FloatingPointError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, RuntimeWarning, stacklevel=5)  # past torch's step wrappers
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``: the group's parameters are updated from the next ``step()``.
@@ -357,7 +357,7 @@ class CPUAdamW(torch.optim.Optimizer):
                    "unchanged). Lower the learning rate or check the loss")
             if self.nonfinite == "raise":
                 raise FloatingPointError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)  # past torch's step wrappers
             return loss
         if self.max_grad_norm is not None:
             # the norm of what this step receives (after any clip_grad_norm_ of the caller)

@@ -151,6 +151,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
                 f"cannot build a {m.arch!r} model config ({_first_line(exc)}); "
                 "model.arch must be a transformers model_type such as llama, qwen2, mistral"
             ) from None
+        known = set(type(config)().to_dict())
+        unknown = sorted(k for k in m.extra if k not in known)
+        if unknown:
+            data_mod.warn(f"model.extra key(s) {', '.join(map(repr, unknown))} are not attributes of "
+                          f"{type(config).__name__} (a typo?); they are stored in config.json but no layer reads them")
     from transformers import AutoModelForCausalLM
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
@@ -200,7 +205,8 @@ def estimate_params(model_config) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(model_config)
     except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes") from None
+        raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes and "
+                         "model.extra") from None
     seen, n = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
@@ -281,6 +287,12 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
             f"the data has token id {text.max_token_id()} but the model's vocab_size is {model_config.vocab_size}; "
             "use the model's tokenizer"
         )
+    if cfg.train.micro_batch_size > len(text.train):
+        raise UsageError(
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) is more than the {len(text.train)} training rows "
+            f"of {cfg.data.seq_len} tokens the data holds (one micro batch would repeat rows); lower "
+            "--micro-batch-size or add data"
+        )
     if resume is not None:
         want = (resume.state.get("data") or {}).get("sha256")
         if want != text.fingerprint():
@@ -339,6 +351,9 @@ def build_model(plan: Plan):
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
                                                                output_loading_info=True)
         except Exception as exc:  # noqa: BLE001
+            if "ignore_mismatched_sizes" in str(exc):  # its "report above" is silenced: say it here
+                raise UsageError(f"model directory {path!r} holds weights whose shapes differ from its config.json "
+                                 "(another model size?); use the config.json saved with these weights") from None
             raise UsageError(f"cannot load model {path!r} ({_first_line(exc)})") from None
         finally:
             hf_logging.set_verbosity(verbosity)
@@ -368,6 +383,10 @@ def check_causal(model) -> None:
             y = torch.tensor([[1, 2, 4]])
             a = model(input_ids=x).logits[0, :2]
             b = model(input_ids=y).logits[0, :2]
+    except Exception as exc:  # noqa: BLE001 - a config transformers builds but cannot run (e.g. odd head_dim)
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise UsageError(f"model {kind!r} fails on a 3-token forward with this config ({_first_line(exc)}); check "
+                         "the model sizes (e.g. hidden_size / num_heads must be even for rotary embeddings)") from None
     finally:
         model.train(was_training)
     if not torch.equal(a, b):
