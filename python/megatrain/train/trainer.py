@@ -217,7 +217,8 @@ def estimate_params(model_config) -> int:
 
 def check_model_fits(cfg: Config, model_config) -> int:
     """Host bytes the run needs before anything is built: the fp32 model (4 B/param) plus its host
-    store (fp32 master, exp_avg, exp_avg_sq, fp32 gradient accumulator, compute copy: 18 B/param).
+    store (fp32 master, exp_avg, exp_avg_sq and the compute copy: 14 B/param, and the fp32 gradient
+    accumulator, 4 B/param, with gradient_accumulation_steps > 1).
 
     Returns:
         The parameter count.
@@ -228,9 +229,10 @@ def check_model_fits(cfg: Config, model_config) -> int:
     from megatrain.runtime.host_memory import check_host_budget
 
     params = estimate_params(model_config)
+    store = 14 + (4 if cfg.train.gradient_accumulation_steps > 1 else 0)
     try:
-        check_host_budget(params * (4 + 18), 0, f"train ({params / 1e6:.1f}M parameters: the fp32 model at 4 B/param "
-                                                "and its host store at 18 B/param)")
+        check_host_budget(params * (4 + store), 0, f"train ({params / 1e6:.1f}M parameters: the fp32 model at 4 B/param "
+                                                   f"and its host store at {store} B/param)")
     except MemoryError as exc:
         raise UsageError(_first_line(exc, 400) + " Lower the model sizes (model.hidden_size, model.num_layers, "
                          "model.vocab_size)") from None
