@@ -770,6 +770,7 @@ class Engine:
 
         grad_done = threading.Event()
         unit.grad_task_done = grad_done
+        finite = [True]  # this gradient's squared norms are all finite (set by the gradient task)
 
         def grad_task():
             try:
@@ -792,6 +793,8 @@ class Engine:
                     sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
                     unit.grad_sq[i] = float(sq)
                     unit.has_grad[i] = True
+            # Read here, in this task: a later zero_grad() task may reset grad_sq before an eager update runs.
+            finite[0] = all(math.isfinite(unit.grad_sq[i]) for i, p in enumerate(present) if p)
             with self._stats_lock:
                 self._stats["grad_accum_time_s"] += time.perf_counter() - t0
             if own_staging:
@@ -802,16 +805,20 @@ class Engine:
         self._worker.submit(grad_task, ready=ev.query if ev is not None else None)
         if plan is not None:
             items, scale = plan
-            self._submit_adam(unit, items, scale, after=grad_done, entries=[i for i, p in enumerate(present) if p])
+            self._submit_adam(unit, items, scale, after=grad_done, entries=[i for i, p in enumerate(present) if p],
+                              finite=(lambda: finite[0]) if getattr(opt, "nonfinite", None) is not None else None)
 
     def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None,
-                     entries: Optional[List[int]] = None, zero_grads=()) -> None:
+                     entries: Optional[List[int]] = None, zero_grads=(),
+                     finite: Optional[Callable[[], bool]] = None) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
 
         The unit is "in flight" from when the task is queued (``_submit_updating``) until it ran.
         Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
         back. ``after``: set when the unit's gradient task ran (the update is not started before).
+        ``finite``: called in the task; False skips the update (a non-finite gradient never reaches
+        the masters; the compute copy is rewritten from them and the optimizer undoes the step count).
         Takes over (and clears) ``unit.direct`` of those entries: the compute section holds
         weights after the update. ``zero_grads``: entries updated with an all-zero gradient
         (``zero_grad(set_to_none=False)`` and no backward since).
@@ -830,13 +837,12 @@ class Engine:
                 return torch.zeros(unit.entries[i].numel, dtype=torch.float32)
             return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
 
-        check = getattr(self.optimizer, "nonfinite", None) is not None
         step_number = getattr(self.optimizer, "_steps_called", 0) + 1  # the step() this update belongs to
 
         def task():
             t0 = time.perf_counter()
             try:
-                if check and not all(math.isfinite(unit.grad_sq[it[0]]) for it in items):
+                if finite is not None and items and not finite():
                     # A non-finite gradient never reaches the masters: the unit's update is skipped.
                     self._weights_back(unit, [i for i in entries if direct[i]])
                     self.optimizer.skip_unit_update(unit, items, step_number)
