@@ -24,9 +24,10 @@ def _real_bytes(model):
     """What the wrapped model's engine allocated, read from the objects themselves."""
     eng = model.megatrain
     elem = torch.tensor([], dtype=eng.compute_dtype).element_size()
-    staging = sum(b.numel() * b.element_size() for b in list(eng._staging.queue))
+    # the staging pool is allocated on first use: its bound (what the budget check counts)
+    staging = eng._staging_max * eng._staging_numel * elem
     if eng.resident is not None:
-        staging += eng.resident_staging.numel() * eng.resident_staging.element_size()
+        staging += eng.resident_staging().numel() * eng.resident_staging().element_size()
     slots = sum(s.buf.numel() * s.buf.element_size() for ss in eng.slots.values() for s in ss)
     resident = 0
     if eng.resident is not None:

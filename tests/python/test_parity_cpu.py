@@ -398,7 +398,7 @@ def test_extra_backward_without_clipping_raises_and_leaks_nothing():
     model = megatrain.wrap(tiny("llama"), device="cpu")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
     eng = model.megatrain
-    pool = eng._staging.qsize()
+    pool = eng._staging_max
     x = torch.randint(0, 96, (2, 8))
     for _ in range(pool + 1):  # more errors than staging buffers: a leak per error would deadlock
         model(input_ids=x, labels=x).loss.backward()
@@ -407,7 +407,29 @@ def test_extra_backward_without_clipping_raises_and_leaks_nothing():
         opt.step()
         opt.zero_grad()
     opt.wait()
-    assert eng._staging.qsize() == pool
+    assert eng._staging.qsize() == eng._staging_made <= pool  # every buffer taken from the pool came back
+
+
+def test_staging_pool_is_allocated_only_when_gradients_are_summed():
+    # One backward per step: gradients go straight to the compute section; the staging pool (a
+    # largest layer per buffer) and the resident staging buffer stay unallocated.
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    eng = model.megatrain
+    x = torch.randint(0, 96, (2, 8))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait()
+    assert eng._staging_made == 0 and eng._resident_staging is None
+    acc = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(acc.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    for _ in range(2):
+        acc(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.wait()
+    assert acc.megatrain._staging_made >= 1 and acc.megatrain._resident_staging is not None
 
 
 def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):

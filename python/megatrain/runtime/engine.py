@@ -423,11 +423,14 @@ class Engine:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
-        max_numel = max((u.numel for u in self.layers), default=0)
+        # Bounded pool of gradient staging buffers, allocated on first use: only gradients that are
+        # summed (accumulation) pass through staging; at one backward per step they go straight into
+        # the compute section and the pool never costs host memory. The budget check counted it.
+        self._staging_numel = max((u.numel for u in self.layers), default=0)
+        self._staging_max = staging_buffers if self.layers else 0
+        self._staging_made = 0
+        self._staging_lock = threading.Lock()
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
-        with checked_in_python():
-            for _ in range(staging_buffers if self.layers else 0):
-                self._staging.put(self._host_buffer(max_numel))
         # Squared-norm readback of direct gradients: one pinned row per unit, allocated once (the
         # unit's previous gradient task, which reads its row, is waited for before it is rewritten).
         max_entries = max((len(u.entries) for u in units), default=0)
@@ -445,6 +448,15 @@ class Engine:
         self.optimizer = None
 
     # ------------------------------------------------------------------ memory helpers
+    def _staging_buffer(self) -> torch.Tensor:
+        """A gradient staging buffer of the bounded pool (allocated on first use; blocks while all are in flight)."""
+        with self._staging_lock:
+            if self._staging.empty() and self._staging_made < self._staging_max:
+                self._staging_made += 1
+                with checked_in_python():
+                    return self._host_buffer(self._staging_numel)
+        return self._wait_for(self._staging.get)
+
     @property
     def has_accumulator(self) -> bool:
         """Whether a second gradient before ``step()`` can be summed (accumulator present or allocatable)."""
@@ -718,7 +730,9 @@ class Engine:
         staged = [p and not d for p, d in zip(present, direct)]
         own_staging = staging is None and any(staged)
         if own_staging:
-            staging = self._wait_for(self._staging.get)  # bounded pool: blocks while every buffer is in flight
+            staging = self._staging_buffer()
+        elif callable(staging):  # a caller's buffer, allocated only when a gradient is staged
+            staging = staging() if any(staged) else None
         compute = self.section(unit, "compute") if any(direct) else None
         for i, d in enumerate(direct):
             if d:

@@ -351,7 +351,7 @@ class WrappedEngine(EngineModuleApi, Engine):
         if self.resident is not None:
             self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
             self.resident_loaded_version = -1
-            self.resident_staging = self._host_buffer(self.resident.numel)
+            self._resident_staging = None  # allocated when a resident gradient is first summed (accumulation)
             self._resident_consumed = {}
             self._resident_hooked = set()
             owners_seen = set()
@@ -413,6 +413,12 @@ class WrappedEngine(EngineModuleApi, Engine):
         else:
             self.copy_h2d(self.resident_buf, u)
         self.resident_loaded_version = u.version
+
+    def resident_staging(self) -> torch.Tensor:
+        """The resident unit's gradient staging buffer (one region per entry), allocated on first use."""
+        if self._resident_staging is None:
+            self._resident_staging = self._host_buffer(self.resident.numel)
+        return self._resident_staging
 
     def _make_resident_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
