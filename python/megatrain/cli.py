@@ -7,6 +7,7 @@
     megatrain train --set train.save_every=100 --out runs/a   # checkpoints in runs/a/checkpoints/
     megatrain train --resume runs/a                  # continue runs/a from its newest checkpoint
     python -m megatrain train --print-config         # the resolved configuration, as YAML
+    megatrain train --preset 1b --dry-run            # the memory estimate; exit 0 (fits) or 2 (does not)
 
 Precedence: preset (or, with --resume, the checkpoint's configuration) < --config file < explicit
 flags < --set. Bad input (unknown key, missing data,
@@ -128,6 +129,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    tr.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the configuration, print the memory estimate (host bytes per section, pinned, GPU) and exit: "
+        "0 when it fits this machine, 2 when not; builds no model and writes nothing",
+    )
     sub.add_parser("info", help="build and runtime information (megatrain.info)", add_help=True)
     return parser
 
@@ -198,6 +205,8 @@ def cmd_train(args) -> int:
             return 0
         from megatrain.train import trainer
 
+        if args.dry_run:
+            return _dry_run(cfg, resume)
         plan = trainer.prepare(cfg, resume=resume)
         with _sigterm_as_interrupt() as stopped_by:
             summary = trainer.run(cfg, plan)
@@ -227,6 +236,20 @@ def cmd_train(args) -> int:
     from megatrain.train.metrics import summary_table
 
     print(summary_table(trainer.summary_rows(summary)))
+    return 0
+
+
+def _dry_run(cfg, resume) -> int:
+    """``--dry-run``: every check of a real run, the memory estimate printed; no model, nothing written."""
+    from megatrain.train import trainer
+
+    try:
+        plan = trainer.prepare(cfg, resume=resume, dry_run=True)
+    except trainer.DoesNotFit as exc:
+        print(exc.estimate)
+        sys.stdout.flush()
+        raise
+    print(plan.estimate)
     return 0
 
 

@@ -371,8 +371,6 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         gpu_bytes=gpu, gpu_free_bytes=free if cuda else None, gpu_fits=gpu_fits)
     if cuda and not torch.cuda.is_available():
         est.notes.append("CUDA is not available here: GPU memory not checked")
-    if max_grad_norm:
-        est.notes.append("max_grad_norm changes no byte (the clip reads the gradients where they are)")
 
     # ---- why not, and what to change
     gib = 2**30
@@ -383,8 +381,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             est.advice.append(short["advice"].rstrip("."))
         else:
             have = short["available_bytes"] + short["credit_bytes"]
-            est.reasons.append(f"needs {host} bytes ({_fmt(host)}) of host memory but only {short['available_bytes']} "
-                               f"bytes ({_fmt(short['available_bytes'])}) are available under the {short['limit']}")
+            est.reasons.append(f"needs {_fmt(host)} of host memory but only {_fmt(short['available_bytes'])} are "
+                               f"available under the {short['limit']}")
             est.advice.append(f"needs {(host - have) / gib:.2f} GiB more host RAM")
             if accum:
                 est.advice.append(f"gradient_accumulation_steps={gradient_accumulation_steps} allocates the fp32 "
@@ -394,10 +392,10 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
                                   "use the default grad_accumulator=None")
             if trainable_n:
                 frozen_all = plan_host_memory(_all_frozen(units), compute_dtype, None, staging_buffers)
-                est.advice.append(f"freeze the base / use LoRA: frozen parameters hold only their compute copy "
-                                  f"({elem} B/param; all frozen: {_fmt(frozen_all['store_bytes'])})")
+                est.advice.append(f"freeze the base / use LoRA (a frozen parameter costs {elem} B; all frozen: "
+                                  f"{_fmt(frozen_all['store_bytes'])})")
             if host and have > 0:
-                est.advice.append(f"or a smaller model: about {_count(int(total * have / host))} parameters fit")
+                est.advice.append(f"or a smaller model (about {_count(int(total * have / host))} parameters fit)")
     if gpu_fits is False:
         est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory but {_fmt(free)} are free")
         if act + logits > slot_bytes + resident_bytes:

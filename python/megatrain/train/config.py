@@ -38,8 +38,9 @@ class ModelConfig:
     """Which model to train.
 
     Either ``path`` (a local Hugging Face model directory: config.json + weights, loaded with
-    ``AutoModelForCausalLM.from_pretrained``) or ``arch`` plus sizes (a transformers ``model_type``
-    such as ``llama``, ``qwen2``, ``mistral``; built with random weights from ``seed``).
+    ``megatrain.from_pretrained``) or ``arch`` plus sizes (a transformers ``model_type``
+    such as ``llama``, ``qwen2``, ``mistral``; initialised from ``seed`` straight into the store by
+    ``megatrain.from_config``).
     """
 
     path: Optional[str] = None

@@ -47,6 +47,7 @@ class Plan:
     compute_dtype: object  # torch.dtype
     out_dir: str
     resume: Optional["ResumePoint"] = None  # continue this checkpoint's run (``--resume``)
+    estimate: object = None  # megatrain.MemoryEstimate of the run (what --dry-run prints)
 
 
 def resolve_device(spec: str):
@@ -192,63 +193,100 @@ def check_writable(directory: str, out_dir: str) -> None:
                          f"({exc.strerror}); choose another --out") from None
 
 
-def estimate_params(model_config) -> int:
-    """Parameter count of the model ``model_config`` describes, from a build on the meta device (no memory).
+class DoesNotFit(UsageError):
+    """The run's memory estimate does not fit this machine (``estimate``: the :class:`megatrain.MemoryEstimate`)."""
+
+    def __init__(self, message: str, estimate):
+        super().__init__(message)
+        self.estimate = estimate
+
+
+def has_safetensors(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def check_checkpoint(path: str, model_config) -> None:
+    """Refuse a model directory whose safetensors do not cover the model, from the headers alone
+    (:func:`check_loading_info`'s messages; ``megatrain.from_pretrained`` refuses the same later).
 
     Raises:
-        UsageError: transformers cannot build the model from this config.
+        UsageError: a truncated / malformed file, a shard missing, a tensor missing or of the wrong shape.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    from megatrain.runtime.loading import CheckpointError, CheckpointIndex, _aliases, meta_model
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
+        index = CheckpointIndex(path)
+        model = meta_model(model_config)
+    except CheckpointError as exc:
+        raise UsageError(f"cannot load model {path!r} ({_first_line(exc, 300)})") from None
     except Exception as exc:  # noqa: BLE001
         raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes and "
                          "model.extra") from None
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            n += p.numel()
-    return n
+    prefix = getattr(model, "base_model_prefix", "")
+    missing, mismatched, used = [], [], set()
+    for first, names in _aliases(model).items():
+        key = index.lookup(names, prefix)
+        if key is None:
+            missing.append(first)
+            continue
+        used.add(key)
+        if tuple(index.tensors[key][1]["shape"]) != tuple(model.get_parameter(first).shape):
+            mismatched.append(first)
+    if mismatched:
+        raise UsageError(f"model directory {path!r} holds weights whose shapes differ from its config.json "
+                         f"({mismatched[0]} and {len(mismatched) - 1} more; another model size?); use the config.json "
+                         "saved with these weights")
+    buffers = {n for n, _ in model.named_buffers()}
+    unexpected = [k for k in index.tensors if k not in used and index.lookup([k], prefix) not in used
+                  and k not in buffers and not (prefix and f"{prefix}.{k}" in buffers)]
+    check_loading_info(path, {"missing_keys": missing, "mismatched_keys": mismatched, "unexpected_keys": unexpected})
 
 
-def check_model_fits(cfg: Config, model_config) -> int:
-    """Host bytes the run needs before anything is built: the fp32 model (4 B/param) plus its host
-    store (fp32 master, exp_avg, exp_avg_sq and the compute copy: 14 B/param, and the fp32 gradient
-    accumulator, 4 B/param, with gradient_accumulation_steps > 1).
+def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool = False):
+    """The run's memory (:func:`megatrain.estimate`, from the model config on the meta device: nothing
+    is allocated) and the refusal when it does not fit.
 
-    Returns:
-        The parameter count.
+    The run is refused when the host part does not fit (the store's own budget check, exact). With
+    ``dry_run`` also when the GPU part does not (activations are a rough estimate).
 
     Raises:
-        UsageError: it does not fit in host memory (bytes needed vs available, what to change).
+        DoesNotFit: one line, the estimate attached.
+        UsageError: transformers cannot build the model from this config.
     """
-    from megatrain.runtime.host_memory import check_host_budget
+    import megatrain
 
-    params = estimate_params(model_config)
-    store = 14 + (4 if cfg.train.gradient_accumulation_steps > 1 else 0)
+    t = cfg.train
     try:
-        check_host_budget(params * (4 + store), 0, f"train ({params / 1e6:.1f}M parameters: the fp32 model at 4 B/param "
-                                                   f"and its host store at {store} B/param)")
-    except MemoryError as exc:
-        raise UsageError(_first_line(exc, 400) + " Lower the model sizes (model.hidden_size, model.num_layers, "
-                         "model.vocab_size)") from None
-    return params
+        est = megatrain.estimate(model_config, device=device, compute_dtype=compute_dtype,
+                                 activation_policy=cfg.runtime.activation_policy,
+                                 gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                 max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
+                                 seq_len=cfg.data.seq_len)
+    except megatrain.UnsupportedModelError as exc:
+        raise UsageError(_first_line(exc, 300)) from None
+    except Exception as exc:  # noqa: BLE001
+        raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes and "
+                         "model.extra") from None
+    if not est.host_fits or (dry_run and not est.fits):
+        sizes = "" if cfg.model.path is not None else "; or lower model.hidden_size, model.num_layers, model.vocab_size"
+        from megatrain.runtime.estimate import _count
+
+        raise DoesNotFit(f"the model ({_count(est.num_params)} parameters) does not fit this machine: "
+                         f"{est.reason()}{sizes}", est)
+    return est
 
 
 def default_out_dir() -> str:
     return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
-    """Checks the user's input and loads the data; writes nothing.
+def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool = False) -> Plan:
+    """Checks the user's input, estimates the run's memory and loads the data; writes nothing.
 
     Args:
         resume: continue this checkpoint (:func:`find_resume_point`); the output directory may then
             be the run directory holding it. The data must be the checkpointed run's.
+        dry_run: refuse also when the rough GPU estimate does not fit (``--dry-run``).
 
     Raises:
         UsageError: anything the user must fix, with a one-line message.
@@ -282,7 +320,10 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
     device = resolve_device(cfg.runtime.device)
-    check_model_fits(cfg, model_config)
+    compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
+    if cfg.model.path is not None and has_safetensors(cfg.model.path):
+        check_checkpoint(cfg.model.path, model_config)
+    estimate = estimate_run(cfg, model_config, device, compute_dtype, dry_run=dry_run)
     text = data_mod.load_text_data(cfg.data, cfg.train.seed, tokenizer)
     if text.max_token_id() >= model_config.vocab_size:
         raise UsageError(
@@ -307,9 +348,10 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None) -> Plan:
         data=text,
         model_config=model_config,
         device=device,
-        compute_dtype=resolve_dtype(cfg.runtime.compute_dtype, device),
+        compute_dtype=compute_dtype,
         out_dir=out_dir,
         resume=resume,
+        estimate=estimate,
     )
 
 
@@ -336,8 +378,38 @@ def check_loading_info(path: str, info: dict) -> None:
                       f"{shown}")
 
 
+def build_wrapped_model(plan: Plan):
+    """The wrapped model, built straight into the host store: ``megatrain.from_pretrained(model.path)``
+    (safetensors) or ``megatrain.from_config`` (the same values as ``torch.manual_seed(train.seed);
+    AutoModelForCausalLM.from_config(config)``). The whole model never exists in memory; the store's
+    budget check refuses a model that does not fit before anything large is allocated. A directory
+    with only ``pytorch_model.bin`` is loaded with transformers first (:func:`build_model`).
+
+    Raises:
+        UsageError: the checkpoint cannot be loaded (names the file and tensor).
+    """
+    import torch
+
+    import megatrain
+
+    cfg = plan.cfg
+    kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.path is not None and not has_safetensors(cfg.model.path):
+        data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
+                      "transformers (4 B/param more while loading); save_pretrained writes safetensors")
+        return megatrain.wrap(build_model(plan), **kw)
+    if cfg.model.path is not None:
+        try:
+            return megatrain.from_pretrained(cfg.model.path, **kw)
+        except megatrain.CheckpointError as exc:
+            raise UsageError(f"cannot load model {cfg.model.path!r} ({_first_line(exc, 300)})") from None
+    return megatrain.from_config(plan.model_config, seed=cfg.train.seed, **kw)
+
+
 def build_model(plan: Plan):
-    """The fp32 CPU model: ``from_pretrained(model.path)`` or random init from the seed."""
+    """The fp32 CPU model: ``from_pretrained(model.path)`` or random init from the seed (in memory;
+    the trainer uses :func:`build_wrapped_model`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -379,19 +451,26 @@ def check_causal(model) -> None:
 
     was_training = model.training
     model.eval()
+    engine = getattr(model, "megatrain", None)
+    device = engine.device if engine is not None else torch.device("cpu")
     try:
         with torch.no_grad():
-            x = torch.tensor([[1, 2, 3]])
-            y = torch.tensor([[1, 2, 4]])
-            a = model(input_ids=x).logits[0, :2]
-            b = model(input_ids=y).logits[0, :2]
+            x = torch.tensor([[1, 2, 3]], device=device)
+            y = torch.tensor([[1, 2, 4]], device=device)
+            a = model(input_ids=x).logits[0, :2].float()
+            b = model(input_ids=y).logits[0, :2].float()
     except Exception as exc:  # noqa: BLE001 - a config transformers builds but cannot run (e.g. odd head_dim)
         kind = getattr(model.config, "model_type", type(model).__name__)
         raise UsageError(f"model {kind!r} fails on a 3-token forward with this config ({_first_line(exc)}); check "
                          "the model sizes (e.g. hidden_size / num_heads must be even for rotary embeddings)") from None
     finally:
         model.train(was_training)
-    if not torch.equal(a, b):
+        if engine is not None and getattr(engine, "auto_decisions", None):
+            engine.auto_decisions.clear()  # the probe's shape is not the run's (activation_policy=auto)
+    # fp32: equal bit for bit in a causal model; bf16 kernels may round differently per call.
+    exact = a.dtype == b.dtype and (engine is None or engine.compute_dtype == torch.float32)
+    same = torch.equal(a, b) if exact else bool((a - b).abs().max() <= 1e-2 * max(1.0, float(a.abs().max())))
+    if not same:
         kind = getattr(model.config, "model_type", type(model).__name__)
         raise UsageError(
             f"model {kind!r} is not causal: its predictions at a position change with later tokens, so next-token "
@@ -701,7 +780,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
     stop = stop or StopRequest()
     resume = plan.resume
 
-    model = build_model(plan)
+    model = build_wrapped_model(plan)
     check_causal(model)
     params = metrics_mod.count_params(model)
     flops = metrics_mod.flops_per_token(model.config, params, d.seq_len, cfg.runtime.activation_policy)
@@ -714,9 +793,6 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         except Exception:  # noqa: BLE001
             peak, peak_source = metrics_mod.H200_BF16_PEAK_FLOPS, "H200 bf16 default"
 
-    model = megatrain.wrap(
-        model, device=device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy
-    )
     engine = getattr(model, "megatrain", None)
     optimizer = megatrain.optim.CPUAdamW(
         param_groups(model, t.weight_decay),

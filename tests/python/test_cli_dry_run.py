@@ -1,0 +1,156 @@
+"""`megatrain train --dry-run` and the CLI's streamed model building: the estimate is printed and
+nothing is written; a model that does not fit is refused in one line before anything large is
+allocated; building through megatrain.from_config / from_pretrained trains exactly as building the
+model in memory and wrapping it did."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+_PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+if _PY not in sys.path:
+    sys.path.insert(0, _PY)
+
+megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
+from megatrain.cli import main  # noqa: E402
+from megatrain.train import trainer  # noqa: E402
+from megatrain.train.config import build_config  # noqa: E402
+
+TINY = ["--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.num_heads=2",
+        "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=192", "--set", "data.max_documents=200",
+        "--set", "eval.batches=2", "--set", "train.warmup_steps=2", "--seq-len", "64", "--no-progress",
+        "--device", "cpu", "--compute-dtype", "fp32"]  # fmt: skip
+HUGE = ["--set", "model.hidden_size=32768", "--set", "model.num_layers=64", "--set", "model.num_heads=256",
+        "--set", "model.num_kv_heads=256", "--set", "model.intermediate_size=65536"]  # fmt: skip
+
+
+def _run_main(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(6):
+        (d / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 40)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=320, max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, corpus, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(["train", "--dry-run", "--out", str(out), "--data", str(corpus), *TINY], capsys)
+    assert code == 0, err
+    for word in ("compute copy", "master (fp32)", "exp_avg (fp32)", "exp_avg_sq (fp32)", "grad accumulator",
+                 "gradient staging", "pinned", "layer slots", "resident unit", "activations", "fits this machine"):
+        assert word in stdout, word
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("source", ["arch", "model_dir"])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_dry_run_estimate_equals_the_store_the_run_builds(tmp_path, corpus, model_dir, source, gas):
+    overrides = [("log", "out", str(tmp_path / "out")), ("data", "path", str(corpus)), ("runtime", "device", "cpu"),
+                 ("train", "gradient_accumulation_steps", gas), ("data", "seq_len", 32)]
+    if source == "model_dir":
+        overrides.append(("model", "path", str(model_dir)))
+    cfg = build_config(overrides=overrides)
+    plan = trainer.prepare(cfg, dry_run=True)
+    est = plan.estimate
+    model = trainer.build_wrapped_model(plan)
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=gas)
+    eng = model.megatrain
+    assert est.host_sections == dict(eng.store.section_bytes)
+    assert est.store_bytes == eng.store.total_bytes
+    assert est.accumulator_bytes == eng.accumulator_bytes() and (est.accumulator_bytes > 0) == (gas > 1)
+    assert not (tmp_path / "out").exists()
+
+
+def _measured(argv, cwd):
+    """Runs ``python -m megatrain ARGV`` from a fresh parent: (returncode, stdout, stderr, seconds, peak RSS bytes)."""
+    probe = (
+        "import json, resource, subprocess, sys, time\n"
+        "t = time.perf_counter()\n"
+        "p = subprocess.run([sys.executable, '-m', 'megatrain', *sys.argv[1:]], capture_output=True, text=True)\n"
+        "dt = time.perf_counter() - t\n"
+        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
+        "print(json.dumps(dict(rc=p.returncode, out=p.stdout, err=p.stderr, s=dt, rss=rss)))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=_PY + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", None)
+    res = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, cwd=cwd,
+                         timeout=300)
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    return r["rc"], r["out"], r["err"], r["s"], r["rss"]
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry_run", "real_run"])
+def test_a_huge_model_is_refused_in_one_line_without_allocating(tmp_path, corpus, dry):
+    """hidden 32768 x 64 layers (687B parameters, ~10 TiB of store): exit 2 with the reason, out not
+    created, and the process never holds more than a small interpreter's memory."""
+    out = tmp_path / "out"
+    argv = ["train", *(["--dry-run"] if dry else []), "--out", str(out), "--data", str(corpus), *TINY, *HUGE]
+    t = time.perf_counter()
+    code, stdout, err, seconds, rss = _measured(argv, tmp_path)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatrain: error: "), err
+    assert "does not fit this machine" in lines[0] and "of host memory but only" in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert not out.exists()
+    if dry:
+        assert "DOES NOT FIT" in stdout and "store total" in stdout
+    assert rss < 2 * 2**30, f"peak RSS {rss / 2**30:.2f} GiB: something large was allocated"
+    assert seconds < 60, seconds  # interpreter + torch + transformers imports on a loaded 2-core machine
+    assert time.perf_counter() - t < 120
+
+
+def _losses(out):
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if r["kind"] == "train"], [r["eval_loss"] for r in recs if r["kind"] == "eval"]
+
+
+def _in_memory_then_wrap(plan):
+    """How the CLI built models before the streamed path: the whole model in memory, then wrap."""
+    return megatrain.wrap(trainer.build_model(plan), device=plan.device, compute_dtype=plan.compute_dtype,
+                          activation_policy=plan.cfg.runtime.activation_policy)
+
+
+@pytest.mark.parametrize("source", ["arch", "model_dir"])
+def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path, corpus, model_dir, monkeypatch,
+                                                                        capsys, source):
+    argv = ["--steps", "4", "--log-every", "1", "--eval-every", "2", "--micro-batch-size", "2",
+            "--gradient-accumulation-steps", "2", "--data", str(corpus), *TINY, "--seq-len", "32"]  # fmt: skip
+    if source == "model_dir":
+        argv += ["--model", str(model_dir)]
+    streamed = tmp_path / "streamed"
+    assert main(["train", "--out", str(streamed), *argv]) == 0
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "build_wrapped_model", _in_memory_then_wrap)
+        before = tmp_path / "in_memory"
+        assert main(["train", "--out", str(before), *argv]) == 0
+    capsys.readouterr()
+    a, b = _losses(streamed), _losses(before)
+    assert len(a[0]) == 4 and len(a[1]) == 3
+    assert a == b  # every step's loss and every eval loss, bit for bit
