@@ -31,6 +31,8 @@ GiB = 1024 ** 3
 TAG = "BENCH_SCALE_RESULT "
 SHAPES = {
     "llama3_8b": dict(hidden=4096, layers=32, inter=14336, heads=32, kv_heads=8, vocab=128256),
+    # the Llama-3-8B shape with 34 decoder layers (8.47B): near the largest a 125 GiB host holds at 14 B/param
+    "llama3_8b_34l": dict(hidden=4096, layers=34, inter=14336, heads=32, kv_heads=8, vocab=128256),
     "llama_6.7b": dict(hidden=4096, layers=32, inter=11008, heads=32, kv_heads=32, vocab=32000),
     "llama_7b_bf16": dict(hidden=4096, layers=32, inter=11008, heads=32, kv_heads=32, vocab=32000),
     "llama_30b": dict(hidden=6656, layers=60, inter=17920, heads=52, kv_heads=52, vocab=32000),
