@@ -1,6 +1,7 @@
-"""PNG charts for the JSON results of bench_cpu_adam.py and bench_memory.py.
+"""PNG charts for the JSON results of bench_cpu_adam.py, bench_memory.py and bench_scale.py.
 
     python benchmarks/plot_results.py docs/benchmarks/cpu_adam_h200.json docs/benchmarks/memory_depth_h200.json
+    python benchmarks/plot_results.py docs/benchmarks/scale_train_h200.json   # any bench_scale JSON
 
 Each ``X.json`` gets an ``X.png`` beside it.
 """
@@ -47,6 +48,29 @@ def plot_memory(d, out):
     fig.savefig(out, dpi=120)
 
 
+def plot_scale(d, out):
+    """Host bytes per parameter (peak RSS and the store) and, where trained, model TFLOP/s per case."""
+    rows = [r for r in d["rows"] if r.get("status") == "ok" and r.get("peak_rss_gib") is not None]
+    names = [r["case"] + (f"\n{r['n_params'] / 1e9:.2f}B" if r.get("n_params") else "") for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, max(3.0, 1.0 + 0.6 * len(rows))))
+    peak = [r.get("peak_rss_bytes_per_param") or 0 for r in rows]
+    store = [r.get("store_bytes_per_param") or 0 for r in rows]
+    y = range(len(rows))
+    axes[0].barh([i + 0.2 for i in y], peak, height=0.4, label="peak host RSS", color="tab:blue")
+    axes[0].barh([i - 0.2 for i in y], store, height=0.4, label="host store", color="tab:gray")
+    axes[0].set_yticks(list(y), names, fontsize=8)
+    axes[0].set_xlabel("host bytes per parameter")
+    axes[0].legend(fontsize=8)
+    tf = [r.get("tflops") or r.get("tflops_4nt") or 0 for r in rows]
+    bars = axes[1].barh(list(y), tf, color="tab:green")
+    axes[1].bar_label(bars, fmt="%.0f")
+    axes[1].set_yticks(list(y), [""] * len(rows))
+    axes[1].set_xlabel("model TFLOP/s (LoRA: 4NT + attention)")
+    fig.suptitle(f"{d['benchmark']} ({(d.get('machine') or {}).get('gpu')}, {d.get('date')}, {d.get('commit')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(paths):
     for path in paths:
         with open(path) as f:
@@ -56,6 +80,8 @@ def main(paths):
             plot_cpu_adam(d, out)
         elif "rows" in d and "non_saved_ratio" in d:
             plot_memory(d, out)
+        elif str(d.get("benchmark", "")).startswith("bench_scale"):
+            plot_scale(d, out)
         else:
             print(f"skip {path}: unknown result format")
             continue
