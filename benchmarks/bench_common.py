@@ -1,6 +1,11 @@
-"""What every benchmark records about the tree it ran (shared by the bench_*.py scripts)."""
+"""What every benchmark records about the tree it ran, and how a child reports (shared by the bench_*.py scripts)."""
+import json
 import os
 import subprocess
+import sys
+import traceback
+
+GiB = 1024 ** 3
 
 
 def git_commit() -> str | None:
@@ -16,3 +21,37 @@ def git_commit() -> str | None:
         return c + ("-dirty" if dirty else "") if c else None
     except OSError:
         return None
+
+
+def host_peak_rss_gib() -> float | None:
+    """This process's peak resident set size (VmHWM), GiB; None where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return None
+
+
+def report_child(row: dict, run, device: str, tag: str) -> None:
+    """Fill ``row`` from ``run()`` and print it as one ``tag + json`` line (a benchmark child's result).
+
+    A CUDA out-of-memory error becomes status ``oom``, any other exception ``error: <type>: <first
+    line>`` (its traceback goes to stderr); GPU peak / reserved memory and the host peak RSS are added.
+    """
+    import torch
+    try:
+        row.update(run())
+    except torch.OutOfMemoryError as e:
+        row["status"] = "oom"
+        print(f"OOM: {str(e).splitlines()[0]}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - reported as the row's status
+        traceback.print_exc()
+        row["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    if device.startswith("cuda") and torch.cuda.is_initialized():
+        row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        row["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    row["host_peak_gib"] = host_peak_rss_gib()
+    print(tag + json.dumps(row), flush=True)

@@ -34,11 +34,10 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit  # noqa: E402
-from bench_train import (PRESETS, SIZE_SHAPES, build_model, host_peak_rss_gib, llama_params,  # noqa: E402
+from bench_common import git_commit, report_child  # noqa: E402
+from bench_train import (PRESETS, SIZE_SHAPES, build_model, llama_params,  # noqa: E402
                          machine_info, model_flops_per_step, versions)
 
 GiB = 1024 ** 3
@@ -184,21 +183,8 @@ def run_loss(spec) -> dict:
 
 
 def child_main(spec: dict) -> None:
-    import torch
     row = dict(status="ok")
-    try:
-        row.update(run_loss(spec) if spec["mode"] == "loss" else run_train(spec))
-    except torch.OutOfMemoryError as e:
-        row["status"] = "oom"
-        print(f"OOM: {str(e).splitlines()[0]}", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        row["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-    if spec["device"].startswith("cuda") and torch.cuda.is_initialized():
-        row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-        row["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    row["host_peak_gib"] = host_peak_rss_gib()
-    print(RESULT_TAG + json.dumps(row), flush=True)
+    report_child(row, lambda: run_loss(spec) if spec["mode"] == "loss" else run_train(spec), spec["device"], RESULT_TAG)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,9 +68,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 
-from bench_common import git_commit
+from bench_common import git_commit, report_child
 
 SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"]
 CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"}
@@ -118,17 +117,6 @@ def llama_params(m: dict) -> int:
 def model_flops_per_step(n_params: int, m: dict, batch: int, seq: int) -> float:
     head_dim = m["hidden"] // m["heads"]
     return 6.0 * n_params * batch * seq + 6.0 * m["layers"] * batch * seq ** 2 * m["heads"] * head_dim
-
-
-def host_peak_rss_gib() -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return None
 
 
 def build_model(m: dict, seq: int, init_device: str = "cpu"):
@@ -522,7 +510,6 @@ def run_matmul(spec):
 
 
 def child_main(spec: dict) -> None:
-    import torch
     name = spec["system"]
     OPT["lr"] = spec.get("lr", OPT["lr"])  # every system reads OPT
     row = dict(system=name, status="ok")
@@ -530,19 +517,7 @@ def child_main(spec: dict) -> None:
           "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
           "deepspeed_zero3": lambda s: run_deepspeed(s, 3), "deepspeed_zero2": lambda s: run_deepspeed(s, 2),
           "matmul": run_matmul}.get(name, run_megatrain)
-    try:
-        row.update(fn(spec))
-    except torch.OutOfMemoryError as e:
-        row["status"] = "oom"
-        print(f"OOM: {str(e).splitlines()[0]}", file=sys.stderr)
-    except Exception as e:
-        traceback.print_exc()
-        row["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-    if spec["device"].startswith("cuda") and torch.cuda.is_initialized():
-        row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-        row["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    row["host_peak_gib"] = host_peak_rss_gib()
-    print(RESULT_TAG + json.dumps(row), flush=True)
+    report_child(row, lambda: fn(spec), spec["device"], RESULT_TAG)
 
 
 # ----------------------------------------------------------------------------------------------

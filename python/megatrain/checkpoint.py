@@ -470,12 +470,13 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
 EXPORT_PRODUCER = "megatrain.export_pretrained"
 
 
-def is_megatrain_export(path: str) -> bool:
+def is_megatrain_export(path: str, ignore=()) -> bool:
     """Whether directory ``path`` holds only what :func:`save_pretrained_streamed` writes
     (``config.json``, ``generation_config.json``, ``model.safetensors``) and its weights carry
     megatrain's producer mark. A model directory saved by anything else is not one (a tokenizer,
-    a README or another tool's weights next to the config make it foreign)."""
-    names = set(os.listdir(path))
+    a README or another tool's weights next to the config make it foreign). Entries named in
+    ``ignore`` (e.g. a run's ``checkpoint-N`` folders) are left out of the comparison."""
+    names = set(os.listdir(path)) - set(ignore)
     if "config.json" not in names or "model.safetensors" not in names or \
             not names <= {"config.json", "generation_config.json", "model.safetensors"}:
         return False

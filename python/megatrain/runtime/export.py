@@ -169,16 +169,7 @@ def _run_checkpoints(path: str) -> list:
 
 def _own_or_run_dir(path: str) -> bool:
     """An earlier export, or a run directory whose only other content is checkpoint-N/ folders."""
-    from ..checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
+    from ..checkpoint import is_megatrain_export
 
-    names = set(os.listdir(path)) - set(_run_checkpoints(path))
-    if not names:
-        return True
-    if not names <= _EXPORT_FILES or "model.safetensors" not in names:
-        return False
-    try:
-        with open(os.path.join(path, "model.safetensors"), "rb") as f:
-            header, _ = _read_header(f, path)
-    except (OSError, CheckpointError):
-        return False
-    return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER
+    runs = _run_checkpoints(path)
+    return set(os.listdir(path)) <= set(runs) or is_megatrain_export(path, ignore=runs)
