@@ -93,13 +93,15 @@ def run_train(spec) -> dict:
         sync()
         step_s = time.perf_counter() - t1
         last = dict(eng.long_context.last)
+        auto = [dict(d) for d in eng.auto_decisions.values()]  # --policy auto: what it chose (block_k, ...)
         loss = float(loss.detach())
     finally:
         eng.close()
     fl = model_flops_per_step(n_params, m, spec["batch"], spec["seq"])
     return dict(step_s=step_s, setup_s=setup_s, loss=loss, n_params=n_params, policy=policy,
                 model_flops_per_step=fl, model_tflops=fl / step_s / 1e12, tokens_per_s=spec["batch"] * spec["seq"] / step_s,
-                loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), layers=m["layers"], hidden=m["hidden"])
+                loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), layers=m["layers"], hidden=m["hidden"],
+                auto_decisions=auto)
 
 
 def _loss_methods():

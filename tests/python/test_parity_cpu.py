@@ -191,15 +191,15 @@ def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
     wrap_mod = importlib.import_module("megatrain.runtime.wrap")
     decide = wrap_mod.WrappedEngine._decide_auto
 
-    def room_for_two_and_a_half_layers(self, key, layer_bytes):
+    def room_for_two_and_a_half_layers(self, key, layer_bytes, input_bytes=0):
         self._free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes)
+        decide(self, key, layer_bytes, input_bytes)
 
     monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_and_a_half_layers)
     ref, got, wrapped, _ = run_pair(tiny("llama"), policy="auto", max_grad_norm=1.0)
     check(ref, got)
     (d,) = wrapped.megatrain.auto_decisions.values()
-    assert (d["store"], d["store_layers"], d["recompute_layers"]) == (False, 2, 1)
+    assert (d["store"], d["store_layers"], d["recompute_layers"], d["block_k"]) == (False, 2, 1, 1)
     calls = _count_layer_forwards(monkeypatch, wrapped)
     x = torch.randint(0, 96, (2, 8))
     loss = wrapped(input_ids=x, labels=x).loss
@@ -207,6 +207,37 @@ def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
     assert all(v["store_layers"] == 2 for v in wrapped.megatrain.auto_decisions.values())
     loss.backward()
     assert calls == [0, 1, 2, 2]  # only the recomputed layer runs again
+
+
+def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatch):
+    # Long context: not even the 4 layers' inputs fit (room for 3.5), so auto keeps no graph and
+    # one input of every K = 2 (checkpoint_spacing: ceil(4/2) + 1 = 3 inputs): exact.
+    import importlib
+
+    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    decide = wrap_mod.WrappedEngine._decide_auto
+
+    def room_for_three_and_a_half_inputs(self, key, layer_bytes, input_bytes=0):
+        assert 0 < input_bytes < layer_bytes
+        self._free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
+        decide(self, key, layer_bytes, input_bytes)
+
+    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_three_and_a_half_inputs)
+    ref, got, wrapped, _ = run_pair(tiny("llama", num_hidden_layers=4), policy="auto", max_grad_norm=1.0, steps=4)
+    check(ref, got)
+    (d,) = wrapped.megatrain.auto_decisions.values()
+    assert (d["store"], d["store_layers"], d["block_k"]) == (False, 0, 2)
+    assert d["bytes_per_input"] == 2 * 16 * 32 * 4  # batch x seq x hidden x fp32
+    from megatrain.train.trainer import _auto_decisions  # what the CLI writes to summary.json
+    (summary,) = _auto_decisions(wrapped.megatrain)
+    assert (summary["policy"], summary["block_k"], summary["input_shapes"]) == ("block:2", 2, [[2, 16, 32]])
+    calls = _count_layer_forwards(monkeypatch, wrapped)
+    x = torch.randint(0, 96, (2, 16))
+    loss = wrapped(input_ids=x, labels=x).loss
+    assert calls == [0, 1, 2, 3]
+    loss.backward()
+    # blocks [0, 1] and [2, 3]: layer 3 recomputes 2 first, layer 1 recomputes 0
+    assert calls == [0, 1, 2, 3, 2, 3, 2, 0, 1, 0]
 
 
 def _count_layer_forwards(monkeypatch, wrapped) -> list:

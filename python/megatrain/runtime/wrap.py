@@ -537,11 +537,15 @@ class WrappedEngine(EngineModuleApi, Engine):
 
     def _assign_block(self, call: _LayerCall, diff) -> None:
         """Place ``call`` in the current block (block:K) if its inputs are exactly the last layer's outputs."""
-        if self.block_k == 1:
+        k = self.block_k
+        if self.auto_policy:  # auto: block:K once the first call chose it (checkpoint spacing from free memory)
+            d = self.auto_decisions.get(_shape_key(diff))
+            k = 1 if d is None else d.get("block_k", 1)
+        if k == 1:
             return
         prev = self._last_call
         chained = (prev is not None and prev.block is self._pending_block and self._pending_block is not None
-                   and len(self._pending_block.calls) < self.block_k and prev.saved is not None
+                   and len(self._pending_block.calls) < k and prev.saved is not None
                    and len(diff) == len(prev.saved) and all(a is b() for a, b in zip(diff, prev.saved)))
         if not chained:
             self._pending_block = _Block()
@@ -578,20 +582,31 @@ class WrappedEngine(EngineModuleApi, Engine):
         its graph saved); then as many layers as fit in ``AUTO_STORE_FRACTION`` of the free device
         memory (layers ``0 .. store_layers - 1``) keep their graphs and the others save only their
         input (``recompute``): all layers when everything fits, none but the measured one when
-        nothing does.
+        nothing does. When even the inputs of all layers (``recompute``) do not fit there, no layer
+        keeps its graph and one input of every K is kept (``block:K``, K from
+        :func:`long_context.checkpoint_spacing`).
         """
         if not self.auto_policy:
             return self.store_activations
         d = self.auto_decisions.get(_shape_key(diff_inputs))
         return True if d is None else call.unit.index < d["store_layers"]
 
-    def _decide_auto(self, key, layer_bytes: int) -> None:
+    def _decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
+        """``auto``: decide for input shape ``key`` from the first call's measured bytes (graph:
+        ``layer_bytes``; its differentiable inputs: ``input_bytes``) and the free device memory."""
         free = self._free_device_bytes()
         n = len(self.layers)
         need = layer_bytes * n
-        k = n if layer_bytes <= 0 else min(n, int(AUTO_STORE_FRACTION * free // layer_bytes))
-        self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k,
-                                        bytes_per_layer=layer_bytes, bytes_all_layers=need, free_bytes=free)
+        budget = AUTO_STORE_FRACTION * free
+        k = n if layer_bytes <= 0 else min(n, int(budget // layer_bytes))
+        block_k = 1
+        if k < n and input_bytes > 0 and n * input_bytes > budget:
+            # Long context: not even one saved input per layer fits; space the checkpoints.
+            k = 0
+            block_k = long_context.checkpoint_spacing(n, input_bytes, budget)
+        self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k, block_k=block_k,
+                                        bytes_per_layer=layer_bytes, bytes_all_layers=need,
+                                        bytes_per_input=input_bytes, free_bytes=free)
 
     def _free_device_bytes(self) -> int:
         if self.cuda:
@@ -637,7 +652,8 @@ class WrappedEngine(EngineModuleApi, Engine):
         if self.auto_policy:
             key = _shape_key(diff_inputs)
             if key not in self.auto_decisions:
-                self._decide_auto(key, sum(saved_storages.values()))
+                self._decide_auto(key, sum(saved_storages.values()),
+                                  sum(x.numel() * x.element_size() for x in diff_inputs))
         return out
 
     def _prefetch_after(self, unit: Unit, slot, step: int) -> None:
@@ -738,8 +754,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             every layer's activations on the device, no recomputation: backward re-streams only
             the weights; needs the activation memory of plain training without checkpointing) or
             ``"auto"`` (``store`` when the activations measured on the first layer call, times the
-            number of layers, fit in 60% of the free device memory, else ``recompute``; decided
-            per input shape, recorded in ``model.megatrain.auto_decisions``).
+            number of layers, fit in 60% of the free device memory; else as many layers as fit
+            keep their activations and the rest recompute; when not even every layer's input fits
+            (long context), ``block:K`` with K from the free memory; decided per input shape from
+            the first layer call, recorded in ``model.megatrain.auto_decisions``).
         num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
             loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
         grad_accumulator: the fp32 gradient accumulator (4 B per trainable parameter). ``None``

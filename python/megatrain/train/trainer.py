@@ -746,13 +746,15 @@ class Interrupted(KeyboardInterrupt):
 
 def _auto_decisions(engine) -> Optional[list]:
     """What ``activation_policy: auto`` chose, per layer input shape (None for other policies):
-    ``policy`` (store | recompute | store K layers, recompute the rest) and the engine's numbers."""
+    ``policy`` (store | recompute | store K layers, recompute the rest | block:K) and the engine's numbers."""
     if engine is None or not getattr(engine, "auto_policy", False):
         return None
     out = []
     for key, d in getattr(engine, "auto_decisions", {}).items():
         stored = d.get("store_layers")
         policy = "store" if d.get("store") else ("recompute" if not stored else f"store {stored} layers, recompute the rest")
+        if d.get("block_k", 1) > 1:
+            policy = f"block:{d['block_k']}"
         out.append({"input_shapes": [list(s) for s in key], "policy": policy, **{k: v for k, v in d.items() if k != "store"}})
     return out
 
