@@ -259,3 +259,13 @@ def test_checkpoint_spacing():
     assert lc.checkpoint_spacing(32, 2 * gib, 49 * gib) == 2  # 16 + 1 inputs of 2 GiB
     assert lc.checkpoint_spacing(32, 4 * gib, 49 * gib) == 4  # 8 + 3 inputs of 4 GiB
     assert lc.checkpoint_spacing(32, 8 * gib, 10 * gib) == 4  # none fits: fewest (11, at K = 4..6)
+
+
+def test_chunked_output_reads_like_a_model_output():
+    """output["loss"] (what the HF Trainer's compute_loss reads), keys(), to_tuple() and [0] work."""
+    w = megatrain.wrap(tiny("llama"), chunked_loss=True, tile_mlp=False)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = w(input_ids=x, labels=x)
+    assert list(out.keys())[0] == "loss" and "logits" not in list(out.keys())
+    assert out["loss"] is out.loss and out[0] is out.loss and out.to_tuple()[0] is out.loss
+    assert torch.isfinite(out["loss"])

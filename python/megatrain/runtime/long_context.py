@@ -37,6 +37,7 @@ forward allocates anything.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
 import threading
@@ -460,8 +461,11 @@ class LongContext:
         if isinstance(output, tuple):
             return tuple(None if o is ph else o for o in output)
         if isinstance(output, dict):
+            # ModelOutput (an OrderedDict) refuses del; its keys are what to_tuple() / output["loss"] /
+            # the Trainer read. dict.__delitem__ would leave the key in OrderedDict's own order list.
+            delete = collections.OrderedDict.__delitem__ if isinstance(output, collections.OrderedDict) else dict.__delitem__
             for k in [k for k, v in output.items() if v is ph]:
-                dict.__delitem__(output, k)  # ModelOutput refuses del; its keys are what to_tuple()/Trainer read
+                delete(output, k)
                 object.__setattr__(output, k, None)
         return output
 
