@@ -394,6 +394,24 @@ def test_pickling_a_wrapped_model_is_refused_naming_save_checkpoint(tmp_path):
     assert torch.load(str(tmp_path / "sd.pt"), weights_only=True).keys() == model.state_dict().keys()
 
 
+@pytest.mark.parametrize("cast", ["half", "bf16", "lm_head", "meta"])
+def test_changing_dtype_or_device_is_refused_before_any_tensor_changes(cast):
+    model, opt = make(True)
+    x = batches(1)[0]
+    with torch.no_grad():
+        before = model(x).logits
+    f = {"half": lambda: model.half(), "bf16": lambda: model.to(torch.bfloat16),
+         "lm_head": lambda: model.lm_head.half(), "meta": lambda: model.to("meta")}[cast]
+    with pytest.raises(TypeError, match=r"megatrain\.wrap\(model, compute_dtype="):
+        f()
+    model.to("cpu").float()  # what the Trainer / accelerate call: no change, allowed
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+    model.train()
+    model(input_ids=x, labels=x).loss.backward()  # still trains
+    opt.step()
+
 def test_load_checkpoint_keeps_the_callers_max_grad_norm(tmp_path):
     model, opt = make(True, max_grad_norm=0.5)
     train_steps(model, opt, batches(1))

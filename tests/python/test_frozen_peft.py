@@ -141,6 +141,18 @@ def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path
         torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-4, atol=1e-5)
 
 
+def test_peft_merge_and_unload_on_a_wrapped_model_is_refused_naming_export():
+    model = megatrain.wrap(_lora(_tiny()))
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(x).logits
+    for name in ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload"):
+        for target in (model, model.base_model):
+            with pytest.raises(RuntimeError, match=r"export_pretrained\(model, dir, merge_adapter=True\)"):
+                getattr(target, name)()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
 def test_from_config_with_peft_transform_equals_peft_on_hf_init():
     cfg = _tiny().config
     torch.manual_seed(5)

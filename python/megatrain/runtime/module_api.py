@@ -113,6 +113,8 @@ def install(eng, model: nn.Module) -> None:
                                         for mod, attr in e.owners])
 
     object.__setattr__(model, "load_state_dict", types.MethodType(load_state_dict, model))
+    _install_cast_guard(eng, model)
+    _install_peft_merge_guard(model)
     if hasattr(model, "save_pretrained"):
         object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
     # Pickling walks the model's __dict__ in order: the engine goes first, so its refusal is the
@@ -123,6 +125,73 @@ def install(eng, model: nn.Module) -> None:
     d.clear()
     d["megatrain"] = eng_ref
     d.update(rest)
+
+
+_CAST_MSG = ("megatrain: {call} would change the {what} of a model wrapped by megatrain.wrap (its resident weights "
+             "are views of megatrain's {dtype} buffer on {device}; the streamed layers live in the host store): "
+             "choose them at wrap: megatrain.wrap(model, compute_dtype=..., device=...)")
+
+
+def _install_cast_guard(eng, model: nn.Module) -> None:
+    """``model.half()`` / ``.to(torch.bfloat16)`` / ``.to(other_device)`` on the model or a module holding
+    resident weights raise before any tensor is converted (torch would cast only the resident part and
+    detach it from the engine's buffer). Calls that change nothing (``.to(its device)``, the
+    Trainer's placement) still run."""
+    u = getattr(eng, "resident", None)
+    if u is None:
+        return
+    owners = [(mod, attr) for e in u.entries for mod, attr in e.owners]
+    holders = {id(mod) for mod, _ in owners}
+
+    def holds_resident(m: nn.Module) -> bool:
+        return any(id(x) in holders for x in m.modules())
+
+    def make(m: nn.Module):
+        orig = m._apply
+
+        def _apply(fn, recurse=True):
+            for mod, attr in owners:
+                p = mod._parameters.get(attr)
+                if p is None or not (mod is m or (recurse and any(mod is x for x in m.modules()))):
+                    continue
+                out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if isinstance(out, torch.Tensor) and (out.dtype != p.dtype or out.device != p.device):
+                    what = "dtype" if out.dtype != p.dtype else "device"
+                    call = f"casting to {out.dtype}" if what == "dtype" else f"moving to {out.device}"
+                    raise TypeError(_CAST_MSG.format(call=call, what=what, dtype=p.dtype, device=p.device))
+            return orig(fn, recurse)
+        return _apply
+
+    for m in model.modules():
+        if holds_resident(m):
+            object.__setattr__(m, "_apply", make(m))
+
+
+_MERGE_MSG = ("megatrain: PEFT's {name}() cannot run on a model wrapped by megatrain.wrap (it would merge or remove the "
+              "adapter on the streamed layers' meta placeholders and return a wrong model); use "
+              "megatrain.export_pretrained(model, dir, merge_adapter=True) for the merged model, or "
+              "export_pretrained(model, dir) for the adapter")
+
+
+def _install_peft_merge_guard(model: nn.Module) -> None:
+    """PEFT's merge_and_unload / merge_adapter / unmerge_adapter / unload on a wrapped model raise at once."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except Exception:  # peft not installed: nothing to guard
+        return
+
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise RuntimeError(_MERGE_MSG.format(name=name))
+        return f
+
+    targets = [m for m in model.modules() if isinstance(m, BaseTuner)]
+    if targets and hasattr(model, "peft_config"):
+        targets.append(model)
+    for t in targets:
+        for name in ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload"):
+            if hasattr(t, name):
+                object.__setattr__(t, name, refuse(name))
 
 
 def _make_sd_hook(eng, masters, items):
