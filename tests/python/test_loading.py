@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -165,6 +166,21 @@ def test_refusal_allocates_no_store(sharded, monkeypatch):
     os.remove(os.path.join(sharded, sorted(set(_index(sharded)["weight_map"].values()))[0]))
     _refuses(sharded, "does not exist")
     assert built == []
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(dtype=torch.bfloat16), "compute_dtype=torch.bfloat16"), (dict(torch_dtype=torch.float16), "compute_dtype"),
+    (dict(device_map="auto"), "device='cuda'"), (dict(load_in_4bit=True), "full-precision"),
+])
+def test_hf_loading_options_megatrain_would_ignore_are_refused(sharded, kw, needle):
+    cfg = transformers.AutoConfig.from_pretrained(sharded)
+    for f in (lambda: megatrain.from_pretrained(sharded, **kw), lambda: megatrain.from_config(cfg, seed=0, **kw),
+              lambda: megatrain.estimate(sharded, **kw)):
+        with pytest.raises(ValueError, match=re.escape(needle)) as ei:
+            f()
+        assert "\n" not in str(ei.value)
+    w = megatrain.from_pretrained(sharded, dtype="auto")  # "auto" and float32 mean what megatrain does anyway
+    assert all(v.dtype == torch.float32 for v in w.state_dict().values())
 
 
 def test_wrap_frees_layer_weights_as_it_copies(monkeypatch):

@@ -195,6 +195,31 @@ def _load_config(config_or_path):
     return AutoConfig.from_pretrained(config_or_path)
 
 
+_NOT_FOR_MEGATRAIN = {
+    "device_map": "the layers are streamed from host memory; pass device='cuda' (a megatrain.wrap option)",
+    "quantization_config": "megatrain trains full-precision weights (fp32 masters); load without quantization",
+    "load_in_8bit": "megatrain trains full-precision weights (fp32 masters); load without quantization",
+    "load_in_4bit": "megatrain trains full-precision weights (fp32 masters); load without quantization",
+}
+
+
+def _check_model_kwargs(model_kwargs: dict) -> None:
+    """Refuse transformers loading options that megatrain would otherwise ignore or misapply.
+
+    ``dtype`` / ``torch_dtype``: only float32 (the masters' dtype) or "auto" are accepted; both mean
+    nothing more (the compute precision is ``compute_dtype``). Raises ValueError (one line).
+    """
+    for key in ("dtype", "torch_dtype"):
+        v = model_kwargs.pop(key, None)
+        if v is None or v == "auto" or v in (torch.float32, "float32"):
+            continue
+        raise ValueError(f"megatrain: {key}={v} is not used: the master weights are always fp32 and the compute "
+                         f"precision is megatrain.wrap's; pass compute_dtype={v} instead")
+    for key, why in _NOT_FOR_MEGATRAIN.items():
+        if key in model_kwargs:
+            raise ValueError(f"megatrain: {key}= is not supported: {why}")
+
+
 def meta_model(config, recorder: Optional[TorchFunctionMode] = None, **model_kwargs) -> nn.Module:
     """``AutoModelForCausalLM.from_config(config)`` with every parameter and buffer on the meta device.
 
@@ -205,7 +230,8 @@ def meta_model(config, recorder: Optional[TorchFunctionMode] = None, **model_kwa
     """
     from transformers import AutoModelForCausalLM
 
-    model_kwargs.setdefault("dtype", torch.float32)
+    _check_model_kwargs(model_kwargs)
+    model_kwargs["dtype"] = torch.float32
     if recorder is not None:
         with recorder:
             model = AutoModelForCausalLM.from_config(config, **model_kwargs)
