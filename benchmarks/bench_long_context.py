@@ -10,7 +10,9 @@ kernel selection, page faults of the host store) are a small part of it; they ar
 
 Activation policy: ``block:K`` with K from ``megatrain.runtime.long_context.checkpoint_spacing``
 (the smallest K whose ceil(L/K) + K - 1 saved layer inputs fit in --ckpt-fraction of the GPU's
-memory), or ``--policy``.
+memory), or ``--policy`` (``auto``: chosen by megatrain.wrap from the measured first layer call,
+``auto_decisions`` in the JSON; ``offload``: every layer input parked in pinned host memory,
+``offload_host_gib`` in the JSON; compare its step time with ``--policy recompute`` at the same length).
 
 FLOPs (bench_train.py's convention, recompute NOT counted), per step of B sequences of S tokens:
 
@@ -94,6 +96,7 @@ def run_train(spec) -> dict:
         step_s = time.perf_counter() - t1
         last = dict(eng.long_context.last)
         auto = [dict(d) for d in eng.auto_decisions.values()]  # --policy auto: what it chose (block_k, ...)
+        parked = eng.offload.peak_parked_bytes / GiB if eng.offload is not None else None  # --policy offload
         loss = float(loss.detach())
     finally:
         eng.close()
@@ -101,7 +104,7 @@ def run_train(spec) -> dict:
     return dict(step_s=step_s, setup_s=setup_s, loss=loss, n_params=n_params, policy=policy,
                 model_flops_per_step=fl, model_tflops=fl / step_s / 1e12, tokens_per_s=spec["batch"] * spec["seq"] / step_s,
                 loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), layers=m["layers"], hidden=m["hidden"],
-                auto_decisions=auto)
+                auto_decisions=auto, offload_host_gib=parked)
 
 
 def _loss_methods():

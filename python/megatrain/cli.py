@@ -109,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute-dtype", help="auto | bf16 | fp32 (runtime.compute_dtype)")
     tr.add_argument(
         "--activation-policy",
-        help="recompute | store | auto | block:K, as megatrain.wrap (runtime.activation_policy)",
+        help="recompute | store | auto | offload | block:K, as megatrain.wrap (runtime.activation_policy)",
     )
     tr.add_argument("--eval-every", help="steps between held-out evaluations (eval.every)")
     tr.add_argument("--log-every", help="steps between log lines (log.every)")

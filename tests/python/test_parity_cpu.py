@@ -240,6 +240,44 @@ def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatc
     assert calls == [0, 1, 2, 3, 2, 3, 2, 0, 1, 0]
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_parity_offload_policy(monkeypatch, micro_batches):
+    # offload: every saved layer input goes through a host buffer (on the CPU a copy to another CPU
+    # tensor, the same code path as pinned memory on CUDA) and comes back in backward: exact.
+    from megatrain.runtime import offload
+
+    parked, fetched = [], []
+    park, fetch = offload.InputOffload.park, offload.InputOffload.fetch
+    monkeypatch.setattr(offload.InputOffload, "park", lambda self, xs: parked.append(1) or park(self, xs))
+    monkeypatch.setattr(offload.InputOffload, "fetch", lambda self, r: fetched.append(1) or fetch(self, r))
+    ref, got, wrapped, _ = run_pair(tiny("llama"), policy="offload", micro_batches=micro_batches, max_grad_norm=1.0,
+                                    steps=4)
+    check(ref, got)
+    assert len(parked) == len(fetched) == 3 * 4 * micro_batches  # layers x steps x micro-batches
+    eng = wrapped.megatrain
+    assert eng.offload.parked_bytes == 0 and eng.offload.peak_parked_bytes == 3 * 2 * 16 * 32 * 4
+    calls = _count_layer_forwards(monkeypatch, wrapped)
+    x = torch.randint(0, 96, (2, 8))
+    wrapped(input_ids=x, labels=x).loss.backward()
+    assert calls == [0, 1, 2, 2, 1, 0]  # recompute's layer runs
+
+
+def test_offload_policy_refuses_what_the_host_cannot_hold(monkeypatch):
+    from megatrain.runtime import offload
+
+    model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="offload")
+    megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    x = torch.randint(0, 96, (2, 8))
+    model(input_ids=x, labels=x)  # fits
+    monkeypatch.setattr(offload, "host_memory_limits", lambda: dict(mem_available_bytes=3 * 2 * 8 * 32 * 4))
+    with pytest.raises(RuntimeError, match=r"activation_policy='offload' would park .* use activation_policy="):
+        model(input_ids=x, labels=x)
+    loss = model(input_ids=x[:, :4], labels=x[:, :4]).loss  # half the bytes: fits in 80%
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def _count_layer_forwards(monkeypatch, wrapped) -> list:
     """Record the index of every run of a streamed layer's own forward (forward and backward re-runs)."""
     calls = []

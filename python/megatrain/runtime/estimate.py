@@ -181,6 +181,8 @@ def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: s
         chosen = "store" if free is not None and per_layer * num_layers <= AUTO_STORE_FRACTION * free else "recompute"
     if chosen == "store":
         act = num_layers * per_layer
+    elif chosen == "offload":  # inputs parked in host memory: the one prefetched and the one in use
+        act = 2 * layer_in + per_layer
     elif chosen.startswith("block:"):
         act = math.ceil(num_layers / block_k) * layer_in + block_k * per_layer
     else:

@@ -31,7 +31,7 @@ from . import long_context
 from .engine import Engine, Entry, Unit
 from .module_api import EngineModuleApi, install as _install_module_api
 
-_POLICY_RE = re.compile(r"recompute|store|auto|block:(\d+)")
+_POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
 
 # ``auto``: keep activations (``store``) when all layers' measured activation bytes fit in this
 # fraction of the device memory still free; the rest is left for logits, gradients, fragmentation.
@@ -46,7 +46,7 @@ def check_activation_policy(policy, what: str = "megatrain.wrap: activation_poli
     """Check an activation policy string (the rule of :func:`wrap`; the CLI checks its config with it too).
 
     Args:
-        policy: ``"recompute"``, ``"store"``, ``"auto"`` or ``"block:K"`` with K >= 1.
+        policy: ``"recompute"``, ``"store"``, ``"auto"``, ``"offload"`` or ``"block:K"`` with K >= 1.
         what: how the error message names the value (``runtime.activation_policy`` in the CLI).
 
     Returns:
@@ -57,7 +57,7 @@ def check_activation_policy(policy, what: str = "megatrain.wrap: activation_poli
     """
     m = _POLICY_RE.fullmatch(policy) if isinstance(policy, str) else None
     if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
-        raise ValueError(f"{what} must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got {policy!r}")
+        raise ValueError(f"{what} must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got {policy!r}")
     return int(m.group(1)) if m.group(1) else 1
 
 
@@ -230,7 +230,11 @@ class _LayerFunction(torch.autograd.Function):
             # gets graph-free aliases of its outputs.
             ctx.saves_inputs = False
             return tuple(o.detach() for o in outs)
-        if call.block is None or call.pos == 0:
+        ctx.parked = None
+        if eng.offload is not None:  # offload: the input goes to host memory, comes back in backward
+            ctx.parked = eng.offload.park(diff_inputs)
+            ctx.saves_inputs = False
+        elif call.block is None or call.pos == 0:
             ctx.save_for_backward(*diff_inputs)
             ctx.saves_inputs = True
         else:
@@ -242,6 +246,9 @@ class _LayerFunction(torch.autograd.Function):
         eng, call = ctx.eng, ctx.call
         if ctx.saves_inputs:
             inputs = ctx.saved_tensors
+        elif ctx.parked is not None:
+            inputs = eng.offload.fetch(ctx.parked)
+            ctx.parked = None
         elif call.stored is not None:
             inputs = None
         elif call.block is not None and (call.pos in call.block.inputs or call.block.first_inputs is not None):
@@ -300,6 +307,7 @@ class WrappedEngine(EngineModuleApi, Engine):
         self.block_k = check_activation_policy(activation_policy)
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
+        self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)
         # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
         self.auto_decisions: dict = {}
         self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
@@ -376,6 +384,10 @@ class WrappedEngine(EngineModuleApi, Engine):
         self.load_resident()
         self._pending_block: Optional[_Block] = None
         self._last_call: Optional[_LayerCall] = None
+        if activation_policy == "offload":
+            from .offload import InputOffload
+
+            self.offload = InputOffload(self)
         self._dummy = torch.empty(0, requires_grad=True)
         # Its AccumulateGrad node, held so that it stays the node of every graph: backward asks the
         # autograd engine whether the running graph task reaches it, i.e. whether this backward
@@ -478,6 +490,8 @@ class WrappedEngine(EngineModuleApi, Engine):
         self.check_frozen()
         self._pending_block = None
         self._last_call = None
+        if self.offload is not None:
+            self.offload.begin_forward()
         if self.resident is not None:
             self._hook_resident_grads()
         self.load_resident()
@@ -757,7 +771,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             number of layers, fit in 60% of the free device memory; else as many layers as fit
             keep their activations and the rest recompute; when not even every layer's input fits
             (long context), ``block:K`` with K from the free memory; decided per input shape from
-            the first layer call, recorded in ``model.megatrain.auto_decisions``).
+            the first layer call, recorded in ``model.megatrain.auto_decisions``) or ``"offload"``
+            (as ``recompute``, but each saved layer input is parked in pinned host memory in
+            forward and copied back, prefetched one layer ahead, in backward; see
+            ``megatrain.runtime.offload``).
         num_slots: device slots per layer shape; prefetch depth is ``num_slots - 1`` (2: forward
             loads layer ``i+1`` while ``i`` runs; 3: ``i+1`` and ``i+2``).
         grad_accumulator: the fp32 gradient accumulator (4 B per trainable parameter). ``None``

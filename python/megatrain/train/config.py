@@ -103,7 +103,7 @@ class RuntimeConfig:
 
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    activation_policy: str = "recompute"  # recompute | store | auto | block:K (as megatrain.wrap)
+    activation_policy: str = "recompute"  # recompute | store | auto | offload | block:K (as megatrain.wrap)
 
 
 @dataclass

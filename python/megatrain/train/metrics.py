@@ -73,7 +73,7 @@ def flops_per_token(model_config, params: dict, seq_len: int, activation_policy:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
     attn_fwd = 2.0 * num_layers * num_heads * head_dim * seq_len  # causal: half of 4*L*H*D*S
     recompute = 0.0
-    if activation_policy == "recompute" or activation_policy.startswith("block:"):
+    if activation_policy in ("recompute", "offload") or activation_policy.startswith("block:"):
         recompute = 2.0 * params["layers"] + attn_fwd
     return FlopCounts(
         dense=6.0 * params["dense"],
