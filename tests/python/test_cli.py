@@ -111,7 +111,7 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--model", "lama"], "(did you mean llama"),
         (lambda p, m: ["--config", str(p)], "is a directory; --config expects a YAML file"),
         (lambda p, m: ["--activation-policy", "block:0"],
-         "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
+         "runtime.activation_policy must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got 'block:0'"),
         (lambda p, m: ["--model", "bert", *TINY], "model 'bert' is not causal"),
         (lambda p, m: _binary_file(p), "is not UTF-8 text"),
     ],
@@ -168,7 +168,7 @@ def test_activation_policy_flag_accepts_what_wrap_accepts(capsys, policy):
 def test_help_lists_every_activation_policy(capsys):
     code, out, _ = _run_main(["train", "--help"], capsys)
     assert code == 0
-    assert "recompute | store | auto | block:K" in " ".join(out.split())
+    assert "recompute | store | auto | offload | block:K" in " ".join(out.split())
 
 
 def test_print_config_shows_resolved_values(tmp_path, capsys):

@@ -345,7 +345,7 @@ def test_unsupported_model_error_names_module():
 @pytest.mark.parametrize("policy", ["sometimes", "block:0", "store\n"])
 def test_bad_activation_policy_rejected_before_wrapping(policy):
     model = tiny("llama")
-    with pytest.raises(ValueError, match="activation_policy must be 'recompute', 'store', 'auto' or 'block:K'"):
+    with pytest.raises(ValueError, match="activation_policy must be 'recompute', 'store', 'auto', 'offload' or 'block:K'"):
         megatrain.wrap(model, device="cpu", activation_policy=policy)
     assert getattr(model, "megatrain", None) is None
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"

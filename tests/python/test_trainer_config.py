@@ -45,7 +45,7 @@ def test_gpu_preset_differs_from_default():
         ("data:\n  eval_fraction: 1.0\n", "data.eval_fraction must be between 0 and 1"),
         ("data:\n  seq_len: 4096\n", "above the model's limit max_position_embeddings"),
         ("runtime:\n  activation_policy: block:0\n",
-         "runtime.activation_policy must be 'recompute', 'store', 'auto' or 'block:K' (K >= 1), got 'block:0'"),
+         "runtime.activation_policy must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got 'block:0'"),
         ("runtime:\n  compute_dtype: fp16\n", "compute_dtype must be auto, bf16 or fp32"),
         ("model:\n  hidden_size: 100\n  num_heads: 3\n", "divisible by model.num_heads"),
         ("train:\n  warmup_steps: -1\n", "train.warmup_steps must be >= 0"),
@@ -102,7 +102,7 @@ def _tiny_llama():
 
 
 @pytest.mark.parametrize("policy", ["recompute", "store", "auto", "block:1", "block:3", "block:0", "block:",
-                                    "block:-1", "offload", "Recompute", "store\n", ""])
+                                    "block:-1", "offload", "Offload", "Recompute", "store\n", ""])
 def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
     """runtime.activation_policy follows megatrain.wrap's own rule (auto included), with wrap's message."""
     import megatrain
@@ -118,7 +118,7 @@ def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
         with pytest.raises(UsageError) as info:
             config.build_config(overrides=[("runtime", "activation_policy", policy)])
         assert str(info.value) == wrap_error.replace("megatrain.wrap: activation_policy", "runtime.activation_policy")
-    assert (wrap_error is None) == (policy in ("recompute", "store", "auto", "block:1", "block:3"))
+    assert (wrap_error is None) == (policy in ("recompute", "store", "auto", "offload", "block:1", "block:3"))
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_to_min_ratio():

@@ -212,6 +212,7 @@ class _LayerFunction(torch.autograd.Function):
     def forward(ctx, eng, call, dummy, *diff_inputs):
         ctx.eng = eng
         ctx.call = call
+        ctx.parked = None  # offload policy: the input's host copy
         call.rng = _rng_state(eng.device)
         if eng.store_this(call, diff_inputs):
             out = eng.forward_stored(call, diff_inputs)
@@ -230,7 +231,6 @@ class _LayerFunction(torch.autograd.Function):
             # gets graph-free aliases of its outputs.
             ctx.saves_inputs = False
             return tuple(o.detach() for o in outs)
-        ctx.parked = None
         if eng.offload is not None:  # offload: the input goes to host memory, comes back in backward
             ctx.parked = eng.offload.park(diff_inputs)
             ctx.saves_inputs = False
