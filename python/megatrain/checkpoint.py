@@ -254,7 +254,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
-    eng.flush()  # queued Adam updates and gradient accumulation are done
+    eng.sync_host()  # queued Adam updates and gradient accumulation are done; device-state layers copied
 
     delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
     with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
@@ -408,7 +408,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         by_name = {_param_name(p): p for g in optimizer.param_groups for p in g["params"]}
 
     eng.zero_grad()  # gradients accumulated before the load belong to other weights
-    eng.flush()
+    eng.sync_host()  # (without the optimizer only masters are read: the moments stay as they are)
     sections = SECTIONS if optimizer is not None else ("master",)
     for mu, u in zip(m["units"], eng.units):
         path = os.path.join(directory, mu["file"])
@@ -438,6 +438,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                 if not e.frozen:
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         u.version += 1  # device slots / the resident buffer reload from the new compute copy
+    eng.host_written()  # device-state layers take the loaded state
     if optimizer is not None:
         for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):
             for k, v in sg.items():
@@ -498,7 +499,7 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
     :func:`megatrain.export_pretrained` is the atomic (temporary directory + rename) form.
     """
     eng = _engine(model)
-    eng.flush()
+    eng.sync_host()
     os.makedirs(out_dir, exist_ok=True)
     # frozen entries (no master): their compute copy
     tensors = [(e.name, eng.entry_view(u, i, "compute" if e.frozen else "master"))

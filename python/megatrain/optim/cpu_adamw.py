@@ -239,7 +239,8 @@ class CPUAdamW(torch.optim.Optimizer):
             if unit.entries[i].frozen:  # frozen at wrap: no fp32 state, never trains (torch keeps no state either)
                 continue
             self._entry[(unit.index, i)] = (group, p)
-            self.state[p] = _ParamState(lambda u=unit, e=eng: e.wait_update(u), {
+            # a read waits for the unit's update (and copies a device-state layer's state to the host store)
+            self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u]), {
                 "step": torch.tensor(0.0),
                 "exp_avg": eng.entry_view(unit, i, "exp_avg"),
                 "exp_avg_sq": eng.entry_view(unit, i, "exp_avg_sq"),
@@ -336,8 +337,11 @@ class CPUAdamW(torch.optim.Optimizer):
         # zero_grad(set_to_none=False) left zeros where no backward wrote since: a zero-gradient update
         zeros = {k for k in self._zero if k not in got and k in self._entry}
         scale = self.user_clip_scale
+        # Without clipping a device-state layer checks its own gradient before its update (as the
+        # host-stored layers' eager updates do), so only the layers with a non-finite one are skipped.
         sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
-                 if u.has_grad[i] and (u.index, i) in self._entry)
+                 if u.has_grad[i] and (u.index, i) in self._entry
+                 and (self.max_grad_norm is not None or u.device_state is None))
         number = self._steps_called + 1
         try:
             self._report_skipped_units()
@@ -379,6 +383,8 @@ class CPUAdamW(torch.optim.Optimizer):
         self._zero -= got
         self._consumed = bool(got)
         self.user_clip_scale = 1.0
+        if eng.device_state is not None and eng.device_state.take_skipped():
+            self._report_skipped_units()  # a device-state layer's non-finite gradient: reported (or raised) now
         return loss
 
     def wait(self) -> None:
@@ -389,7 +395,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """``torch.optim.Optimizer.state_dict()`` after the updates in flight: ``exp_avg`` / ``exp_avg_sq``
         are zero-copy fp32 CPU views of the host store (plain dicts and tensors: ``torch.load(...,
         weights_only=True)`` reads them)."""
-        self.wait()
+        self.engine.sync_host()
         sd = super().state_dict()
         sd["state"] = {k: dict(dict.items(v)) for k, v in sd["state"].items()}
         return sd
@@ -400,7 +406,7 @@ class CPUAdamW(torch.optim.Optimizer):
         Raises:
             ValueError: if the groups or state shapes do not match this optimizer's parameters.
         """
-        self.wait()
+        self.engine.sync_host()
         groups = state_dict["param_groups"]
         for g in groups:
             _check_options(".load_state_dict", g)
@@ -430,4 +436,5 @@ class CPUAdamW(torch.optim.Optimizer):
             for k, v in sg.items():
                 if k != "params":
                     g[k] = v
+        self.engine.host_written()  # device-state layers take the loaded exp_avg / exp_avg_sq
 

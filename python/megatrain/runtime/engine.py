@@ -100,6 +100,9 @@ class Unit:
     # Main thread only: entry i's slice of the store's compute section holds its gradient (the
     # first of this step, D2H'd there directly) instead of its weights, until the update.
     direct: List[bool] = field(default_factory=list)
+    # A device-state layer (``wrap(device_state_layers=K)``): its ``DeviceUnit`` (device buffers of
+    # the whole training state), else None. See ``megatrain.runtime.device_state``.
+    device_state: Optional[object] = None
 
     @property
     def grads_in_compute(self) -> bool:
@@ -446,6 +449,7 @@ class Engine:
         self._d2h_time_s = 0.0
         self._stats_lock = threading.Lock()
         self.optimizer = None
+        self.device_state = None  # DeviceState of the device-state layers (init_device_state)
 
     # ------------------------------------------------------------------ memory helpers
     def _staging_buffer(self) -> torch.Tensor:
@@ -496,6 +500,65 @@ class Engine:
         """The store is filled: page-lock it now (pin-after-fill, the default on CUDA)."""
         if self.cuda and self.pin_after_fill and not self.store.is_pinned:
             self.store.pin()
+
+    def init_device_state(self, layers) -> int:
+        """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``) on the device.
+
+        Called once, after the store is filled. ``"auto"``: as many layers as fit in
+        ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
+        (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16).
+        Returns K. See ``megatrain.runtime.device_state``.
+
+        Raises:
+            ValueError: ``layers`` is not an int >= 0 or ``"auto"``, or more than the model has.
+        """
+        from . import device_state as ds
+
+        ds.check_device_state_layers(layers)
+        if layers == "auto":
+            layers = ds.plan_device_state_layers(self.layers, self.compute_dtype, self._free_device_bytes())
+        if layers > len(self.layers):
+            raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
+                             f"decoder layers; use at most {len(self.layers)} (or 'auto')")
+        if layers == 0:
+            return 0
+        chosen = self.layers[:layers]
+        self.device_state = ds.DeviceState(self, chosen)
+        for template in list(self.slots):  # slots of a layer shape no streamed layer uses any more
+            if all(u.device_state is not None for u in self.layers if u.template == template):
+                self.slots[template] = []
+        return layers
+
+    def _free_device_bytes(self) -> int:
+        """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        from .host_memory import host_memory_limits
+        return int(host_memory_limits().get("mem_available_bytes") or 0)
+
+    def sync_host(self, units: Optional[List[Unit]] = None) -> None:
+        """Make the host store current before reading it (checkpoint, state_dict, export, optimizer state).
+
+        Waits for the CPU work in flight (``units`` None: ``flush()``; else each unit's update),
+        then copies the device-state layers' master / exp_avg / exp_avg_sq / compute copy into
+        their host-store sections (only those that changed since the last copy).
+        """
+        if units is None:
+            self.flush()
+        else:
+            for u in units:
+                self.wait_update(u)
+        if self.device_state is not None:
+            self.device_state.to_host(units)
+
+    def host_written(self, units: Optional[List[Unit]] = None) -> None:
+        """The host store sections of ``units`` (default all) were written: refresh their device state.
+
+        Call ``sync_host`` before the write (a partial write keeps the other sections' values).
+        """
+        if self.device_state is not None:
+            self.device_state.from_host(units)
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:
@@ -596,7 +659,14 @@ class Engine:
         return slot
 
     def acquire(self, unit: Unit) -> Slot:
-        """Return a slot holding ``unit``'s current weights; the compute stream waits for them."""
+        """Return a slot holding ``unit``'s current weights; the compute stream waits for them.
+
+        A device-state layer's slot is its permanent device buffer (no copy, no wait).
+        """
+        if unit.device_state is not None:
+            slot = unit.device_state.slot
+            slot.in_use += 1
+            return slot
         slot = self._find_slot(unit)
         if slot is None:
             slot = self._load(unit)
@@ -620,6 +690,8 @@ class Engine:
         """
         if unit is None:
             return None
+        if unit.device_state is not None:
+            return unit.device_state.slot  # always there: nothing to load
         slot = self._find_slot(unit)
         if slot is not None:
             return slot
@@ -630,6 +702,8 @@ class Engine:
     def release(self, slot: Slot) -> None:
         """Mark the compute stream's use of ``slot`` finished (records ``buffer_free``)."""
         slot.in_use -= 1
+        if getattr(slot, "permanent", False):  # a device-state layer's own buffer: never reused, never poisoned
+            return
         if slot.in_use == 0:
             if self.debug:
                 slot.buf.fill_(float("nan"))  # poison: any read of a released slot shows up as NaN
@@ -692,6 +766,8 @@ class Engine:
                 "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
         task_id = _graph_task_id()
+        if unit.device_state is not None:  # summed on the device, updated there in step()
+            return self.device_state.submit_grads(unit, grads, task_id)
         present = [g is not None for g in grads]
         if any(p and e for p, e in zip(present, unit.eager)):  # before anything is mutated or taken from the pool
             # last_task is the backward that queued the update (later gradients raise here, before it changes)
@@ -983,6 +1059,8 @@ class Engine:
         after a direct D2H.
         """
         unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
+        if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
+            return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads)
         self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)
 
     # ------------------------------------------------------------------ metrics
@@ -994,7 +1072,8 @@ class Engine:
         ``adam_exposed_s`` (time the main thread waited for CPU updates), ``grad_wait_s`` (time
         ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
         ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
-        ``streamed_layers``. Reading the copy times waits for the copies already issued.
+        ``streamed_layers`` (layers whose weights stream), ``device_state_layers``,
+        ``device_state_bytes`` (device bytes of their training state). Reading the copy times waits for the copies already issued.
         """
         self._collect_copy_times()
         with self._stats_lock:
@@ -1006,7 +1085,9 @@ class Engine:
             pinned_bytes=int(self.store.pinned_bytes),
             bytes_per_param=float(self.store.bytes_per_param),
             num_params=int(self.store.total_numel),
-            streamed_layers=len(self.layers),
+            streamed_layers=len(self.layers) - (len(self.device_state.units) if self.device_state else 0),
+            device_state_layers=len(self.device_state.units) if self.device_state else 0,
+            device_state_bytes=self.device_state.nbytes if self.device_state else 0,
         )
         return out
 

@@ -24,7 +24,7 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     eng = getattr(model, "megatrain", None)
     if eng is None:
         raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
-    eng.flush()
+    eng.sync_host()  # queued updates done, device-state layers copied to the host store
     by_id = {}
     for u in eng.units:
         for i, e in enumerate(u.entries):

@@ -488,7 +488,7 @@ class _RecordedInitSource:
 # ---------------------------------------------------------------------------------------------- public
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                 "tile_mlp"}
+                 "tile_mlp", "device_state_layers"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -499,7 +499,7 @@ def _wrap_with(model, source, wrap_kwargs):
     kw.update(wrap_kwargs)
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
-                 tile_mlp=kw.get("tile_mlp", "auto"))
+                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers", 0))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:
@@ -515,7 +515,8 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
         path: a local directory with ``config.json`` and ``model.safetensors`` (or
             ``model.safetensors.index.json`` and its shards); tensors in F32, BF16, F16 or F64.
         **kwargs: :func:`megatrain.wrap` options (``device``, ``compute_dtype``,
-            ``activation_policy``, ``num_slots``, ``grad_accumulator``); the others go to
+            ``activation_policy``, ``num_slots``, ``grad_accumulator``, ``chunked_loss``, ``tile_mlp``,
+            ``device_state_layers``); the others go to
             ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation``).
 
     Returns:

@@ -23,7 +23,8 @@ script read and write those masters:
   next ``CPUAdamW.step()`` (see :func:`clip_grad_norm_`).
 * ``torch.save(model)`` / ``copy.deepcopy(model)``: refused with one line naming what to use.
 
-Every read waits for the CPU updates in flight (``engine.flush()``) first.
+Every read waits for the CPU updates in flight and copies the device-state layers' state to the host
+store first (``engine.sync_host()``); every write refreshes them after (``engine.host_written()``).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _install_peft_merge_guard(model: nn.Module) -> None:
 
 def _make_sd_hook(eng, masters, items):
     def hook(module, state_dict, prefix, local_metadata):
-        eng.flush()
+        eng.sync_host()
         for attr, u, i in items:
             key = prefix + attr
             if key in state_dict:
@@ -217,7 +218,7 @@ def _make_load_check_hook(eng, loading):
             raise ValueError("megatrain: load_state_dict(assign=True) cannot replace the parameters of a model wrapped by "
                              "megatrain.wrap (its weights live in the host store); use assign=False: the values are "
                              "copied into the fp32 master weights")
-        eng.flush()
+        eng.sync_host()
         strict_now = getattr(loading, "strict", None)
         want = _expected(module)
         msgs = []
@@ -274,6 +275,7 @@ def _restore_placeholders(eng, where) -> None:
                 if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
             u.version += 1  # device slots / the resident buffer reload from the new compute copy
+    eng.host_written([u for u, _ in units.values()])  # device-state layers take the loaded masters
 
 
 # ---------------------------------------------------------------------------- save_pretrained
@@ -351,7 +353,7 @@ def _streamed_shards():
 def _save_pretrained(self, save_directory, *args, **kwargs):
     """transformers' ``save_pretrained`` over the fp32 master weights (see the module docstring)."""
     eng = self.megatrain
-    eng.flush()
+    eng.sync_host()
     cfg = getattr(self, "config", None)
     use_cache = getattr(cfg, "use_cache", None)
     if cfg is not None and use_cache is not None:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import long_context
+from .device_state import check_device_state_layers
 from .engine import Engine, Entry, Unit
 from .module_api import EngineModuleApi, install as _install_module_api
 
@@ -303,7 +304,7 @@ class WrappedEngine(EngineModuleApi, Engine):
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
-                 grad_accumulator: Optional[bool] = True, source=None):
+                 grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0):
         self.block_k = check_activation_policy(activation_policy)
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
@@ -346,6 +347,7 @@ class WrappedEngine(EngineModuleApi, Engine):
                         if e.param.device.type == "cpu":
                             e.param.data = torch.empty(0, dtype=e.param.dtype)
         self.finish_fill()
+        self.init_device_state(device_state_layers)
 
         # Streamed layers: placeholders + streamed class.
         for u in self.layers:
@@ -622,13 +624,6 @@ class WrappedEngine(EngineModuleApi, Engine):
                                         bytes_per_layer=layer_bytes, bytes_all_layers=need,
                                         bytes_per_input=input_bytes, free_bytes=free)
 
-    def _free_device_bytes(self) -> int:
-        if self.cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-        from .host_memory import host_memory_limits
-        return int(host_memory_limits().get("mem_available_bytes") or 0)
-
     def forward_stored(self, call: _LayerCall, diff_inputs):
         """``store`` policy: run ``call`` with grad on streamed weights and keep its graph.
 
@@ -753,7 +748,7 @@ class WrappedEngine(EngineModuleApi, Engine):
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
          activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
-         chunked_loss="auto", tile_mlp="auto") -> nn.Module:
+         chunked_loss="auto", tile_mlp="auto", device_state_layers=0) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -791,6 +786,19 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         tile_mlp: run each decoder layer's ``mlp`` over row tiles (exact; backward re-runs each
             tile): ``"auto"`` (when its intermediates would exceed 1/16 of the free device memory),
             ``True``, ``False`` or rows per tile.
+        device_state_layers: decoder layers ``0 .. K-1`` whose *whole* training state stays on the
+            device (opt-in; default 0: every layer's state lives in the host store): compute-dtype
+            weights, fp32 master, ``exp_avg``, ``exp_avg_sq`` and fp32 gradient accumulator, i.e.
+            2 + 12 + 4 = 18 device bytes per parameter in bf16 (20 in fp32). Their weights never
+            stream, their gradients never leave the device, and ``optimizer.step()`` updates them
+            on the device with exactly ``torch.optim.AdamW``'s math (clip coefficient of the
+            global norm, per-parameter step counts, the groups' hyperparameters); the next forward
+            runs on them while the CPU updates the deeper layers. An int ``K`` (0 .. number of
+            layers), or ``"auto"``: as many layers as fit in half of the device memory free at
+            wrap time, computed from those exact byte counts (``model.megatrain.stats()
+            ["device_state_layers"]`` says how many). The host store keeps these layers'
+            sections too: checkpoints, ``state_dict()``, export and ``optimizer.state`` read and
+            write them there (see ``megatrain.runtime.device_state``).
 
     Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
     embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
@@ -811,11 +819,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         HostMemoryError: the host store does not fit in host memory (nothing is allocated).
     """
     return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
-                 chunked_loss=chunked_loss, tile_mlp=tile_mlp)
+                 chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers)
 
 
 def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
-          chunked_loss="auto", tile_mlp="auto"):
+          chunked_loss="auto", tile_mlp="auto", device_state_layers=0):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     if getattr(model, "megatrain", None) is not None:
@@ -843,10 +851,14 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                          "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     check_activation_policy(activation_policy)
+    check_device_state_layers(device_state_layers)
     for name, p in model.named_parameters():
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
+    if device_state_layers != "auto" and device_state_layers > len(layers):
+        raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
+                         f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "output_router_logits", False):
         # The router logits would be captured from the streamed layers' graph-free forward, so
@@ -859,7 +871,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
-                           source=source)
+                           source=source, device_state_layers=device_state_layers)
     object.__setattr__(model, "megatrain", engine)
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp)
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters

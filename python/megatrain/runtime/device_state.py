@@ -1,0 +1,319 @@
+"""Device-state layers: the whole training state of chosen decoder layers kept on the compute device.
+
+``megatrain.wrap(model, device_state_layers=K)`` keeps, for decoder layers ``0 .. K-1``, every
+persistent tensor on the device, in flat buffers laid out exactly like the layer's host-store
+sections (same per-entry offsets):
+
+* ``compute`` — the compute-dtype weights (2 B/param in bf16, 4 in fp32): the layer's permanent
+  device slot. ``acquire()`` returns it (no H2D copy, never released to another layer, never a
+  prefetch target); the weights never stream.
+* ``master``, ``exp_avg``, ``exp_avg_sq`` — fp32 (12 B/param).
+* ``grad`` — the fp32 gradient accumulator (4 B/param): the layer's weight gradients are summed
+  here on the device (no D2H); the squared L2 norm of each accumulated gradient is reduced on the
+  device and read by the CPU worker (8 bytes per parameter tensor), so clipping (the global norm)
+  and the non-finite check see these layers exactly as the host-stored ones.
+
+18 B/param in all (16 with fp32 state + 2 for the bf16 compute copy) on the device; the host
+store keeps its sections for these layers too (they are the checkpoint / state_dict surface).
+
+The update runs on the device in ``optimizer.step()`` (with or without clipping: after the global
+norm is known), with the group's ``lr`` / ``betas`` / ``eps`` / ``weight_decay`` of that moment, the
+per-parameter step counts, and the clip coefficient, exactly as ``torch.optim.AdamW``: the gradient
+is multiplied by the clip coefficient, then ``torch._fused_adamw_`` (CUDA) or the foreach
+formulation of ``torch.optim.AdamW`` (decoupled weight decay ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-b1)``,
+``v = b2*v + (1-b2)*g*g``, ``p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``); then the compute
+copy is rewritten from the new master (round to nearest even for bf16). Layer 0 .. K-1 are the
+layers the next forward needs first: their update takes a few milliseconds of GPU time, and the
+next forward runs on them while the CPU worker updates layers K and deeper.
+
+Host-visible state: :meth:`DeviceState.to_host` copies master / exp_avg / exp_avg_sq / compute of
+the device-state layers into their host-store sections (only when they changed since the last
+copy) and :meth:`DeviceState.from_host` copies them back after the host store was written.
+Callers use the engine's ``sync_host()`` (before reading the host store) and ``host_written()``
+(after writing it); checkpoint, state_dict, export and the optimizer's state do.
+
+On the CPU backend the "device" is the CPU: the buffers are ordinary CPU tensors outside the host
+store and every step of the logic is the same, so CPU parity tests cover it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import List, Optional
+
+import torch
+
+# device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
+# memory free when the model is wrapped; the rest is left for activations (activation_policy
+# "auto" measures what is left), logits and fragmentation.
+AUTO_DEVICE_STATE_FRACTION = 0.5
+
+
+def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_layers") -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 0 or ``"auto"``."""
+    if value == "auto" and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device) "
+                         f"or 'auto', got {value!r}")
+
+
+def unit_device_bytes(unit, compute_dtype: torch.dtype) -> int:
+    """Device bytes :class:`DeviceState` allocates for ``unit``: the compute copy plus 4 fp32 sections.
+
+    ``unit.numel`` / ``unit.state_numel`` are the padded lengths of the unit's compute and fp32
+    host-store sections (the device buffers use the same layout).
+    """
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    return int(unit.numel) * elem + 16 * int(unit.state_numel)
+
+
+def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
+                             fraction: float = AUTO_DEVICE_STATE_FRACTION) -> int:
+    """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``."""
+    budget = fraction * max(0, int(free_bytes))
+    k, used = 0, 0
+    for u in layers:
+        used += unit_device_bytes(u, compute_dtype)
+        if used > budget:
+            break
+        k += 1
+    return k
+
+
+class DeviceSlot:
+    """The permanent device slot of a device-state layer (the interface of ``engine.Slot``)."""
+
+    permanent = True
+
+    def __init__(self, unit, buf: torch.Tensor):
+        self.buf = buf
+        self.unit = unit
+        self.version = 0
+        self.in_use = 0
+        self.last_use = 0
+        self.weights_ready = None
+        self.buffer_free = None
+        self.free_recorded = False
+
+
+class DeviceUnit:
+    """One device-state layer: its device buffers and bookkeeping."""
+
+    def __init__(self, unit, device: torch.device, compute_dtype: torch.dtype, cuda: bool):
+        self.unit = unit
+        self.compute = torch.empty(unit.numel, dtype=compute_dtype, device=device)
+        n = unit.state_numel
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        self.exp_avg = torch.empty(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.empty(n, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self.slot = DeviceSlot(unit, self.compute)
+        self.host_stale = False  # the device state changed since the last to_host()
+        self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
+        if cuda:
+            from .engine import _C
+            self.norm_row = _C.pinned_empty(max(1, len(unit.entries)), torch.float64)
+        self.grad_done = threading.Event()  # the last gradient task (which reads norm_row) ran
+        self.grad_done.set()
+
+    def fp32(self, name: str, i: int) -> torch.Tensor:
+        e = self.unit.entries[i]
+        return getattr(self, name)[e.state_offset:e.state_offset + e.numel]
+
+    def weights(self, i: int) -> torch.Tensor:
+        e = self.unit.entries[i]
+        return self.compute[e.offset:e.offset + e.numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.compute, self.master, self.exp_avg, self.exp_avg_sq,
+                                                          self.grad))
+
+
+class DeviceState:
+    """The device-state layers of an engine (see the module docstring).
+
+    Args:
+        eng: the :class:`~megatrain.runtime.engine.Engine` (its store already filled).
+        units: the layer units to keep on the device (layers ``0 .. K-1``).
+
+    Raises:
+        torch.cuda.OutOfMemoryError: the buffers do not fit (raised while wrapping).
+    """
+
+    def __init__(self, eng, units: List):
+        self.eng = eng
+        self.units = list(units)
+        impl = os.environ.get("MEGATRAIN_DEVICE_ADAM", "")
+        if impl not in ("", "fused", "foreach"):
+            raise ValueError(f"MEGATRAIN_DEVICE_ADAM must be 'fused' or 'foreach', got {impl!r}")
+        # torch._fused_adamw_ on CUDA (what torch.optim.AdamW(fused=True) runs); the foreach
+        # formulation of torch.optim.AdamW elsewhere. Both are torch's own AdamW math.
+        self.impl = impl or ("fused" if eng.cuda else "foreach")
+        self._skipped = False
+        for u in self.units:
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda)
+        self.from_host()
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by all device-state layers."""
+        return sum(u.device_state.nbytes for u in self.units)
+
+    # ------------------------------------------------------------------ host store
+    def _select(self, units):
+        if units is None:
+            return self.units
+        return [u for u in units if getattr(u, "device_state", None) is not None]
+
+    @torch.no_grad()
+    def to_host(self, units=None) -> None:
+        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) into the host store.
+
+        Only units whose device state changed since the last copy; blocks until the copies are done.
+        """
+        eng = self.eng
+        for u in self._select(units):
+            du = u.device_state
+            if not du.host_stale:
+                continue
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if u.state_numel:
+                    eng.store.section(u.index, name).copy_(getattr(du, name))
+            eng.store.section(u.index, "compute").copy_(du.compute)
+            du.host_stale = False
+
+    @torch.no_grad()
+    def from_host(self, units=None) -> None:
+        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) from the host store."""
+        eng = self.eng
+        for u in self._select(units):
+            du = u.device_state
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if u.state_numel:
+                    getattr(du, name).copy_(eng.store.section(u.index, name))
+            du.compute.copy_(eng.store.section(u.index, "compute"))
+            du.host_stale = False
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def submit_grads(self, unit, grads: List[Optional[torch.Tensor]], task_id) -> None:
+        """Sum ``grads`` (device tensors, one per entry or None) into the unit's fp32 device accumulator.
+
+        The first gradient since the last step / ``zero_grad`` overwrites it. The squared norms of
+        the accumulated gradients go to ``unit.grad_sq`` (and ``unit.has_grad`` is set) in a task of
+        the CPU worker, ordered with the host-stored units' gradient tasks and ``zero_grad``.
+        """
+        eng = self.eng
+        du = unit.device_state
+        idx = []
+        for i, g in enumerate(grads):
+            if g is None or unit.entries[i].frozen:
+                continue
+            acc = du.fp32("grad", i)
+            if unit.batches[i] == 0:
+                acc.copy_(g.reshape(-1))
+            else:
+                acc.add_(g.reshape(-1))
+            unit.batches[i] += 1
+            idx.append(i)
+        unit.last_task = task_id
+        if not idx:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(du.fp32("grad", i), dtype=torch.float64) for i in idx])
+        ev = None
+        if eng.cuda:
+            eng.wait_event(du.grad_done)  # the previous task read the row; almost always long done
+            row = du.norm_row[:len(idx)]
+            row.copy_(norms, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(eng._compute_stream())
+        else:
+            row = norms
+        done = threading.Event()
+        du.grad_done = done
+        unit.grad_task_done = done
+
+        def task():
+            try:
+                if ev is not None:
+                    ev.synchronize()
+                vals = row.tolist()
+                for k, i in enumerate(idx):
+                    unit.grad_sq[i] = float(vals[k]) ** 2
+                    unit.has_grad[i] = True
+            finally:
+                done.set()
+
+        eng._worker.submit(task, ready=ev.query if ev is not None else None)
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def update(self, unit, items, scale: float, entries: Optional[List[int]] = None, zero_grads=()) -> None:
+        """AdamW of ``unit``'s ``items`` on the device, now (enqueued on the compute stream).
+
+        Args:
+            items: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (the
+                optimizer has bumped the step counts).
+            scale: the clip coefficient (1.0 without clipping).
+            entries: the entries this update covers (default: all).
+            zero_grads: entries updated with an all-zero gradient (``zero_grad(set_to_none=False)``).
+
+        Without clipping each layer's update is skipped when its gradient is non-finite (the
+        optimizer's step counts are put back and the skip is reported, as for the host-stored
+        layers); with clipping the optimizer has checked the global norm already.
+        """
+        opt = self.eng.optimizer
+        du = unit.device_state
+        zero = set(zero_grads)
+        if opt is not None and opt.max_grad_norm is None and items:
+            if not all(math.isfinite(unit.grad_sq[i]) for i, *_ in items if i not in zero):
+                opt.skip_unit_update(unit, items, getattr(opt, "_steps_called", 0) + 1)
+                self._skipped = True
+                return
+        groups: dict = {}
+        for i, lr, b1, b2, eps, wd, step in items:
+            groups.setdefault((lr, b1, b2, eps, wd, step), []).append(i)
+        dev = du.master.device
+        for (lr, b1, b2, eps, wd, step), idx in groups.items():
+            params = [du.fp32("master", i) for i in idx]
+            m = [du.fp32("exp_avg", i) for i in idx]
+            v = [du.fp32("exp_avg_sq", i) for i in idx]
+            grads = [torch.zeros_like(p) if i in zero else du.fp32("grad", i) for i, p in zip(idx, params)]
+            if scale != 1.0:
+                torch._foreach_mul_(grads, scale)  # as clip_grad_norm_ scales .grad (fp32) in place
+            if self.impl == "fused":
+                steps = [torch.tensor(float(step), dtype=torch.float32, device=dev)] * len(idx)
+                torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                                    eps=eps, amsgrad=False, maximize=False)
+            else:
+                _foreach_adamw(params, grads, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step)
+            for i, p in zip(idx, params):
+                du.weights(i).copy_(p)
+        du.host_stale = True
+
+    def take_skipped(self) -> bool:
+        """Whether an update was skipped (non-finite gradient) since the last call."""
+        s, self._skipped = self._skipped, False
+        return s
+
+
+def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, step: int) -> None:
+    """``torch.optim.AdamW``'s update (its foreach formulation) for tensors sharing one step count."""
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
