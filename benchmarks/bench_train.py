@@ -249,7 +249,9 @@ def megatrain_variant(name: str) -> dict:
     ``d2h`` (0: MEGATRAIN_D2H_OVERLAP=0, the compute stream waits for each layer's gradient D2H),
     ``eager`` (0: MEGATRAIN_EAGER_UPDATES=0, no update starts during backward: all wait for step()),
     ``threads`` (MEGATRAIN_ADAM_THREADS: CPU threads of the fused Adam), ``acc`` (0:
-    ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step).
+    ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
+    ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
+    GPU and are updated there; ``auto``: as many as fit).
 
     Raises:
         ValueError: an unknown key or a malformed option.
@@ -258,9 +260,12 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "acc", *VARIANT_ENV):
+        if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_ENV):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, acc=0|1")
+                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, acc=0|1, "
+                             "devstate=K|auto")
+        if k == "devstate" and v != "auto" and not v.isdigit():
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count or 'auto'")
         opts[k] = v
     return opts
 
@@ -276,10 +281,12 @@ def run_megatrain(spec):
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
+    devstate = opts.get("devstate", "0")
+    devstate = devstate if devstate == "auto" else int(devstate)
     clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
-                    grad_accumulator=accumulator,
+                    grad_accumulator=accumulator, device_state_layers=devstate,
                     overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
                     d2h_overlap=os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0",
                     eager_updates=os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0",
@@ -289,7 +296,7 @@ def run_megatrain(spec):
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, num_slots=slots,
-                           grad_accumulator=accumulator)
+                           grad_accumulator=accumulator, device_state_layers=devstate)
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                                    weight_decay=OPT["weight_decay"], max_grad_norm=clip,
@@ -330,6 +337,8 @@ def run_megatrain(spec):
         adam_s_per_step=d["adam_time_s"] / n, adam_exposed_s_per_step=d["adam_exposed_s"] / n,
         host_store_gib=b["host_store_bytes"] / GiB, pinned_gib=b["pinned_bytes"] / GiB,
         bytes_per_param=b["bytes_per_param"],
+        device_state_layers=b.get("device_state_layers", 0),
+        device_state_gib=b.get("device_state_bytes", 0) / GiB,
         auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()])
     r.update(settings=settings, n_params=n_params)
     return r

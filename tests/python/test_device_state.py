@@ -318,3 +318,15 @@ def test_cuda_bf16_parity_mixed_placement(debug):
         worst = min(worst, (cos, name))
     print(f"min per-tensor cosine {worst[0]:.6f} ({worst[1]})")
     assert worst[0] > 0.9999, worst
+
+
+def test_from_config_passes_device_state_layers():
+    cfg = tiny("llama").config
+    model = megatrain.from_config(cfg, seed=0, device="cpu", compute_dtype=torch.float32, device_state_layers=2)
+    assert _device_layers(model) == [0, 1]
+    ref = megatrain.from_config(cfg, seed=0, device="cpu", compute_dtype=torch.float32)
+    a, b = megatrain.master_state_dict(model), megatrain.master_state_dict(ref)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    x = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)

@@ -114,8 +114,7 @@ class DeviceUnit:
         self.host_stale = False  # the device state changed since the last to_host()
         self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
         if cuda:
-            from .engine import _C
-            self.norm_row = _C.pinned_empty(max(1, len(unit.entries)), torch.float64)
+            self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
         self.grad_done = threading.Event()  # the last gradient task (which reads norm_row) ran
         self.grad_done.set()
 
