@@ -86,9 +86,9 @@ def test_parity_mixed_placement(monkeypatch):
     wrap_mod = importlib.import_module("megatrain.runtime.wrap")
     decide = wrap_mod.WrappedEngine._decide_auto
 
-    def room_for_two_layers(self, key, layer_bytes):
+    def room_for_two_layers(self, key, layer_bytes, *rest):
         self._free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes)
+        decide(self, key, layer_bytes, *rest)
 
     monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_layers)
     ref, got, wrapped, _ = run_pair(tiny("llama"), micro_batches=2, max_grad_norm=1.0, policy="auto",
