@@ -367,3 +367,20 @@ def test_trainer_refuses_mixed_precision_flags_before_training(tmp_path, flag):
     assert tr.state.global_step == 0
     after = megatrain.master_state_dict(tr.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "sgd"])
+def test_trainer_refuses_an_optim_other_than_adamw_before_training(tmp_path, optim):
+    # MegatrainTrainer builds CPUAdamW from the TrainingArguments: another optim trained AdamW silently.
+    import megatrain
+
+    tr, _, _ = _megatrain_trainer(str(tmp_path / "o"), optim=optim)
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(tr.model).items()}
+    with pytest.raises(ValueError, match=rf"optim='{optim}'\) is not available"):
+        tr.train()
+    assert tr.state.global_step == 0
+    after = megatrain.master_state_dict(tr.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    tr, _, _ = _megatrain_trainer(str(tmp_path / "a"), optim="adamw_torch", max_steps=1)
+    tr.train()
+    assert tr.state.global_step == 1

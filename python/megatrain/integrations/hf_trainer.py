@@ -228,6 +228,10 @@ class MegatrainCallback(TrainerCallback):
             self._engine.flush()
 
 
+# TrainingArguments.optim values whose update CPUAdamW computes exactly (torch.optim.AdamW's).
+_ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
 class MegatrainTrainer(Trainer):
     """A ``transformers.Trainer`` for models wrapped by ``megatrain.wrap`` (see the module docstring).
 
@@ -252,6 +256,11 @@ class MegatrainTrainer(Trainer):
     # -- optimizer / clipping
     def create_optimizer(self, model=None):
         if self.optimizer is None:
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            if optim not in _ADAMW_OPTIMS:
+                raise ValueError(f"megatrain: MegatrainTrainer trains with megatrain.optim.CPUAdamW (torch's AdamW update); "
+                                 f"TrainingArguments(optim={optim!r}) is not available: leave optim at its default "
+                                 f"(or 'adamw_torch'), or pass optimizers=(megatrain.optim.CPUAdamW(...), scheduler)")
             self.optimizer = create_optimizer(self.model if model is None else model, self.args)
         elif not isinstance(_unwrap_optimizer(self.optimizer), CPUAdamW):
             raise TypeError("megatrain: MegatrainTrainer needs a megatrain.optim.CPUAdamW optimizer")
