@@ -41,6 +41,8 @@ FLAG_KEYS = {
     "device": ("runtime", "device"),
     "compute_dtype": ("runtime", "compute_dtype"),
     "activation_policy": ("runtime", "activation_policy"),
+    "chunked_loss": ("runtime", "chunked_loss"),
+    "tile_mlp": ("runtime", "tile_mlp"),
     "eval_every": ("eval", "every"),
     "log_every": ("log", "every"),
 }
@@ -111,6 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--activation-policy",
         help="recompute | store | auto | offload | block:K, as megatrain.wrap (runtime.activation_policy)",
     )
+    tr.add_argument("--chunked-loss", help="auto | true | false | N rows: LM head + loss over row chunks, no full "
+                    "logits (runtime.chunked_loss)")
+    tr.add_argument("--tile-mlp", help="auto | true | false | N rows: each layer's MLP over row tiles (runtime.tile_mlp)")
     tr.add_argument("--eval-every", help="steps between held-out evaluations (eval.every)")
     tr.add_argument("--log-every", help="steps between log lines (log.every)")
     tr.add_argument(

@@ -154,3 +154,47 @@ def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path
     a, b = _losses(streamed), _losses(before)
     assert len(a[0]) == 4 and len(a[1]) == 3
     assert a == b  # every step's loss and every eval loss, bit for bit
+
+
+@pytest.mark.parametrize("flags,expect", [
+    ([], "long context: loss over chunks of"),
+    (["--chunked-loss", "false", "--tile-mlp", "4096"],
+     "long context: full logits (chunked_loss=false); MLP over tiles of 4,096 rows (tile_mlp=4096)"),
+])
+def test_dry_run_at_512k_tokens_says_how_the_loss_and_mlp_are_split(tmp_path, capsys, flags, expect):
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(["train", "--dry-run", "--out", str(out), "--seq-len", "524288", "--set",
+                                   "model.max_position_embeddings=524288", "--device", "cpu", *flags], capsys)
+    assert code == 0, err
+    assert "8 x 524288 tokens" in stdout and expect in stdout, stdout
+    if not flags:
+        assert "(chunked_loss=auto); MLP over tiles of" in stdout and "(tile_mlp=auto)" in stdout
+    assert not out.exists()
+
+
+def test_chunked_loss_and_tile_mlp_keys_reach_the_model_and_train_like_the_untiled_run(tmp_path, corpus, capsys):
+    argv = ["--steps", "3", "--log-every", "1", "--eval-every", "3", "--micro-batch-size", "2",
+            "--gradient-accumulation-steps", "2", "--data", str(corpus), *TINY, "--seq-len", "32"]  # fmt: skip
+    assert main(["train", "--out", str(tmp_path / "untiled"), *argv, "--chunked-loss", "false",
+                 "--tile-mlp", "false"]) == 0
+    assert main(["train", "--out", str(tmp_path / "tiled"), *argv, "--chunked-loss", "5",
+                 "--set", "runtime.tile_mlp=7"]) == 0
+    capsys.readouterr()
+    (a_train, a_eval), (b_train, b_eval) = _losses(tmp_path / "tiled"), _losses(tmp_path / "untiled")
+    assert len(a_train) == 3 and len(a_eval) == 2
+    for a, b in zip(a_train + a_eval, b_train + b_eval):
+        assert abs(a - b) <= 1e-6 * abs(b), (a_train, b_train)
+    saved = (tmp_path / "tiled" / "config.yaml").read_text()
+    assert "chunked_loss: '5'" in saved and "tile_mlp: '7'" in saved
+    used = json.loads((tmp_path / "tiled" / "summary.json").read_text())["long_context"]
+    assert (used["chunked_loss"], used["tile_mlp"], used["loss_rows"], used["mlp_rows"]) == ("5", "7", 5, 7)
+    used = json.loads((tmp_path / "untiled" / "summary.json").read_text())["long_context"]
+    assert (used["loss_rows"], used["mlp_rows"]) == (None, None)
+
+
+def test_bad_chunked_loss_value_is_one_line_exit_2(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = _run_main(["train", "--out", str(out), "--chunked-loss", "sometimes"], capsys)
+    assert code == 2 and not out.exists()
+    assert err.strip().splitlines() == [
+        "megatrain: error: runtime.chunked_loss must be auto, true, false or a positive number of rows, got 'sometimes'"]

@@ -174,3 +174,22 @@ def test_bad_options_are_one_line_errors():
         megatrain.estimate(42)
     with pytest.raises(megatrain.CheckpointError, match="is not a local directory"):
         megatrain.estimate("/nonexistent/model")
+
+
+def test_estimate_says_what_chunked_loss_and_tile_mlp_use_and_refuses_what_wrap_refuses():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=11008, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    est = megatrain.estimate(cfg, device="cpu", seq_len=4096, chunked_loss=7, tile_mlp=False)
+    assert (est.loss_rows, est.mlp_rows) == (7, None)
+    assert "loss over chunks of 7 rows, no full logits (chunked_loss=7); MLP untiled (tile_mlp=false)" in str(est)
+    full = megatrain.estimate(cfg, device="cpu", seq_len=4096, chunked_loss=False)
+    assert full.loss_rows is None and full.logits_bytes == 4096 * 32000 * 12 > est.logits_bytes
+    moe = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(megatrain.UnsupportedModelError, match="megatrain.estimate: tile_mlp=True"):
+        megatrain.estimate(moe, device="cpu", seq_len=64, tile_mlp=True)
+    with pytest.raises(ValueError, match="tile_mlp must be False, True, 'auto' or a positive number of rows"):
+        megatrain.estimate(cfg, device="cpu", tile_mlp=0)

@@ -160,3 +160,32 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     preset = config.build_config(preset="1b")
     assert (one_b.model, one_b.data, one_b.train, one_b.runtime, one_b.eval) == (
         preset.model, preset.data, preset.train, preset.runtime, preset.eval)
+
+
+@pytest.mark.parametrize("key", ["chunked_loss", "tile_mlp"])
+@pytest.mark.parametrize("value,stored,for_wrap", [
+    ("auto", "auto", "auto"), (True, "true", True), (False, "false", False), ("TRUE", "true", True),
+    (" false ", "false", False), (64, "64", 64), ("1_024", "1024", 1024), ("1", "1", 1),
+])
+def test_chunked_loss_and_tile_mlp_keys(key, value, stored, for_wrap):
+    cfg = config.build_config(overrides=[("runtime", key, value)])
+    assert getattr(cfg.runtime, key) == stored and type(getattr(cfg.runtime, key)) is str  # safe_dump-able
+    got = config.wrap_rows_mode(getattr(cfg.runtime, key))
+    assert got == for_wrap and type(got) is type(for_wrap)
+    assert f"{key}: " in config.to_yaml(cfg)
+
+
+@pytest.mark.parametrize("key", ["chunked_loss", "tile_mlp"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, "sometimes", "", None, [4]])
+def test_bad_chunked_loss_and_tile_mlp_values_are_one_line(key, value):
+    with pytest.raises(UsageError) as info:
+        config.build_config(overrides=[("runtime", key, value)])
+    assert str(info.value).startswith(f"runtime.{key} must be auto, true, false or a positive number of rows, got ")
+
+
+def test_chunked_loss_and_tile_mlp_default_to_auto_and_read_from_yaml(tmp_path):
+    assert (config.RuntimeConfig().chunked_loss, config.RuntimeConfig().tile_mlp) == ("auto", "auto")
+    path = tmp_path / "c.yaml"
+    path.write_text("runtime:\n  chunked_loss: true\n  tile_mlp: 4096\n")
+    cfg = config.build_config(config_path=str(path))
+    assert (cfg.runtime.chunked_loss, cfg.runtime.tile_mlp) == ("true", "4096")

@@ -80,6 +80,10 @@ class MemoryEstimate:
     gpu_bytes: int  # slot + resident + activation + logits (device memory; host memory when device is cpu)
     gpu_free_bytes: Optional[int]
     gpu_fits: Optional[bool]  # None: not checked (CPU device, or no CUDA here)
+    chunked_loss: str = "auto"  # the modes asked for (as megatrain.wrap) and what they give at this batch:
+    tile_mlp: str = "auto"
+    loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
+    mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
@@ -140,6 +144,11 @@ class MemoryEstimate:
         L.append(f"  {'resident unit + grads':<28}{_fmt(self.resident_bytes):>12}")
         L.append(f"  {'activations':<28}{'~' + _fmt(self.activation_bytes):>12}")
         L.append(f"  {'logits + loss':<28}{'~' + _fmt(self.logits_bytes):>12}")
+        if self.seq_len:
+            loss = (f"loss over chunks of {self.loss_rows:,} rows, no full logits" if self.loss_rows
+                    else "full logits")
+            mlp = f"MLP over tiles of {self.mlp_rows:,} rows" if self.mlp_rows else "MLP untiled"
+            L.append(f"  long context: {loss} (chunked_loss={self.chunked_loss}); {mlp} (tile_mlp={self.tile_mlp})")
         free = f"; {_fmt(self.gpu_free_bytes)} free: " + ("fits" if self.gpu_fits else "DOES NOT FIT") \
             if self.gpu_free_bytes is not None and self.gpu_fits is not None else ""
         L.append(f"  {'total':<28}{'~' + _fmt(self.gpu_bytes):>12}{free}")
@@ -158,7 +167,7 @@ def _cfg_int(cfg, *names, default=None):
 
 
 def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: str, block_k: int,
-                      free: Optional[int]) -> tuple:
+                      free: Optional[int], mlp_rows: Optional[int] = None) -> tuple:
     """Rough device bytes of activations (and the policy ``auto`` would pick) for ``tokens`` tokens."""
     if not tokens or config is None:
         return 0, policy
@@ -174,6 +183,8 @@ def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: s
     # One layer's saved activations with a fused attention kernel: norms, q/k/v, attention output,
     # o_proj, residuals, and the MLP's gate/up/activation/product.
     per_layer = tokens * elem * (6 * h + 2 * q_dim + 2 * kv_dim + 4 * inter)
+    if mlp_rows:  # tiled MLP: its input is kept, one tile's intermediates and gradients exist at a time
+        per_layer += mlp_rows * inter * elem * 6 - tokens * elem * 4 * inter
     chosen = policy
     if policy == "auto":
         from .wrap import AUTO_STORE_FRACTION
@@ -190,15 +201,32 @@ def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: s
     return act + 2 * layer_in, chosen  # + the gradient flowing back and the current input
 
 
-def _logits_bytes(config, tokens: int, elem: int, free: Optional[int]) -> int:
+def _logits_bytes(config, tokens: int, elem: int, loss_rows: Optional[int]) -> int:
     if not tokens or config is None:
         return 0
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = _cfg_int(cfg, "vocab_size", default=0)
-    full = tokens * vocab * (elem + 4 + 4)  # logits, their fp32 upcast, the fp32 gradient
-    if free is not None and tokens * vocab * 4 > free / 16:  # chunked_loss="auto" takes over (docs/long_context.md)
-        return int(min(full, 2 * free / 16))
-    return full
+    if loss_rows:  # the chunked loss: one chunk of logits at a time (docs/long_context.md)
+        return min(tokens, loss_rows) * vocab * (2 * elem + 20)
+    return tokens * vocab * (elem + 4 + 4)  # logits, their fp32 upcast, the fp32 gradient
+
+
+def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Optional[int], chunked_loss,
+                       tile_mlp) -> tuple:
+    """``(loss_rows, mlp_rows)`` that ``wrap``'s ``chunked_loss`` / ``tile_mlp`` would use at ``tokens``."""
+    from . import long_context as lc
+
+    if not tokens or config is None:
+        return None, None
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=0)
+    inter = _cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h
+    vocab = _cfg_int(cfg, "vocab_size", default=0)
+    room = float("inf") if free is None else free  # unknown (CUDA not here): as if it all fits
+    loss_rows = lc.loss_rows_for(chunked_loss, tokens, vocab, elem, room) if lc.loss_supported(module)[0] else None
+    has_mlp = any(lc._mlp_of(layer) is not None for layer in layers)
+    mlp_rows = lc.mlp_rows_for(tile_mlp, tokens, inter, elem, room) if has_mlp else None
+    return loss_rows, mlp_rows
 
 
 def _model_and_kind(model, model_kwargs, transform):
@@ -242,7 +270,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              num_slots: int = 2, grad_accumulator: Optional[bool] = None, gradient_accumulation_steps: int = 1,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
-             staging_buffers: int = 4, **model_kwargs) -> MemoryEstimate:
+             staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -264,6 +292,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         micro_batch_size, seq_len: the batch the activation estimate is for (``seq_len=None``:
             no activation estimate).
         staging_buffers: the engine's gradient staging buffers (4).
+        chunked_loss, tile_mlp: as :func:`megatrain.wrap`; the estimate says what they would use
+            at this batch (``loss_rows`` / ``mlp_rows``) and counts it.
         **model_kwargs: passed to ``AutoModelForCausalLM.from_config`` for a config / directory.
 
     Returns:
@@ -281,7 +311,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     """
     from .host_memory import host_budget_shortfall, host_memory_limits, _ENV
     from .engine import plan_host_memory
-    from .wrap import check_activation_policy, find_decoder_layers, model_units
+    from .wrap import UnsupportedModelError, check_activation_policy, find_decoder_layers, model_units
 
     block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")
     if device is None:
@@ -302,8 +332,16 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
 
+    from . import long_context as lc
+
+    chunked_loss = lc._check_mode(chunked_loss, "chunked_loss")
+    tile_mlp = lc._check_mode(tile_mlp, "tile_mlp")
     module, config, in_memory = _model_and_kind(model, model_kwargs, transform)
     layers_name, layers = find_decoder_layers(module)
+    try:
+        lc.check(module, layers, chunked_loss, tile_mlp)
+    except ValueError as exc:  # True / rows asked for a model that cannot have it
+        raise UnsupportedModelError(str(exc).replace("megatrain.wrap:", "megatrain.estimate:")) from None
     units = model_units(module, layers_name, layers)
     if trainable is not None:
         for u in units:
@@ -353,8 +391,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     elif not cuda:
         free = limits["mem_available_bytes"]
     tokens = micro_batch_size * seq_len if seq_len else 0
-    act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free)
-    logits = _logits_bytes(config, tokens, elem, free)
+    loss_rows, mlp_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss, tile_mlp)
+    act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free, mlp_rows)
+    logits = _logits_bytes(config, tokens, elem, loss_rows)
     gpu = slot_bytes + resident_bytes + act + logits
     gpu_fits = (gpu <= free) if (cuda and free is not None) else None
 
@@ -370,7 +409,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         accumulator_bytes=accum, staging_bytes=staging, host_bytes=host, pinned_bytes=pinned,
         reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name, host_fits=short is None,
         slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
-        gpu_bytes=gpu, gpu_free_bytes=free if cuda else None, gpu_fits=gpu_fits)
+        gpu_bytes=gpu, gpu_free_bytes=free if cuda else None, gpu_fits=gpu_fits,
+        chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows)
     if cuda and not torch.cuda.is_available():
         est.notes.append("CUDA is not available here: GPU memory not checked")
 

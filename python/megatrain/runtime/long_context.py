@@ -77,6 +77,36 @@ def _rows_for(budget_bytes: float, bytes_per_row: float) -> int:
     return rows - rows % 128 if rows >= 256 else rows
 
 
+def loss_rows_for(mode, rows: int, vocab: int, elem: int, free: float) -> Optional[int]:
+    """Rows per chunk of the chunked loss (None: full logits) for ``rows`` = B*T positions.
+
+    Args:
+        mode: ``chunked_loss`` of :func:`megatrain.wrap` (False | True | "auto" | rows).
+        vocab: V. elem: bytes per element of the compute dtype. free: free device bytes.
+    """
+    if mode is False:
+        return None
+    if isinstance(mode, int) and mode is not True:
+        return mode
+    if mode == "auto" and rows * vocab * 4 <= AUTO_FRACTION * free:
+        return None
+    per_row = vocab * (2 * elem + 20)  # logits and their gradient, fp32 copies in flight
+    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+
+
+def mlp_rows_for(mode, rows: int, inter: int, elem: int, free: float) -> Optional[int]:
+    """Rows per tile of the tiled MLP (None: untiled) for ``rows`` = B*T tokens, MLP width ``inter``
+    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``elem``, ``free`` as :func:`loss_rows_for`)."""
+    if mode is False:
+        return None
+    if isinstance(mode, int) and mode is not True:
+        return mode
+    if mode == "auto" and rows * inter * elem * 4 <= AUTO_FRACTION * free:
+        return None
+    per_row = inter * elem * 6  # gate, up, activation, product, and their gradients in flight
+    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+
+
 # ---------------------------------------------------------------------------------------------
 # the loss
 # ---------------------------------------------------------------------------------------------
@@ -390,12 +420,7 @@ class LongContext:
         if isinstance(mode, int) and mode is not True:
             return mode
         n = hidden.numel() // hidden.shape[-1]
-        v = self._head.out_features
-        free = self._free()
-        if mode == "auto" and n * v * 4 <= AUTO_FRACTION * free:
-            return None
-        per_row = v * (2 * hidden.element_size() + 20)  # logits and their gradient, fp32 copies in flight
-        return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+        return loss_rows_for(mode, n, self._head.out_features, hidden.element_size(), self._free())
 
     def mlp_tile_rows(self, mlp: nn.Module, x: torch.Tensor) -> Optional[int]:
         """Rows per tile for this MLP call, or None (untiled)."""
@@ -411,11 +436,9 @@ class LongContext:
         h = x.shape[-1]
         n = x.numel() // h
         inter = max(p.numel() for p in mlp.parameters()) // h
-        free = self._free()
-        per_row = inter * x.element_size() * 6  # gate, up, activation, product, and their gradients in flight
-        if mode == "auto" and n * inter * x.element_size() * 4 <= AUTO_FRACTION * free:
+        rows = mlp_rows_for(mode, n, inter, x.element_size(), self._free())
+        if rows is None:
             return None
-        rows = _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
         self.last["mlp_rows"] = rows
         return rows
 

@@ -97,6 +97,32 @@ class TrainSection:
     keep_last: int = 2  # checkpoints kept (the oldest are deleted once a newer one is complete)
 
 
+class RowsMode(str):
+    """Type of ``runtime.chunked_loss`` / ``runtime.tile_mlp``: ``auto`` | ``true`` | ``false`` | N rows
+    (a positive integer). Stored as a plain string; :func:`wrap_rows_mode` gives ``megatrain.wrap``'s value."""
+
+
+def _rows_mode(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and value >= 1:
+        return str(value)
+    if isinstance(value, str):
+        v = value.strip().lower().replace("_", "")
+        if v in ("auto", "true", "false"):
+            return v
+        if v.isdigit() and int(v) >= 1:
+            return str(int(v))
+    raise UsageError(f"{key} must be auto, true, false or a positive number of rows, got {_describe(value)}")
+
+
+def wrap_rows_mode(value: str):
+    """``runtime.chunked_loss`` / ``runtime.tile_mlp`` (as checked by the config) as ``megatrain.wrap``
+    takes it: ``"auto"``, ``True``, ``False`` or an int of rows."""
+    named = {"auto": "auto", "true": True, "false": False}
+    return named[value] if value in named else int(value)
+
+
 @dataclass
 class RuntimeConfig:
     """Where and how the model runs (arguments of ``megatrain.wrap``)."""
@@ -104,6 +130,10 @@ class RuntimeConfig:
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     activation_policy: str = "recompute"  # recompute | store | auto | offload | block:K (as megatrain.wrap)
+    # LM head + loss over row chunks without the full logits / each layer's MLP over row tiles:
+    # auto (when they would not fit in 1/16 of the free device memory) | true | false | N rows
+    chunked_loss: RowsMode = "auto"
+    tile_mlp: RowsMode = "auto"
 
 
 @dataclass
@@ -166,6 +196,8 @@ def _describe(value: Any) -> str:
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Converts ``value`` (from YAML or a command-line string) to ``tp`` or raises UsageError."""
     origin = typing.get_origin(tp)
+    if tp is RowsMode:
+        return _rows_mode(key, value)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatrain.checkpoint import existing_ancestor
-from megatrain.train.config import Config, UsageError, to_yaml
+from megatrain.train.config import Config, UsageError, to_yaml, wrap_rows_mode
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 
@@ -261,7 +261,8 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool
                                  activation_policy=cfg.runtime.activation_policy,
                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
-                                 seq_len=cfg.data.seq_len)
+                                 seq_len=cfg.data.seq_len, chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
+                                 tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp))
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(_first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001
@@ -393,7 +394,9 @@ def build_wrapped_model(plan: Plan):
     import megatrain
 
     cfg = plan.cfg
-    kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy)
+    kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy,
+              chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
+              tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp))
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
         data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
@@ -759,6 +762,14 @@ def _auto_decisions(engine) -> Optional[list]:
     return out
 
 
+def _long_context(engine, cfg: Config) -> dict:
+    """``runtime.chunked_loss`` / ``runtime.tile_mlp`` and what the last forward used: ``loss_rows``
+    (rows per loss chunk, None: full logits), ``mlp_rows`` (rows per MLP tile, None: untiled), ``tokens``."""
+    lc = getattr(engine, "long_context", None)
+    last = dict(lc.last) if lc is not None else {}
+    return {"chunked_loss": cfg.runtime.chunked_loss, "tile_mlp": cfg.runtime.tile_mlp, **last}
+
+
 def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[StopRequest] = None) -> dict:
     """Trains per ``cfg`` and returns the summary (also written to ``out/summary.json``).
 
@@ -1016,6 +1027,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
             "activation_policy": cfg.runtime.activation_policy,
             "auto_decisions": _auto_decisions(engine),
+            "long_context": _long_context(engine, cfg),
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
             "engine_stats": stats.read(),
