@@ -412,6 +412,16 @@ def test_changing_dtype_or_device_is_refused_before_any_tensor_changes(cast):
     model(input_ids=x, labels=x).loss.backward()  # still trains
     opt.step()
 
+def test_resize_token_embeddings_after_wrap_is_refused_naming_resize_then_wrap():
+    model, _ = make(True)
+    before = weights(model)
+    for f in (lambda: model.resize_token_embeddings(120), lambda: model.model.resize_token_embeddings(120),
+              lambda: model.set_input_embeddings(torch.nn.Embedding(120, 32))):
+        with pytest.raises(RuntimeError, match=r"resize first, then wrap"):
+            f()
+    assert model.get_input_embeddings().weight.shape[0] == 96
+    assert_params_close(weights(model), before, rtol=0.0)
+
 def test_load_checkpoint_keeps_the_callers_max_grad_norm(tmp_path):
     model, opt = make(True, max_grad_norm=0.5)
     train_steps(model, opt, batches(1))

@@ -116,6 +116,7 @@ def install(eng, model: nn.Module) -> None:
     object.__setattr__(model, "load_state_dict", types.MethodType(load_state_dict, model))
     _install_cast_guard(eng, model)
     _install_peft_merge_guard(model)
+    _install_resize_guard(model)
     if hasattr(model, "save_pretrained"):
         object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
     # Pickling walks the model's __dict__ in order: the engine goes first, so its refusal is the
@@ -193,6 +194,25 @@ def _install_peft_merge_guard(model: nn.Module) -> None:
         for name in ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload"):
             if hasattr(t, name):
                 object.__setattr__(t, name, refuse(name))
+
+
+_RESIZE_MSG = ("megatrain: {name}() cannot change a model wrapped by megatrain.wrap (the new embedding would not be in "
+               "the host store: not trained, not saved); resize first, then wrap: "
+               "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32); model.{name}(...); "
+               "model = megatrain.wrap(model)")
+
+
+def _install_resize_guard(model: nn.Module) -> None:
+    """transformers' resize_token_embeddings / set_input_embeddings / set_output_embeddings raise at once."""
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise RuntimeError(_RESIZE_MSG.format(name=name))
+        return f
+
+    for m in model.modules():
+        for name in ("resize_token_embeddings", "set_input_embeddings", "set_output_embeddings"):
+            if callable(getattr(type(m), name, None)):
+                object.__setattr__(m, name, refuse(name))
 
 
 def _make_sd_hook(eng, masters, items):
