@@ -193,3 +193,18 @@ def test_estimate_says_what_chunked_loss_and_tile_mlp_use_and_refuses_what_wrap_
         megatrain.estimate(moe, device="cpu", seq_len=64, tile_mlp=True)
     with pytest.raises(ValueError, match="tile_mlp must be False, True, 'auto' or a positive number of rows"):
         megatrain.estimate(cfg, device="cpu", tile_mlp=0)
+
+
+def test_estimate_auto_policy_spaces_checkpoints_when_the_inputs_do_not_fit(monkeypatch):
+    from megatrain.runtime.long_context import checkpoint_spacing
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    layer_in = 4096 * 64 * 4  # tokens x hidden x fp32
+    free = int(layer_in * 6 / 0.6)  # room for 6 saved inputs of 16
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(  # the CPU device's free memory
+        mem_available_bytes=free, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
+        cgroup_path=None))
+    est = megatrain.estimate(cfg, device="cpu", seq_len=4096, activation_policy="auto")
+    k = checkpoint_spacing(16, layer_in, 0.6 * free)
+    assert k > 1 and est.activation_policy == f"auto (block:{k})"

@@ -190,6 +190,11 @@ def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: s
         from .wrap import AUTO_STORE_FRACTION
 
         chosen = "store" if free is not None and per_layer * num_layers <= AUTO_STORE_FRACTION * free else "recompute"
+        if free is not None and chosen == "recompute" and num_layers * layer_in > AUTO_STORE_FRACTION * free:
+            from .long_context import checkpoint_spacing  # as wrap's auto: not one saved input per layer fits
+
+            block_k = checkpoint_spacing(num_layers, layer_in, AUTO_STORE_FRACTION * free)
+            chosen = f"block:{block_k}" if block_k > 1 else chosen
     if chosen == "store":
         act = num_layers * per_layer
     elif chosen == "offload":  # inputs parked in host memory: the one prefetched and the one in use
