@@ -278,6 +278,31 @@ def test_offload_policy_refuses_what_the_host_cannot_hold(monkeypatch):
         loss.backward()
 
 
+@pytest.mark.parametrize("free_mib,layer_mib,input_mib,expect", [
+    (20, 10, 3, (1, 1)),  # 1 graph + 2 inputs = 16 of 20 (2 graphs + 1 input = 23 would not fit)
+    (30, 10, 3, (3, 1)),  # all 3 graphs
+    (8, 10, 3, None),  # 3 inputs = 9 > 8: no graph, block:K from checkpoint_spacing
+    (12, 10, 3, (0, 1)),  # 3 inputs fit, no graph besides them: plain recompute
+])
+def test_auto_policy_counts_the_saved_inputs_of_the_recomputed_layers(free_mib, layer_mib, input_mib, expect):
+    import importlib
+
+    from megatrain.runtime.long_context import checkpoint_spacing
+
+    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    eng = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto").megatrain
+    mib = 1 << 20
+    eng._free_device_bytes = lambda: int(free_mib * mib / wrap_mod.AUTO_STORE_FRACTION)
+    eng._decide_auto("k", layer_mib * mib, input_mib * mib)
+    d = eng.auto_decisions["k"]
+    k = d["store_layers"]
+    if 3 * input_mib > free_mib:
+        assert (k, d["block_k"]) == (0, checkpoint_spacing(3, input_mib * mib, free_mib * mib))
+    else:
+        assert (k, d["block_k"]) == expect
+        assert k * layer_mib + (3 - k) * input_mib <= free_mib < (k + 1) * layer_mib + (2 - k) * input_mib or k == 3
+
+
 def _count_layer_forwards(monkeypatch, wrapped) -> list:
     """Record the index of every run of a streamed layer's own forward (forward and backward re-runs)."""
     calls = []

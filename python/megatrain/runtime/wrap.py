@@ -596,8 +596,8 @@ class WrappedEngine(EngineModuleApi, Engine):
 
         ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
         its graph saved); then as many layers as fit in ``AUTO_STORE_FRACTION`` of the free device
-        memory (layers ``0 .. store_layers - 1``) keep their graphs and the others save only their
-        input (``recompute``): all layers when everything fits, none but the measured one when
+        memory, next to the saved inputs of the others (layers ``0 .. store_layers - 1``), keep
+        their graphs and the others save only their input (``recompute``): all layers when everything fits, none but the measured one when
         nothing does. When even the inputs of all layers (``recompute``) do not fit there, no layer
         keeps its graph and one input of every K is kept (``block:K``, K from
         :func:`long_context.checkpoint_spacing`).
@@ -614,12 +614,16 @@ class WrappedEngine(EngineModuleApi, Engine):
         n = len(self.layers)
         need = layer_bytes * n
         budget = AUTO_STORE_FRACTION * free
-        k = n if layer_bytes <= 0 else min(n, int(budget // layer_bytes))
         block_k = 1
-        if k < n and input_bytes > 0 and n * input_bytes > budget:
+        if layer_bytes <= 0 or layer_bytes <= input_bytes:
+            k = n
+        elif n * input_bytes > budget:
             # Long context: not even one saved input per layer fits; space the checkpoints.
             k = 0
             block_k = long_context.checkpoint_spacing(n, input_bytes, budget)
+        else:
+            # k kept graphs plus the n - k saved inputs of the recomputed layers fit the budget
+            k = min(n, int((budget - n * input_bytes) // (layer_bytes - input_bytes)))
         self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k, block_k=block_k,
                                         bytes_per_layer=layer_bytes, bytes_all_layers=need,
                                         bytes_per_input=input_bytes, free_bytes=free)
