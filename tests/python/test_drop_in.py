@@ -422,6 +422,23 @@ def test_resize_token_embeddings_after_wrap_is_refused_naming_resize_then_wrap()
     assert model.get_input_embeddings().weight.shape[0] == 96
     assert_params_close(weights(model), before, rtol=0.0)
 
+def test_an_optimizer_replaced_by_a_newer_cpu_adamw_refuses_to_step():
+    # The newer CPUAdamW receives the gradients and runs the updates with its own settings: stepping
+    # the old one trained with the new one's lr (silently). Notebook re-runs use the newest: that works.
+    model, old = make(True, max_grad_norm=1.0)
+    new = megatrain.optim.CPUAdamW(model.parameters(), lr=0.5, max_grad_norm=1.0)
+    x = batches(1)[0]
+    model.train()
+    model(input_ids=x, labels=x).loss.backward()
+    before = weights(model)
+    for f in (old.step, old.zero_grad):
+        with pytest.raises(RuntimeError, match=r"newer CPUAdamW for the same model"):
+            f()
+    assert_params_close(weights(model), before, rtol=0.0)
+    new.step()
+    new.zero_grad()
+    assert any(not torch.equal(v, before[k]) for k, v in weights(model).items())
+
 def test_load_checkpoint_keeps_the_callers_max_grad_norm(tmp_path):
     model, opt = make(True, max_grad_norm=0.5)
     train_steps(model, opt, batches(1))

@@ -293,6 +293,14 @@ class CPUAdamW(torch.optim.Optimizer):
             return None
         return self._items(unit, present), 1.0
 
+    def _check_current(self, call: str) -> None:
+        # One CPUAdamW per model: a newer one took over the model's gradients and its updates
+        # (eager ones start during backward with its settings). Stepping this one would apply them silently.
+        if self.engine.optimizer is not self:
+            raise RuntimeError(f"megatrain.optim.CPUAdamW: {call}() on an optimizer that a newer CPUAdamW for the same "
+                               "model replaced (the newest one receives the gradients and runs the updates); call "
+                               "the newest one's step() / zero_grad(), or create only one CPUAdamW per model")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget gradients accumulated since the last step (the next backward starts afresh).
 
@@ -300,6 +308,7 @@ class CPUAdamW(torch.optim.Optimizer):
         ``step()`` still updates them (``exp_avg`` / ``exp_avg_sq`` decay, weight decay applies)
         unless a backward gives them a gradient first.
         """
+        self._check_current("zero_grad")
         self.engine.zero_grad()
         self._consumed = False
         self.user_clip_scale = 1.0
@@ -316,6 +325,7 @@ class CPUAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss if a closure was given, else None.
         """
+        self._check_current("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
