@@ -287,6 +287,24 @@ def test_plain_trainer_clipping_needs_cpu_adamw_max_grad_norm(tmp_path):
     assert tr.state.global_step == 0
 
 
+def test_plain_trainer_accumulation_needs_the_same_cpu_adamw_accumulation_without_clipping(tmp_path):
+    """Without max_grad_norm a CPUAdamW(gradient_accumulation_steps=1) updated each layer during the first
+    micro-batch's backward under the Trainer's gradient_accumulation_steps=2: refused before any update."""
+    import megatrain
+    from megatrain.integrations import MegatrainCallback
+    from transformers import Trainer
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
+    args = _args(str(tmp_path / "plain"), max_grad_norm=0.0, gradient_accumulation_steps=2)
+    tr = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                 optimizers=(megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3), None))
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=args\.gradient_accumulation_steps"):
+        tr.train()
+    assert tr.state.global_step == 0
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
 def _run(*args):
     e = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=600, env=e)

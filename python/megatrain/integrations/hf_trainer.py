@@ -191,6 +191,15 @@ class MegatrainCallback(TrainerCallback):
                              "max_grad_norm, so its updates start during backward, before the Trainer's clip: create it "
                              "with CPUAdamW(..., max_grad_norm=args.max_grad_norm) (create_optimizer(model, args) does), "
                              "or set max_grad_norm=0 in TrainingArguments")
+        ga = int(args.gradient_accumulation_steps)
+        if self._optimizer.max_grad_norm is None and self._optimizer.gradient_accumulation_steps < ga:
+            # Without clipping a layer's update starts during the backward of the optimizer's last
+            # micro-batch: with fewer declared than the Trainer runs, the first one would update the weights.
+            raise ValueError(f"megatrain: the Trainer accumulates gradient_accumulation_steps={ga} micro-batches but "
+                             f"CPUAdamW has gradient_accumulation_steps={self._optimizer.gradient_accumulation_steps} "
+                             f"(and no max_grad_norm), so its updates would start before the last micro-batch: create "
+                             f"it with CPUAdamW(..., gradient_accumulation_steps=args.gradient_accumulation_steps) "
+                             f"(create_optimizer(model, args) does)")
         if getattr(self._engine, "device", torch.device("cpu")).type != "cpu" and _device_placed(optimizer):
             # accelerate's AcceleratedOptimizer(device_placement=True) has copied the optimizer's
             # state_dict (every Adam moment: 8 bytes/parameter of GPU memory) to the GPU and loaded it
