@@ -108,3 +108,15 @@ def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rtol: float, name: str, a
     err = (a - b).abs() - (rtol * b.abs() + atol)
     worst = float(err.max())
     assert worst <= 0, f"{name}: max excess {worst:.3e} (max |a-b| {float((a-b).abs().max()):.3e})"
+
+
+def run_cli(argv, capsys):
+    """``megatrain.cli.main(argv)`` in this process: ``(exit code, stdout, stderr)`` (SystemExit caught)."""
+    from megatrain.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -17,6 +17,7 @@ if _PY not in sys.path:
 
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.cli import main  # noqa: E402
+from parity import run_cli  # noqa: E402
 from megatrain.train import trainer  # noqa: E402
 from megatrain.train.config import build_config  # noqa: E402
 from megatrain.train.data import load_text_data  # noqa: E402
@@ -31,13 +32,7 @@ TINY = [
 ]  # fmt: skip
 
 
-def _run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run_main = run_cli  # (exit code, stdout, stderr) of megatrain.cli.main(argv)
 
 
 def _assert_usage_error(code, err, out_dir, fragment):

@@ -18,6 +18,7 @@ if _PY not in sys.path:
 
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.cli import main  # noqa: E402
+from parity import run_cli  # noqa: E402
 from megatrain.train import trainer  # noqa: E402
 from megatrain.train.config import build_config  # noqa: E402
 
@@ -29,13 +30,7 @@ HUGE = ["--set", "model.hidden_size=32768", "--set", "model.num_layers=64", "--s
         "--set", "model.num_kv_heads=256", "--set", "model.intermediate_size=65536"]  # fmt: skip
 
 
-def _run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run_main = run_cli  # (exit code, stdout, stderr) of megatrain.cli.main(argv)
 
 
 @pytest.fixture(scope="module")

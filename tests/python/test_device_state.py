@@ -8,7 +8,6 @@ same model; parameters are compared per element after 10 steps.
 
 import copy
 import importlib
-import os
 
 import pytest
 import torch
@@ -278,46 +277,8 @@ def test_nonfinite_raise_mode_with_every_layer_on_the_device(clip):
                            before["model.layers.0.mlp.up_proj.weight"])
 
 
-# ---------------------------------------------------------------------------- GPU (H200)
-@pytest.mark.cuda
-@pytest.mark.parametrize("debug", [False, True], ids=["plain", "race_debug"])
-def test_cuda_bf16_parity_mixed_placement(debug):
-    """bf16, 20 steps vs GPU-resident torch (fp32 master, autocast bf16): 9 of 18 layers' state on the
-    device, activations kept by ``auto`` where they fit, clipping on; with the race switch too."""
-    from test_parity_cuda import STEPS as CUDA_STEPS, llama_1b
-
-    model = llama_1b()
-    batches = make_batches(model.config.vocab_size, CUDA_STEPS, 1, 4, 512, seed=3)
-    kw = dict(lr=3e-4, wd=0.1, betas=(0.9, 0.95), max_grad_norm=1.0, groups="two")
-    ref = train_reference(copy.deepcopy(model), batches, device="cuda", autocast=torch.bfloat16, **kw)
-    torch.cuda.empty_cache()
-    old = os.environ.get("MEGATRAIN_DEBUG_RACES")
-    os.environ["MEGATRAIN_DEBUG_RACES"] = "1" if debug else "0"
-    try:
-        got, wrapped, _ = train_megatrain(model, batches, device="cuda", compute_dtype=torch.bfloat16,
-                                          activation_policy="auto", device_state_layers=9, **kw)
-    finally:
-        if old is None:
-            os.environ.pop("MEGATRAIN_DEBUG_RACES")
-        else:
-            os.environ["MEGATRAIN_DEBUG_RACES"] = old
-    st = wrapped.megatrain.stats()
-    print(f"\ndevice_state_layers {st['device_state_layers']} ({st['device_state_bytes'] / 2**30:.2f} GiB), "
-          f"auto {list(wrapped.megatrain.auto_decisions.values())}")
-    wrapped.megatrain.close()
-    assert st["device_state_layers"] == 9
-    rel = [abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)]
-    print(f"losses ref {['%.4f' % x for x in ref.losses]}\nlosses mt  {['%.4f' % x for x in got.losses]}"
-          f"\nmax rel loss diff {max(rel):.2e}")
-    assert len(got.losses) == CUDA_STEPS and max(rel) < 1e-2, rel
-    assert ref.losses[-1] < ref.losses[0]
-    worst = (2.0, None)
-    for name, b in ref.params.items():
-        a = got.params[name]
-        cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-        worst = min(worst, (cos, name))
-    print(f"min per-tensor cosine {worst[0]:.6f} ({worst[1]})")
-    assert worst[0] > 0.9999, worst
+# The GPU parity test of a mixed placement (bf16, 20 steps, the race switch) is a case of
+# tests/python/test_parity_cuda.py::test_bf16_parity_vs_gpu_resident_1b.
 
 
 def test_from_config_passes_device_state_layers():

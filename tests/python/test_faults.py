@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers  # noqa: F401 - imported here: its log handler then binds the real stderr, not a test's capture
+from parity import run_cli  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 _PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
@@ -192,15 +193,7 @@ def _corpus(tmp_path):
     return d
 
 
-def _cli(argv, capsys):
-    from megatrain.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_cli = run_cli  # (exit code, stdout, stderr) of megatrain.cli.main(argv)
 
 
 def _one_line(code, err, fragment):

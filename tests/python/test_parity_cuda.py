@@ -47,8 +47,10 @@ def _run(debug: bool, **wrap_kw):
             os.environ.pop("MEGATRAIN_DEBUG_RACES")
         else:
             os.environ["MEGATRAIN_DEBUG_RACES"] = old
+    stats = wrapped.megatrain.stats()
+    print(f"\nauto {list(wrapped.megatrain.auto_decisions.values())}")
     wrapped.megatrain.close()
-    return ref, got
+    return ref, got, stats
 
 
 @pytest.mark.parametrize("debug,wrap_kw", [
@@ -57,9 +59,16 @@ def _run(debug: bool, **wrap_kw):
     # no recompute (saved weight views re-fetched in backward) and no fp32 accumulator (every
     # gradient through the compute copy), with the copy streams delayed and slots poisoned
     (True, dict(activation_policy="store", grad_accumulator=False)),
-], ids=["plain", "race_debug", "store_noacc_race_debug"])
+    # a mixed placement: 9 of 18 layers' whole training state on the device (tests/python/test_device_state.py),
+    # activations kept by auto where they fit
+    (False, dict(activation_policy="auto", device_state_layers=9)),
+    (True, dict(activation_policy="auto", device_state_layers=9)),
+], ids=["plain", "race_debug", "store_noacc_race_debug", "device_state_9", "device_state_9_race_debug"])
 def test_bf16_parity_vs_gpu_resident_1b(debug, wrap_kw):
-    ref, got = _run(debug, **wrap_kw)
+    ref, got, stats = _run(debug, **wrap_kw)
+    if "device_state_layers" in wrap_kw:
+        print(f"device_state_layers {stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
+        assert stats["device_state_layers"] == wrap_kw["device_state_layers"]
     rel = [abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)]
     print(f"\nlosses ref {['%.4f' % x for x in ref.losses]}\nlosses mt  {['%.4f' % x for x in got.losses]}"
           f"\nmax rel loss diff {max(rel):.2e}")
