@@ -120,3 +120,16 @@ def run_cli(argv, capsys):
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def tiny_llama_config(tied: bool = False):
+    """A 2-layer Llama config (hidden 32, GQA 4/2, vocab 96) for loading / estimate tests."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied)
+
+
+def tiny_gpt2_config():
+    """A 2-layer GPT-2 config (tied embeddings, vocab 96, 64 positions)."""
+    from transformers import GPT2Config
+    return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0, eos_token_id=0)

@@ -8,19 +8,15 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import megatrain  # noqa: E402
+from parity import tiny_gpt2_config, tiny_llama_config  # noqa: E402
 from megatrain import CheckpointError  # noqa: E402
 
 
-def _llama(tied=False):
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied)
-
-
-def _gpt2():
-    return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0, eos_token_id=0)
+_llama = tiny_llama_config
+_gpt2 = tiny_gpt2_config
 
 
 def _store_equal(a, b):
