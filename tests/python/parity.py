@@ -133,3 +133,12 @@ def tiny_gpt2_config():
     """A 2-layer GPT-2 config (tied embeddings, vocab 96, 64 positions)."""
     from transformers import GPT2Config
     return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def poison_gradient_at(layer):
+    """Make the gradient that enters ``layer``'s output in backward NaN (a forward hook); returns its handle."""
+    def poison(mod, args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        t.register_hook(lambda g: g * float("nan"))
+
+    return layer.register_forward_hook(poison)

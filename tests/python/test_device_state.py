@@ -14,7 +14,7 @@ import torch
 
 import megatrain
 import megatrain.checkpoint
-from parity import PARITY_EPS, assert_close_rel, make_batches, train_megatrain, train_reference
+from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at, train_megatrain, train_reference
 from test_parity_cpu import NOISE_DRIVEN, tiny
 
 RTOL = 1e-6  # the device-state layers' parameters (torch's own AdamW math on the same gradients)
@@ -232,11 +232,7 @@ def test_nonfinite_gradient_in_a_device_layer_without_clipping_skips_that_layer_
     model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=2)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
 
-    def poison(mod, args, out):
-        t = out[0] if isinstance(out, tuple) else out
-        t.register_hook(lambda g: g * float("nan"))
-
-    h = model.model.layers[1].register_forward_hook(poison)
+    h = poison_gradient_at(model.model.layers[1])
     before = _masters(model)
     x = torch.randint(0, 96, (2, 12))
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.[01]"):

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers  # noqa: F401 - imported here: its log handler then binds the real stderr, not a test's capture
-from parity import run_cli  # noqa: E402
+from parity import poison_gradient_at, run_cli  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 _PY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
@@ -364,11 +364,7 @@ def test_nonfinite_gradient_in_one_layer_without_clipping_skips_that_layer_and_t
     model = megatrain.wrap(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
 
-    def poison(mod, args, out):
-        t = out[0] if isinstance(out, tuple) else out
-        t.register_hook(lambda g: g * float("nan"))
-
-    h = model.model.layers[1].register_forward_hook(poison)
+    h = poison_gradient_at(model.model.layers[1])
     before = _masters(model)
     with pytest.warns(RuntimeWarning, match=r"model\.layers\.1"):
         _nan_step(model, opt, 1.0)
