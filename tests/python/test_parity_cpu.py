@@ -527,7 +527,7 @@ def test_staging_pool_is_allocated_only_when_gradients_are_summed():
 
 
 def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):
-    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime import grads as grads_mod
 
     model = megatrain.wrap(tiny("llama"), device="cpu")
     megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
@@ -536,7 +536,7 @@ def test_cpu_worker_failure_surfaces_instead_of_hanging(monkeypatch):
         def grad_accumulate_(self, *a):
             raise RuntimeError("simulated accumulate failure")
 
-    monkeypatch.setattr(engine_mod, "_C_ops", lambda: Broken())
+    monkeypatch.setattr(grads_mod, "_C_ops", lambda: Broken())
     x = torch.randint(0, 96, (2, 8))
     with pytest.raises(RuntimeError, match="CPU worker failed.*simulated accumulate failure"):
         for _ in range(3):  # the second backward waits on work the failed worker never finished
@@ -633,7 +633,7 @@ def test_undeclared_accumulation_with_clipping_still_sums_micro_batches():
 def test_worker_runs_gradient_tasks_first_then_updates_by_deadline():
     import threading
 
-    from megatrain.runtime.engine import _Worker
+    from megatrain.runtime.worker import _Worker
 
     w = _Worker()
     gate = threading.Event()

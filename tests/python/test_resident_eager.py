@@ -16,12 +16,12 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
     # The LM head's eager update fails on the worker; the failure surfaces at the next resident
     # entry's hand-over (its update was already planned). No unit may be left marked "update in
     # flight" for a task that was never queued: the next forward would wait for it forever.
-    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime import grads as grads_mod
 
     model = megatrain.wrap(tiny("llama"), device="cpu")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
     eng = model.megatrain
-    real = engine_mod._C_ops
+    real = grads_mod._C_ops
 
     class Broken:
         def __getattr__(self, name):
@@ -37,11 +37,11 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
             time.sleep(0.001)
 
     model.lm_head.weight.register_post_accumulate_grad_hook(wait_for_the_failure)
-    monkeypatch.setattr(engine_mod, "_C_ops", lambda: Broken())
+    monkeypatch.setattr(grads_mod, "_C_ops", lambda: Broken())
     x = torch.randint(0, 96, (2, 8))
     with pytest.raises(RuntimeError, match="CPU worker failed.*simulated adam failure"):
         model(input_ids=x, labels=x).loss.backward()
-    monkeypatch.setattr(engine_mod, "_C_ops", real)
+    monkeypatch.setattr(grads_mod, "_C_ops", real)
     eng._worker._error = None  # look behind the (sticky) failure: what did the hand-over leave?
     eng.flush()
     stuck = [u.index for u in eng.units if not u.update_done.is_set()]
@@ -142,11 +142,11 @@ def test_after_a_worker_failure_every_later_call_raises_instead_of_hanging(monke
     # A failed task skips the ones queued after it; their waiters (the next forward's load, step())
     # must get the error again, not wait forever.
     import threading
-    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime import grads as grads_mod
 
     model = megatrain.wrap(tiny("llama"), device="cpu")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
-    real = engine_mod._C_ops
+    real = grads_mod._C_ops
 
     class Broken:
         def __getattr__(self, name):
@@ -156,14 +156,14 @@ def test_after_a_worker_failure_every_later_call_raises_instead_of_hanging(monke
                 return fail
             return getattr(real(), name)
 
-    monkeypatch.setattr(engine_mod, "_C_ops", lambda: Broken())
+    monkeypatch.setattr(grads_mod, "_C_ops", lambda: Broken())
     x = torch.randint(0, 96, (2, 8))
     with pytest.raises(RuntimeError, match="CPU worker failed.*simulated adam failure"):
         for _ in range(3):
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-    monkeypatch.setattr(engine_mod, "_C_ops", real)
+    monkeypatch.setattr(grads_mod, "_C_ops", real)
     errors = []
 
     def train_on():

@@ -2,7 +2,7 @@
 
 The host numbers come from the code that allocates: the model's units are built the way
 ``wrap`` builds them (:func:`megatrain.runtime.wrap.model_units`, on a meta model when given a
-config or a directory) and sized by :func:`megatrain.runtime.engine.plan_host_memory`, whose
+config or a directory) and sized by :func:`megatrain.runtime.units.plan_host_memory`, whose
 store part is the C++ ``HostStore.layout_required`` (the planning the store's constructor runs).
 Whether they fit is decided by the rules of the engine's budget check
 (:func:`megatrain.runtime.host_memory.host_budget_shortfall`).
@@ -315,7 +315,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         ValueError / TypeError: a bad option or input.
     """
     from .host_memory import host_budget_shortfall, host_memory_limits, _ENV
-    from .engine import plan_host_memory
+    from .units import plan_host_memory
     from .wrap import UnsupportedModelError, check_activation_policy, find_decoder_layers, model_units
 
     block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")

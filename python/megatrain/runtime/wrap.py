@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import long_context
 from .device_state import check_device_state_layers
-from .engine import Engine, Entry, Unit
+from .engine import Engine
+from .units import Entry, Unit
 from .module_api import EngineModuleApi, install as _install_module_api
 
 _POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")

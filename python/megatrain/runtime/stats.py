@@ -1,0 +1,68 @@
+"""Engine counters: bytes and seconds of the copies, the CPU Adam and the waits for it."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class EngineStats:
+    """Cumulative counters of an :class:`~megatrain.runtime.engine.Engine` (``stats()``)."""
+
+    def _init_stats(self) -> None:
+        self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
+                           grad_accum_time_s=0.0, grad_wait_s=0.0, h2d_copies=0, slot_hits=0)
+        self._timed_copies: list = []  # (kind, start_event, end_event) awaiting readout
+        self._h2d_time_s = 0.0
+        self._d2h_time_s = 0.0
+        self._stats_lock = threading.Lock()
+
+    def _timed(self, kind: str, stream):
+        if not self.cuda:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        if len(self._timed_copies) > 4096:
+            self._collect_copy_times()
+        self._timed_copies.append((kind, start, end))
+        return end
+
+    def stats(self) -> dict:
+        """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
+
+        Keys: ``h2d_bytes``, ``d2h_bytes`` (bytes copied), ``h2d_time_s``, ``d2h_time_s`` (time the
+        copies took on their streams), ``adam_time_s`` (CPU Adam), ``grad_accum_time_s``,
+        ``adam_exposed_s`` (time the main thread waited for CPU updates), ``grad_wait_s`` (time
+        ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
+        ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
+        ``streamed_layers`` (layers whose weights stream), ``device_state_layers``,
+        ``device_state_bytes`` (device bytes of their training state). Reading the copy times waits for the copies already issued.
+        """
+        self._collect_copy_times()
+        with self._stats_lock:
+            out = dict(self._stats)
+        out.update(
+            h2d_time_s=self._h2d_time_s,
+            d2h_time_s=self._d2h_time_s,
+            host_store_bytes=int(self.store.total_bytes),
+            pinned_bytes=int(self.store.pinned_bytes),
+            bytes_per_param=float(self.store.bytes_per_param),
+            num_params=int(self.store.total_numel),
+            streamed_layers=len(self.layers) - (len(self.device_state.units) if self.device_state else 0),
+            device_state_layers=len(self.device_state.units) if self.device_state else 0,
+            device_state_bytes=self.device_state.nbytes if self.device_state else 0,
+        )
+        return out
+
+    def _collect_copy_times(self) -> None:
+        for kind, start, end in self._timed_copies:
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if kind == "h2d":
+                self._h2d_time_s += ms / 1e3
+            else:
+                self._d2h_time_s += ms / 1e3
+        self._timed_copies.clear()
+
