@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .atomic import atomic_directory, check_replaceable, existing_ancestor  # noqa: F401 - public here too
+from .runtime.engine import locate
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
@@ -160,7 +161,7 @@ def _file_digest(path: str) -> dict:
 
 
 def _param_name(p) -> str:
-    _, unit, i = p._megatrain
+    _, unit, i = locate(p)
     return unit.entries[i].name
 
 
@@ -437,7 +438,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
             for i, e in enumerate(u.entries):
                 if not e.frozen:
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
-        u.version += 1  # device slots / the resident buffer reload from the new compute copy
+        eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     eng.host_written()  # device-state layers take the loaded state
     if optimizer is not None:
         for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):

@@ -65,7 +65,7 @@ def test_auto_policy_block_k_matches_recompute_on_the_gpu(monkeypatch):
     decide = wrap_mod.WrappedEngine._decide_auto
 
     def room_for_three_and_a_half_inputs(self, key, layer_bytes, input_bytes=0):
-        self._free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
+        self.free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, input_bytes)
 
     model = small_llama()

@@ -86,7 +86,7 @@ def test_parity_mixed_placement(monkeypatch):
     decide = wrap_mod.WrappedEngine._decide_auto
 
     def room_for_two_layers(self, key, layer_bytes, *rest):
-        self._free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
+        self.free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, *rest)
 
     monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_layers)

@@ -232,7 +232,7 @@ def _long_context_refusal(monkeypatch, impl, mask, match):
     model.config._attn_implementation = impl
     w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32)
     try:
-        monkeypatch.setattr(w.megatrain, "_free_device_bytes", lambda: 8 * 1024 ** 3)
+        monkeypatch.setattr(w.megatrain, "free_device_bytes", lambda: 8 * 1024 ** 3)
         t = 40000
         x = torch.zeros(1, t, dtype=torch.long)
         m = torch.ones_like(x)

@@ -192,7 +192,7 @@ def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
     decide = wrap_mod.WrappedEngine._decide_auto
 
     def room_for_two_and_a_half_layers(self, key, layer_bytes, input_bytes=0):
-        self._free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
+        self.free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, input_bytes)
 
     monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_and_a_half_layers)
@@ -219,7 +219,7 @@ def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatc
 
     def room_for_three_and_a_half_inputs(self, key, layer_bytes, input_bytes=0):
         assert 0 < input_bytes < layer_bytes
-        self._free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
+        self.free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, input_bytes)
 
     monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_three_and_a_half_inputs)
@@ -292,7 +292,7 @@ def test_auto_policy_counts_the_saved_inputs_of_the_recomputed_layers(free_mib, 
     wrap_mod = importlib.import_module("megatrain.runtime.wrap")
     eng = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto").megatrain
     mib = 1 << 20
-    eng._free_device_bytes = lambda: int(free_mib * mib / wrap_mod.AUTO_STORE_FRACTION)
+    eng.free_device_bytes = lambda: int(free_mib * mib / wrap_mod.AUTO_STORE_FRACTION)
     eng._decide_auto("k", layer_mib * mib, input_mib * mib)
     d = eng.auto_decisions["k"]
     k = d["store_layers"]

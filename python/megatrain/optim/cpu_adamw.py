@@ -9,6 +9,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..runtime.engine import locate
+
 NONFINITE_MODES = ("skip", "raise")
 
 
@@ -60,7 +62,7 @@ class _ParamState(dict):
 
 
 def _ref(p: torch.Tensor):
-    ref = getattr(p, "_megatrain", None)
+    ref = locate(p)
     if ref is None:
         raise ValueError(
             f"megatrain.optim.CPUAdamW: got a parameter of shape {tuple(p.shape)} that megatrain does not manage; "
@@ -180,13 +182,18 @@ class CPUAdamW(torch.optim.Optimizer):
                              "grad_accumulator=None (the default) or True")
         if gradient_accumulation_steps > 1:
             self.engine.enable_accumulator()  # wrap(grad_accumulator=None): allocated now, when it is known to be needed
-        self.engine.optimizer = self
+        self.engine.attach_optimizer(self)
         self.last_grad_norm: Optional[float] = None
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps whose update was skipped (whole or in part): non-finite gradients
         self._skipped_ids: set = set()
         self._steps_called = 0  # step() calls that returned; the one running (or next) is number + 1
         self._skipped_units: list = []  # (step number, unit name) appended by the CPU worker (no clipping)
+
+    @property
+    def steps_called(self) -> int:
+        """``step()`` calls that returned (the step running, or the next one, is this number + 1)."""
+        return self._steps_called
 
     def skip_unit_update(self, unit, items, step_number: int) -> None:
         """CPU worker: ``unit``'s gradient is non-finite, its update is not applied: undo the step counts.

@@ -229,7 +229,7 @@ class DeviceState:
             row = du.norm_row[:len(idx)]
             row.copy_(norms, non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record(eng._compute_stream())
+            ev.record(eng.compute_stream())
         else:
             row = norms
         done = threading.Event()
@@ -247,7 +247,7 @@ class DeviceState:
             finally:
                 done.set()
 
-        eng._worker.submit(task, ready=ev.query if ev is not None else None)
+        eng.submit_grad_task(task, ready=ev.query if ev is not None else None)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -270,7 +270,7 @@ class DeviceState:
         zero = set(zero_grads)
         if opt is not None and opt.max_grad_norm is None and items:
             if not all(math.isfinite(unit.grad_sq[i]) for i, *_ in items if i not in zero):
-                opt.skip_unit_update(unit, items, getattr(opt, "_steps_called", 0) + 1)
+                opt.skip_unit_update(unit, items, opt.steps_called + 1)
                 self._skipped = True
                 return
         groups: dict = {}

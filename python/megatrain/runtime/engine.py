@@ -40,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -58,6 +58,48 @@ _C = load_extension()
 def _debug_races() -> bool:
     return os.environ.get("MEGATRAIN_DEBUG_RACES", "0") not in ("", "0")
 
+
+
+class EngineOptimizer(Protocol):
+    """What the engine reads and calls on the optimizer attached to it (:meth:`Engine.attach_optimizer`).
+
+    :class:`megatrain.optim.CPUAdamW` implements it. The engine calls these on the thread running
+    backward (``plan_eager``, ``raise_extra_backward``) or on the CPU worker (``skip_unit_update``).
+
+    Attributes:
+        gradient_accumulation_steps: backward passes per ``step()`` (1: a layer's first gradient
+            goes straight into the compute section, see ``submit_grads``).
+        max_grad_norm: the clip norm, or None (no clipping: updates may start during backward).
+        nonfinite: what a non-finite gradient does (None: nothing is checked; squared norms are
+            computed for the check otherwise).
+        steps_called: ``step()`` calls that returned (the update being queued belongs to number + 1).
+    """
+
+    gradient_accumulation_steps: int
+    max_grad_norm: Optional[float]
+    nonfinite: Optional[str]
+    steps_called: int
+
+    def plan_eager(self, unit: Unit, present: List[bool]) -> Optional[Tuple[list, float]]:
+        """``(items, scale)`` when the update of ``unit``'s entries with ``present[i]`` may start now, else None.
+
+        ``items``: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (see ``run_adam``).
+        """
+
+    def raise_extra_backward(self, same_backward: bool = False) -> None:
+        """Raise the error for a gradient that arrives after its unit's update was already queued."""
+
+    def skip_unit_update(self, unit: Unit, items: list, step_number: int) -> None:
+        """CPU worker: ``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number``."""
+
+
+def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
+    """``(engine, unit, entry_index)`` of a parameter of a wrapped model, or None for any other tensor.
+
+    The one lookup from a user-visible parameter (``model.parameters()``) to where megatrain keeps
+    it; :meth:`Engine.register_param` records it.
+    """
+    return getattr(param, "_megatrain", None)
 
 
 class Engine(SlotPool, GradLedger, EngineStats):
@@ -133,7 +175,7 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self._init_grads(staging_buffers)
         self._worker = _Worker()
         self._init_stats()
-        self.optimizer = None
+        self._optimizer: Optional[EngineOptimizer] = None
         self.device_state = None  # DeviceState of the device-state layers (init_device_state)
 
     # ------------------------------------------------------------------ memory helpers
@@ -192,7 +234,7 @@ class Engine(SlotPool, GradLedger, EngineStats):
 
         ds.check_device_state_layers(layers)
         if layers == "auto":
-            layers = ds.plan_device_state_layers(self.layers, self.compute_dtype, self._free_device_bytes())
+            layers = ds.plan_device_state_layers(self.layers, self.compute_dtype, self.free_device_bytes())
         if layers > len(self.layers):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
                              f"decoder layers; use at most {len(self.layers)} (or 'auto')")
@@ -205,7 +247,7 @@ class Engine(SlotPool, GradLedger, EngineStats):
                 self.slots[template] = []
         return layers
 
-    def _free_device_bytes(self) -> int:
+    def free_device_bytes(self) -> int:
         """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -293,6 +335,25 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self._worker.wait_grads()
         with self._stats_lock:  # mostly the GPU finishing backward: not CPU Adam time
             self._stats["grad_wait_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the other parts
+    @property
+    def optimizer(self) -> Optional[EngineOptimizer]:
+        """The optimizer gradients are routed to (the last one attached), or None."""
+        return self._optimizer
+
+    def attach_optimizer(self, optimizer: EngineOptimizer) -> None:
+        """Route every gradient of the model to ``optimizer`` (replacing the one attached before).
+
+        The engine reads and calls the :class:`EngineOptimizer` members of ``optimizer``: when a
+        gradient is handed over (``submit_grads``: whether its update may start now), and when a
+        queued update is skipped.
+        """
+        self._optimizer = optimizer
+
+    def register_param(self, param: torch.Tensor, unit: Unit, i: int) -> None:
+        """Record that ``param`` (user-visible) is entry ``i`` of ``unit``: :func:`locate` finds it."""
+        param._megatrain = (self, unit, i)
 
     def close(self) -> None:
         self._worker.close()

@@ -110,6 +110,10 @@ class GradLedger:
             with checked_in_python():
                 self._norm_rows = _C.pinned_empty(n_units * max_entries, torch.float64).view(n_units, max_entries)
 
+    def submit_grad_task(self, task: Callable[[], None], ready: Optional[Callable[[], bool]] = None) -> None:
+        """Queue ``task`` on the CPU worker as a gradient task (FIFO, before updates; ``ready``: see ``_Worker.submit``)."""
+        self._worker.submit(task, ready=ready)
+
     def _staging_buffer(self) -> torch.Tensor:
         """A gradient staging buffer of the bounded pool (allocated on first use; blocks while all are in flight)."""
         with self._staging_lock:
@@ -183,7 +187,7 @@ class GradLedger:
         if plan is not None:
             for i, p in enumerate(present):
                 unit.eager[i] = unit.eager[i] or p
-            unit.version += 1
+            self.invalidate([unit])
         # Squared norms of direct gradients: for clipping, and for the finite check before any update.
         need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
                                      getattr(opt, "nonfinite", None) is not None)
@@ -216,7 +220,7 @@ class GradLedger:
 
         if self.cuda:
             backward_done = torch.cuda.Event()
-            backward_done.record(self._compute_stream())
+            backward_done.record(self.compute_stream())
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(backward_done)
                 if self.debug:
@@ -235,7 +239,7 @@ class GradLedger:
                 ev = torch.cuda.Event()
                 ev.record(self.d2h_stream)
             if not self.d2h_overlap:
-                self._compute_stream().wait_event(ev)
+                self.compute_stream().wait_event(ev)
         else:
             nbytes = copies(False)
             if need_norm:
@@ -311,7 +315,7 @@ class GradLedger:
                 return torch.zeros(unit.entries[i].numel, dtype=torch.float32)
             return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
 
-        step_number = getattr(self.optimizer, "_steps_called", 0) + 1  # the step() this update belongs to
+        step_number = getattr(self.optimizer, "steps_called", 0) + 1  # the step() this update belongs to
 
         def task():
             t0 = time.perf_counter()
@@ -410,7 +414,7 @@ class GradLedger:
         Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
         after a direct D2H.
         """
-        unit.version += 1  # bumped now, on the main thread: slots holding the old weights are stale
+        self.invalidate([unit])  # now, on the main thread: slots holding the old weights are stale
         if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
             return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads)
         self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)

@@ -413,7 +413,7 @@ class LongContext:
 
     # -------------------------------------------------------------- sizes from free memory
     def _free(self) -> int:
-        return int(self.engine._free_device_bytes())
+        return int(self.engine.free_device_bytes())
 
     def _loss_rows(self, hidden: torch.Tensor) -> Optional[int]:
         mode = self.chunked_loss

@@ -41,6 +41,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .engine import locate
+
 _PICKLE_MSG = ("megatrain: a model wrapped by megatrain.wrap cannot be pickled (torch.save(model), copy.deepcopy): its "
                "weights live in megatrain's host store. Save with torch.save(model.state_dict(), path) (fp32 master "
                "weights), model.save_pretrained(dir), or megatrain.save_checkpoint(dir, model, optimizer, scheduler) "
@@ -294,7 +296,7 @@ def _restore_placeholders(eng, where) -> None:
             for i in sorted(idx):
                 if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
-            u.version += 1  # device slots / the resident buffer reload from the new compute copy
+            eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     eng.host_written([u for u, _ in units.values()])  # device-state layers take the loaded masters
 
 
@@ -402,7 +404,7 @@ _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 
 
 def _engine_of(params: list):
-    refs = [getattr(p, "_megatrain", None) for p in params]
+    refs = [locate(p) for p in params]
     got = [r for r in refs if r is not None]
     if not got:
         return None

@@ -47,7 +47,16 @@ class SlotPool:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
 
-    def _compute_stream(self):
+    def invalidate(self, units: List[Unit]) -> None:
+        """The compute copy of ``units`` changed in the host store: device copies holding the old one are stale.
+
+        The next ``acquire`` / ``prefetch`` (and the resident buffer's load) copies it again.
+        """
+        for u in units:
+            u.version += 1
+
+    def compute_stream(self):
+        """The stream the layers compute on (torch's current stream of the engine's device; CUDA only)."""
         return torch.cuda.current_stream(self.device)
 
     def wait_update(self, unit: Unit) -> None:
@@ -103,7 +112,7 @@ class SlotPool:
             return None
         slot = min(free, key=lambda s: s.last_use)
         self.copy_h2d(slot.buf, unit, slot.weights_ready, slot.buffer_free if slot.free_recorded else None)
-        slot.unit, slot.version = unit, unit.version
+        slot.unit, slot.version = unit, unit.version  # current until ``invalidate``
         self._use_clock += 1
         slot.last_use = self._use_clock
         return slot
@@ -127,7 +136,7 @@ class SlotPool:
         else:
             self._stats["slot_hits"] += 1
         if self.cuda:
-            self._compute_stream().wait_event(slot.weights_ready)
+            self.compute_stream().wait_event(slot.weights_ready)
         slot.in_use += 1
         self._use_clock += 1
         slot.last_use = self._use_clock
@@ -159,7 +168,7 @@ class SlotPool:
                 slot.buf.fill_(float("nan"))  # poison: any read of a released slot shows up as NaN
                 slot.unit, slot.version = None, -1
             if self.cuda:
-                slot.buffer_free.record(self._compute_stream())
+                slot.buffer_free.record(self.compute_stream())
                 slot.free_recorded = True
 
     def bind(self, unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> List[torch.Tensor]:

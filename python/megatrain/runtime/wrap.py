@@ -375,7 +375,7 @@ class WrappedEngine(EngineModuleApi, Engine):
                     e.param = newp
                 else:
                     e.param.data = view
-                e.param._megatrain = (self, self.resident, i)
+                self.register_param(e.param, self.resident, i)
                 # Modules that own resident weights refresh the device copy when called, so calling
                 # an inner module directly (model.model(...)) after step() sees the new weights too.
                 for mod, _ in e.owners:
@@ -406,7 +406,7 @@ class WrappedEngine(EngineModuleApi, Engine):
             e.param = ph
             for mod, attr in e.owners:
                 mod._parameters[attr] = ph
-            ph._megatrain = (self, u, k)
+            self.register_param(ph, u, k)
 
     # ------------------------------------------------------------------ resident unit
     def load_resident(self) -> None:
@@ -421,10 +421,10 @@ class WrappedEngine(EngineModuleApi, Engine):
             # The buffer is overwritten on the H2D stream: first let the compute stream finish
             # whatever still reads it (the last backward's LM-head / embedding kernels).
             in_use = torch.cuda.Event()
-            in_use.record(self._compute_stream())
+            in_use.record(self.compute_stream())
             ev = torch.cuda.Event()
             self.copy_h2d(self.resident_buf, u, ready_event=ev, free_event=in_use)
-            self._compute_stream().wait_event(ev)
+            self.compute_stream().wait_event(ev)
         else:
             self.copy_h2d(self.resident_buf, u)
         self.resident_loaded_version = u.version
@@ -611,7 +611,7 @@ class WrappedEngine(EngineModuleApi, Engine):
     def _decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
         """``auto``: decide for input shape ``key`` from the first call's measured bytes (graph:
         ``layer_bytes``; its differentiable inputs: ``input_bytes``) and the free device memory."""
-        free = self._free_device_bytes()
+        free = self.free_device_bytes()
         n = len(self.layers)
         need = layer_bytes * n
         budget = AUTO_STORE_FRACTION * free
