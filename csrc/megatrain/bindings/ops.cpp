@@ -3,12 +3,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "megatrain/common/cpu_features.h"
-#include "megatrain/common/tuning.h"
+#include "megatrain/cpu_adam/adam_driver.h"
 #include "megatrain/cpu_adam/adam_kernels.h"
 
 namespace megatrain {
@@ -18,9 +18,10 @@ namespace {
 using cpu_adam::GradDtype;
 using cpu_adam::OutDtype;
 
-// Work is split into fixed chunks (a multiple of 64 elements, so every chunk but the last starts
-// on a 64-element boundary) independent of the thread count: results are deterministic.
-constexpr int64_t kChunkNumel = 64 * 1024;
+// The drivers' chunks (cpu_adam::kChunkNumel, independent of the thread count) on torch's pool.
+void aten_parallel_for(int64_t chunks, const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(0, chunks, 1, body);
+}
 
 // "[a, b, c]" built with std::to_string only: on the H200 build, streaming c10 types into the
 // error message is the suspect of a crash (SIGSEGV instead of ValueError).
@@ -99,7 +100,6 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
   h.weight_decay = weight_decay;
   h.step = step;
   h.grad_scale = static_cast<float>(grad_scale);
-  const cpu_adam::AdamConstants c = cpu_adam::make_adam_constants(h);
   cpu_adam::AdamArgs a;
   a.master = master.data_ptr<float>();
   a.exp_avg = exp_avg.data_ptr<float>();
@@ -108,28 +108,7 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
   a.grad_dtype = gdt;
   a.compute_out = out_ptr;
   a.out_dtype = odt;
-  // Bandwidth switches (common/tuning.h): streaming stores only for outputs far larger than the
-  // caches, where the compute copy is not read again before it is evicted anyway, and not when
-  // the gradient is read from the output itself (training's direct D2H into the compute
-  // section): the kernel has just loaded those lines, so there is no read-for-ownership to save.
-  const common::Tuning tune = common::tuning();
-  bool grad_in_out = false;
-  if (out_ptr != nullptr) {
-    const char* g0 = static_cast<const char*>(grad.data_ptr());
-    const char* g1 = g0 + n * static_cast<int64_t>(grad.element_size());
-    const char* o0 = static_cast<const char*>(out_ptr);
-    const char* o1 = o0 + n * static_cast<int64_t>(compute_out->element_size());
-    grad_in_out = g0 < o1 && o0 < g1;
-  }
-  a.nt_out = tune.nt_stores && odt != OutDtype::kNone && n >= tune.nt_min_numel && !grad_in_out;
-  a.prefetch_bytes = tune.prefetch_bytes;
-  const common::CpuIsa isa = common::active_isa();
-  const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ci = c0; ci < c1; ++ci) {
-      cpu_adam::adamw_range(a, c, ci * kChunkNumel, std::min(n, (ci + 1) * kChunkNumel), isa);
-    }
-  });
+  cpu_adam::adamw_tensor(a, h, n, aten_parallel_for);
 }
 
 at::Tensor grad_accumulate_cpu(const at::Tensor& accum, const at::Tensor& grad, bool overwrite) {
@@ -137,19 +116,8 @@ at::Tensor grad_accumulate_cpu(const at::Tensor& accum, const at::Tensor& grad, 
   const int64_t n = accum.numel();
   check_fp32_state(accum, op, "accum", n);
   const GradDtype gdt = grad_dtype_of(grad, op, n);
-  const common::CpuIsa isa = common::active_isa();
-  const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  float* acc = accum.data_ptr<float>();
-  const void* g = grad.data_ptr();
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ci = c0; ci < c1; ++ci) {
-      partial[ci] = cpu_adam::grad_accumulate_range(acc, g, gdt, overwrite, ci * kChunkNumel,
-                                                    std::min(n, (ci + 1) * kChunkNumel), isa);
-    }
-  });
-  double sumsq = 0.0;
-  for (double p : partial) sumsq += p;  // fixed order: deterministic for any thread count
+  const double sumsq = cpu_adam::grad_accumulate_tensor(accum.data_ptr<float>(), grad.data_ptr(), gdt,
+                                                        overwrite, n, aten_parallel_for);
   return at::scalar_tensor(sumsq, at::TensorOptions().dtype(at::kDouble));
 }
 

@@ -55,5 +55,34 @@ std::string cuda_host_unregister(void* ptr) noexcept {
 #endif
 }
 
+bool cuda_event_query(void* event) {
+#ifdef MEGATRAIN_WITH_CUDA
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaGetLastError();
+  throw std::runtime_error(std::string("cudaEventQuery failed: ") + cudaGetErrorString(err));
+#else
+  (void)event;
+  throw std::runtime_error("cuda_event_query: megatrain was built without CUDA");
+#endif
+}
+
+void cuda_event_synchronize(void* event) {
+#ifdef MEGATRAIN_WITH_CUDA
+  const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("cudaEventSynchronize failed: ") + cudaGetErrorString(err));
+  }
+#else
+  (void)event;
+  throw std::runtime_error("cuda_event_synchronize: megatrain was built without CUDA");
+#endif
+}
+
 }  // namespace common
 }  // namespace megatrain

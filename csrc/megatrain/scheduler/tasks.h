@@ -1,0 +1,98 @@
+// The worker's kernel tasks over raw host pointers (torch-free): accumulate a unit's gradients,
+// AdamW over a unit's entries, and the compute copy rewritten from the fp32 masters. They run
+// the cpu_adam drivers directly (no GIL, no dispatcher) and record what they did in the Ledger.
+// The pointers must stay valid until the task ran (the bindings keep their tensors in Task::keep).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "megatrain/cpu_adam/adam_driver.h"
+#include "megatrain/scheduler/ledger.h"
+
+namespace megatrain {
+namespace scheduler {
+
+/// \brief What a gradient task found, read by the update planned on that gradient (a later
+/// zero_grad may reset the ledger before the update runs).
+struct GradOutcome {
+  std::atomic<bool> finite{true};  ///< every gradient this task landed has a finite norm
+  std::atomic<bool> ran{false};
+};
+
+/// \brief A gradient D2H'd into pinned staging, to be summed into the fp32 accumulator.
+struct StagedGrad {
+  int64_t entry = 0;
+  float* accum = nullptr;          ///< [numel] fp32 accumulator slice
+  const void* grad = nullptr;      ///< [numel] fp32 / bf16 staging slice
+  cpu_adam::GradDtype grad_dtype = cpu_adam::GradDtype::kBFloat16;
+  int64_t numel = 0;
+  bool overwrite = true;           ///< Ledger::begin_d2h's answer
+};
+
+/// \brief A gradient D2H'd straight into the compute section.
+struct DirectGrad {
+  int64_t entry = 0;
+  /// Host float64 L2 norm of the gradient (reduced on the device and copied with it), read when
+  /// the task runs; null: no norm needed (no clipping, no finite check).
+  const double* norm = nullptr;
+};
+
+/// \brief The compute copy of one entry rewritten from its fp32 master.
+struct WeightsBack {
+  const float* master = nullptr;
+  void* compute = nullptr;
+  cpu_adam::OutDtype compute_dtype = cpu_adam::OutDtype::kBFloat16;
+  int64_t numel = 0;
+};
+
+/// \brief One entry's fused AdamW (same arguments as the adamw_step_ op).
+struct AdamItem {
+  int64_t entry = 0;
+  cpu_adam::AdamArgs args;  ///< nt_out / prefetch_bytes are set by the driver
+  cpu_adam::AdamHyper hyper;
+  int64_t numel = 0;
+};
+
+/// \brief The gradient task of one unit: ledger landed_direct (norm^2 from `direct[k].norm`)
+/// for the direct entries, then accumulate each staged gradient (Ledger::accumulated with its
+/// squared norm), in the order given; sets `outcome` (finite over all of them) when done.
+std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t unit,
+                                      std::vector<DirectGrad> direct, std::vector<StagedGrad> staged,
+                                      std::shared_ptr<GradOutcome> outcome,
+                                      cpu_adam::ParallelFor pfor = {});
+
+/// \brief Moves direct gradients (in the compute section) into the accumulator and rewrites the
+/// compute copy from the masters: per entry grad_accumulate(overwrite) then weights back;
+/// Ledger::moved_to_accumulator. `moved[k].grad` must point at the compute slice of `back[k]`.
+std::function<void()> move_to_accumulator_task(std::shared_ptr<Ledger> ledger, int64_t unit,
+                                               std::vector<StagedGrad> moved, std::vector<WeightsBack> back,
+                                               cpu_adam::ParallelFor pfor = {});
+
+/// \brief An update task of one unit.
+struct AdamTask {
+  int64_t unit = 0;
+  std::vector<AdamItem> items;        ///< updated in this order
+  float grad_scale = 1.0f;            ///< the clip coefficient (1: none), applied in the kernel
+  std::vector<WeightsBack> restore;   ///< after the update: direct entries that were not updated
+  std::vector<int64_t> ledger_entries;  ///< queued in the ledger (start/finish_update)
+  /// Skip the update when this gradient task found a non-finite gradient (null: never skip).
+  std::shared_ptr<GradOutcome> finite_from;
+  std::vector<WeightsBack> restore_on_skip;  ///< the direct entries' weights, when skipped
+  /// Set when the update was skipped (the optimizer reads it at its next sync point).
+  std::shared_ptr<std::atomic<bool>> skipped;
+};
+
+/// \brief The update task: start_update of ledger_entries; if finite_from says non-finite (and
+/// there are items), restore_on_skip and set *skipped; else AdamW of each item with grad_scale,
+/// then restore; finish_update.
+std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, cpu_adam::ParallelFor pfor = {});
+
+/// \brief Rewrites compute copies from the masters (zero_grad of gradients never used).
+std::function<void()> weights_back_task(std::vector<WeightsBack> back);
+
+}  // namespace scheduler
+}  // namespace megatrain
