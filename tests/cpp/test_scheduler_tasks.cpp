@@ -170,9 +170,9 @@ TEST(SchedulerTasks, NonFiniteGradientSkipsTheUpdateAndRestoresTheWeights) {
   t.ledger_entries = {0};
   t.finite_from = outcome;
   t.restore_on_skip = {{master.data(), compute.data(), ca::OutDtype::kBFloat16, 64}};
-  t.skipped = std::make_shared<std::atomic<bool>>(false);
+  t.outcome = std::make_shared<sch::UpdateOutcome>();
   sch::adam_task(ledger, t)();
-  EXPECT_TRUE(t.skipped->load());
+  EXPECT_TRUE(t.outcome->skipped.load());
   EXPECT_EQ(master, master0);
   EXPECT_EQ(compute, to_bf16(master0));
   EXPECT_EQ(ledger->get(0, 0).update, sch::UpdateState::kDone);

@@ -25,6 +25,12 @@
 #endif
 
 namespace py = pybind11;
+
+namespace megatrain {
+namespace bindings {
+void init_scheduler(py::module_& m);  // scheduler.cpp
+}  // namespace bindings
+}  // namespace megatrain
 using megatrain::common::CpuIsa;
 using megatrain::host_store::HostMemoryError;
 using megatrain::host_store::HostStore;
@@ -166,6 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       PyErr_SetObject(host_memory_error, inst.ptr());
     }
   });
+
+  megatrain::bindings::init_scheduler(m);
 
   m.def("build_info", &build_info,
         "Versions and options this extension was built with, plus the CPU ISA chosen now.");

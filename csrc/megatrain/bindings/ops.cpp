@@ -1,14 +1,13 @@
 // TORCH_LIBRARY(megatrain) CPU ops over the torch-free CPU Adam kernels.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "megatrain/common/cpu_features.h"
 #include "megatrain/cpu_adam/adam_driver.h"
+#include "megatrain/bindings/tensor_checks.h"
 #include "megatrain/cpu_adam/adam_kernels.h"
 
 namespace megatrain {
@@ -17,48 +16,6 @@ namespace {
 
 using cpu_adam::GradDtype;
 using cpu_adam::OutDtype;
-
-// The drivers' chunks (cpu_adam::kChunkNumel, independent of the thread count) on torch's pool.
-void aten_parallel_for(int64_t chunks, const std::function<void(int64_t, int64_t)>& body) {
-  at::parallel_for(0, chunks, 1, body);
-}
-
-// "[a, b, c]" built with std::to_string only: on the H200 build, streaming c10 types into the
-// error message is the suspect of a crash (SIGSEGV instead of ValueError).
-std::string int_list(c10::IntArrayRef v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
-
-void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
-                    t.device().str());
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name,
-                    " must be contiguous (in-place ops never work on a hidden copy), got sizes ",
-                    int_list(t.sizes()), " and strides ", int_list(t.strides()));
-}
-
-void check_fp32_state(const at::Tensor& t, const char* op, const char* name, int64_t numel) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name,
-                   " must be a contiguous float32 CPU tensor, got dtype ", t.scalar_type());
-  check_cpu_contiguous(t, op, name);
-  TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", name, " must have ", numel,
-                    " elements (the numel of the first tensor), got ", t.numel());
-}
-
-GradDtype grad_dtype_of(const at::Tensor& grad, const char* op, int64_t numel) {
-  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16, op,
-                   ": grad must be a contiguous float32 or bfloat16 CPU tensor, got dtype ",
-                   grad.scalar_type());
-  check_cpu_contiguous(grad, op, "grad");
-  TORCH_CHECK_VALUE(grad.numel() == numel, op, ": grad must have ", numel,
-                    " elements (the numel of the first tensor), got ", grad.numel());
-  return grad.scalar_type() == at::kFloat ? GradDtype::kFloat32 : GradDtype::kBFloat16;
-}
 
 void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, const at::Tensor& grad,

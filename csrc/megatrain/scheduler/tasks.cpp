@@ -62,7 +62,7 @@ std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, c
     if (skip) {
       // A non-finite gradient never reaches the masters: the unit's update is skipped.
       write_back(task.restore_on_skip);
-      if (task.skipped) task.skipped->store(true);
+      if (task.outcome) task.outcome->skipped.store(true);
     } else {
       for (const AdamItem& it : task.items) {
         cpu_adam::AdamHyper h = it.hyper;

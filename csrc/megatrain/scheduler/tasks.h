@@ -23,6 +23,11 @@ struct GradOutcome {
   std::atomic<bool> ran{false};
 };
 
+/// \brief What an update task did, read by the optimizer at its next sync point.
+struct UpdateOutcome {
+  std::atomic<bool> skipped{false};  ///< a non-finite gradient: the update was not applied
+};
+
 /// \brief A gradient D2H'd into pinned staging, to be summed into the fp32 accumulator.
 struct StagedGrad {
   int64_t entry = 0;
@@ -83,11 +88,11 @@ struct AdamTask {
   std::shared_ptr<GradOutcome> finite_from;
   std::vector<WeightsBack> restore_on_skip;  ///< the direct entries' weights, when skipped
   /// Set when the update was skipped (the optimizer reads it at its next sync point).
-  std::shared_ptr<std::atomic<bool>> skipped;
+  std::shared_ptr<UpdateOutcome> outcome;
 };
 
 /// \brief The update task: start_update of ledger_entries; if finite_from says non-finite (and
-/// there are items), restore_on_skip and set *skipped; else AdamW of each item with grad_scale,
+/// there are items), restore_on_skip and set outcome->skipped; else AdamW of each item with grad_scale,
 /// then restore; finish_update.
 std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, cpu_adam::ParallelFor pfor = {});
 

@@ -1,0 +1,381 @@
+// pybind11 classes of the scheduler core: Worker (the CPU worker thread), Ledger (per-entry
+// gradient state machines), TaskHandle, GradOutcome, and the kernel task kinds over store tensors.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "megatrain/bindings/tensor_checks.h"
+#include "megatrain/cpu_adam/adam_driver.h"
+#include "megatrain/scheduler/ledger.h"
+#include "megatrain/scheduler/tasks.h"
+#include "megatrain/scheduler/worker.h"
+
+namespace py = pybind11;
+namespace sch = megatrain::scheduler;
+namespace ca = megatrain::cpu_adam;
+using megatrain::bindings::check_cpu_contiguous;
+using megatrain::bindings::check_fp32_state;
+using megatrain::bindings::aten_parallel_for;
+using megatrain::bindings::grad_dtype_of;
+
+namespace {
+
+// What a task keeps alive until the main thread releases it (under the GIL): the Python
+// callable, the torch.cuda.Event behind its gate, the tensors its pointers point into.
+struct Keep {
+  std::vector<py::object> objects;
+  std::vector<at::Tensor> tensors;
+};
+
+std::shared_ptr<void> make_keep(Keep k) { return std::make_shared<Keep>(std::move(k)); }
+
+// Python's KeyboardInterrupt during a long wait.
+void check_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// Worker plus the Python-side rules: released keeps are dropped on the calling thread (GIL held).
+class PyWorker {
+ public:
+  explicit PyWorker(int64_t adam_threads) {
+    sch::WorkerOptions o;
+    if (adam_threads > 0) {
+      o.thread_init = [adam_threads] { at::set_num_threads(static_cast<int>(adam_threads)); };
+    }
+    worker_ = std::make_unique<sch::Worker>(std::move(o));
+  }
+
+  sch::Worker& get() { return *worker_; }
+
+  void release_finished() { worker_->collect_released(); }  // GIL held: py::objects die here
+
+  sch::TaskRef submit(sch::Task t) {
+    release_finished();
+    return worker_->submit(std::move(t));
+  }
+
+  template <typename F>
+  void blocking(F&& f) {
+    release_finished();
+    {
+      py::gil_scoped_release nogil;
+      f();
+    }
+    release_finished();
+  }
+
+  void close() {
+    {
+      py::gil_scoped_release nogil;  // queued Python tasks need the GIL to finish
+      worker_->close();
+    }
+    release_finished();
+  }
+
+ private:
+  std::unique_ptr<sch::Worker> worker_;
+};
+
+sch::Gate gate_of(const py::object& ready, Keep& keep) {
+  if (ready.is_none()) return {};
+  if (py::isinstance<sch::TaskHandle>(ready)) {
+    return sch::after_task(ready.cast<std::shared_ptr<const sch::TaskHandle>>());
+  }
+  if (py::hasattr(ready, "cuda_event") && py::hasattr(ready, "query")) {
+#ifdef MEGATRAIN_WITH_CUDA
+    const auto handle = ready.attr("cuda_event").cast<uintptr_t>();
+    keep.objects.push_back(ready);
+    return sch::after_cuda_event(reinterpret_cast<void*>(handle));
+#else
+    throw std::invalid_argument("Worker.submit: ready is a CUDA event, but megatrain._C was built without CUDA");
+#endif
+  }
+  throw py::type_error("Worker.submit: ready must be None, a TaskHandle or a recorded torch.cuda.Event, got " +
+                       std::string(py::str(py::type::of(ready))));
+}
+
+sch::TaskClass class_of(int klass) {
+  if (klass != 0 && klass != 1) throw std::invalid_argument("Worker.submit: klass must be 0 (GRAD) or 1 (UPDATE)");
+  return static_cast<sch::TaskClass>(klass);
+}
+
+ca::OutDtype out_dtype_of(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, op,
+                   ": the compute copy must be a contiguous bfloat16 or float32 CPU tensor, got dtype ",
+                   t.scalar_type());
+  check_cpu_contiguous(t, op, "compute");
+  return t.scalar_type() == at::kFloat ? ca::OutDtype::kFloat32 : ca::OutDtype::kBFloat16;
+}
+
+// (master, compute) pairs -> WeightsBack, tensors kept.
+std::vector<sch::WeightsBack> weights_back_of(const std::vector<std::tuple<at::Tensor, at::Tensor>>& pairs,
+                                              Keep& keep, const char* op) {
+  std::vector<sch::WeightsBack> out;
+  for (const auto& [master, compute] : pairs) {
+    check_fp32_state(master, op, "master", master.numel());
+    const ca::OutDtype dt = out_dtype_of(compute, op);
+    TORCH_CHECK_VALUE(compute.numel() == master.numel(), op, ": compute must have ", master.numel(),
+                      " elements (the numel of master), got ", compute.numel());
+    out.push_back({master.data_ptr<float>(), compute.data_ptr(), dt, master.numel()});
+    keep.tensors.push_back(master);
+    keep.tensors.push_back(compute);
+  }
+  return out;
+}
+
+std::string describe_python_error(py::error_already_set& e) {
+  // As Python's f"{err!r}": RuntimeError('simulated accumulate failure').
+  return std::string(py::repr(e.value()));
+}
+
+}  // namespace
+
+namespace megatrain {
+namespace bindings {
+
+void init_scheduler(py::module_& m) {
+  py::register_exception<sch::WorkerFailed>(m, "WorkerFailed", PyExc_RuntimeError);
+  py::register_exception<sch::LedgerError>(m, "LedgerError", PyExc_RuntimeError);
+
+  py::class_<sch::TaskHandle, std::shared_ptr<sch::TaskHandle>>(m, "TaskHandle",
+                                                                "Completion of one task of a Worker.")
+      .def_property_readonly("done", &sch::TaskHandle::done, "True once the task ran (or was skipped after a failure).")
+      .def_property_readonly("seq", &sch::TaskHandle::seq);
+
+  py::class_<sch::GradOutcome, std::shared_ptr<sch::GradOutcome>>(m, "GradOutcome",
+                                                                  "What a gradient task found.")
+      .def(py::init<>())
+      .def_property_readonly("finite", [](const sch::GradOutcome& o) { return o.finite.load(); })
+      .def_property_readonly("ran", [](const sch::GradOutcome& o) { return o.ran.load(); });
+
+  py::class_<sch::UpdateOutcome, std::shared_ptr<sch::UpdateOutcome>>(m, "UpdateOutcome",
+                                                                      "What an update task did.")
+      .def_property_readonly("skipped", [](const sch::UpdateOutcome& o) { return o.skipped.load(); });
+
+  py::class_<PyWorker, std::shared_ptr<PyWorker>>(m, "Worker", R"doc(
+The CPU worker thread (csrc/megatrain/scheduler/worker.h).
+
+Gradient tasks (klass 0) run first, in submission order; update tasks (klass 1) earliest deadline
+first by (key, submission order). ``ready``: None, a TaskHandle (runs after that task) or a
+recorded torch.cuda.Event (CUDA builds); while the oldest gradient task's event is not done, a
+ready update runs instead. A task that raises stops the worker: later tasks are skipped and every
+later submit / wait raises WorkerFailed (a RuntimeError) naming the first error. Waits release
+the GIL. adam_threads > 0: intra-op threads of the kernels run on the worker (at::set_num_threads
+on its thread).)doc")
+      .def(py::init<int64_t>(), py::arg("adam_threads") = -1)
+      .def_property_readonly_static("GRAD", [](py::object) { return 0; })
+      .def_property_readonly_static("UPDATE", [](py::object) { return 1; })
+      .def("submit",
+           [](PyWorker& w, py::function fn, int klass, int64_t key, py::object ready) {
+             Keep keep;
+             sch::Task t;
+             t.klass = class_of(klass);
+             t.key = key;
+             t.gate = gate_of(ready, keep);
+             keep.objects.push_back(fn);
+             PyObject* raw = fn.ptr();  // owned by keep until the main thread releases it
+             t.run = [raw] {
+               py::gil_scoped_acquire gil;
+               try {
+                 py::handle callable(raw);
+                 callable();
+               } catch (py::error_already_set& e) {
+                 throw std::runtime_error(describe_python_error(e));
+               }
+             };
+             t.keep = make_keep(std::move(keep));
+             return w.submit(std::move(t));
+           },
+           py::arg("fn"), py::arg("klass") = 0, py::arg("key") = 0, py::arg("ready") = py::none(),
+           "Queue the Python callable fn (run on the worker thread with the GIL). Returns a TaskHandle.")
+      .def("submit_accumulate",
+           [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
+              const std::vector<std::tuple<int64_t, std::optional<at::Tensor>, int64_t>>& direct,
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, bool>>& staged, py::object ready) {
+             constexpr const char* op = "Worker.submit_accumulate";
+             Keep keep;
+             std::vector<sch::DirectGrad> d;
+             for (const auto& [entry, norms, k] : direct) {
+               sch::DirectGrad g;
+               g.entry = entry;
+               if (norms.has_value()) {
+                 TORCH_CHECK_TYPE(norms->scalar_type() == at::kDouble, op, ": norms must be float64, got ",
+                                  norms->scalar_type());
+                 check_cpu_contiguous(*norms, op, "norms");
+                 TORCH_CHECK_VALUE(k >= 0 && k < norms->numel(), op, ": norm index ", k, " out of range");
+                 g.norm = norms->data_ptr<double>() + k;
+                 keep.tensors.push_back(*norms);
+               }
+               d.push_back(g);
+             }
+             std::vector<sch::StagedGrad> s;
+             for (const auto& [entry, accum, grad, overwrite] : staged) {
+               check_fp32_state(accum, op, "accum", accum.numel());
+               sch::StagedGrad g;
+               g.entry = entry;
+               g.accum = accum.data_ptr<float>();
+               g.grad_dtype = grad_dtype_of(grad, op, accum.numel());
+               g.grad = grad.data_ptr();
+               g.numel = accum.numel();
+               g.overwrite = overwrite;
+               keep.tensors.push_back(accum);
+               keep.tensors.push_back(grad);
+               s.push_back(g);
+             }
+             auto outcome = std::make_shared<sch::GradOutcome>();
+             sch::Task t;
+             t.klass = sch::TaskClass::kGrad;
+             t.gate = gate_of(ready, keep);
+             t.run = sch::accumulate_task(std::move(ledger), unit, std::move(d), std::move(s), outcome,
+                                          aten_parallel_for);
+             t.keep = make_keep(std::move(keep));
+             return std::make_tuple(w.submit(std::move(t)), outcome);
+           },
+           py::arg("ledger"), py::arg("unit"), py::arg("direct"), py::arg("staged"), py::arg("ready") = py::none(),
+           "Gradient task: direct = [(entry, norms float64 tensor or None, index into norms)] landed in the "
+           "compute section; staged = [(entry, accum fp32, grad bf16/fp32 staging slice, overwrite)] summed "
+           "into the accumulator (Ledger.accumulated with the squared norm). Returns (TaskHandle, GradOutcome).")
+      .def("submit_adam",
+           [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                           double, double, double, double, double, int64_t>>& items,
+              double grad_scale, const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore,
+              const std::vector<int64_t>& ledger_entries, std::shared_ptr<sch::GradOutcome> finite_from,
+              const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore_on_skip, int klass, int64_t key,
+              py::object ready) {
+             constexpr const char* op = "Worker.submit_adam";
+             Keep keep;
+             sch::AdamTask task;
+             task.unit = unit;
+             task.grad_scale = static_cast<float>(grad_scale);
+             for (const auto& [entry, master, exp_avg, exp_avg_sq, grad, compute, lr, b1, b2, eps, wd, step] : items) {
+               const int64_t n = master.numel();
+               check_fp32_state(master, op, "master", n);
+               check_fp32_state(exp_avg, op, "exp_avg", n);
+               check_fp32_state(exp_avg_sq, op, "exp_avg_sq", n);
+               sch::AdamItem it;
+               it.entry = entry;
+               it.numel = n;
+               it.args.master = master.data_ptr<float>();
+               it.args.exp_avg = exp_avg.data_ptr<float>();
+               it.args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+               it.args.grad_dtype = grad_dtype_of(grad, op, n);
+               it.args.grad = grad.data_ptr();
+               it.args.out_dtype = out_dtype_of(compute, op);
+               TORCH_CHECK_VALUE(compute.numel() == n, op, ": compute must have ", n, " elements, got ",
+                                 compute.numel());
+               it.args.compute_out = compute.data_ptr();
+               TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
+               it.hyper.lr = lr;
+               it.hyper.beta1 = b1;
+               it.hyper.beta2 = b2;
+               it.hyper.eps = eps;
+               it.hyper.weight_decay = wd;
+               it.hyper.step = step;
+               for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, &grad, &compute}) keep.tensors.push_back(*t);
+               task.items.push_back(it);
+             }
+             task.restore = weights_back_of(restore, keep, op);
+             task.restore_on_skip = weights_back_of(restore_on_skip, keep, op);
+             task.ledger_entries = ledger_entries;
+             task.finite_from = std::move(finite_from);
+             auto outcome = std::make_shared<sch::UpdateOutcome>();
+             task.outcome = outcome;
+             sch::Task t;
+             t.klass = class_of(klass);
+             t.key = key;
+             t.gate = gate_of(ready, keep);
+             t.run = sch::adam_task(ledger, std::move(task), aten_parallel_for);
+             t.keep = make_keep(std::move(keep));
+             for (int64_t i : ledger_entries) ledger->queue_update(unit, i);
+             try {
+               return std::make_tuple(w.submit(std::move(t)), outcome);
+             } catch (...) {
+               for (int64_t i : ledger_entries) ledger->cancel_update(unit, i);
+               throw;
+             }
+           },
+           py::arg("ledger"), py::arg("unit"), py::arg("items"), py::arg("grad_scale"),
+           py::arg("restore") = std::vector<std::tuple<at::Tensor, at::Tensor>>{},
+           py::arg("ledger_entries") = std::vector<int64_t>{}, py::arg("finite_from") = nullptr,
+           py::arg("restore_on_skip") = std::vector<std::tuple<at::Tensor, at::Tensor>>{}, py::arg("klass") = 1,
+           py::arg("key") = 0, py::arg("ready") = py::none(),
+           "Update task: items = [(entry, master, exp_avg, exp_avg_sq, grad, compute, lr, beta1, beta2, eps, "
+           "weight_decay, step)] (adamw_step_'s arguments) with grad_scale; then restore = [(master, compute)]. "
+           "finite_from: a GradOutcome; non-finite skips the update and writes restore_on_skip instead. "
+           "Queues ledger_entries' updates in the ledger. Returns (TaskHandle, UpdateOutcome).")
+      .def("wait_grads", [](PyWorker& w) { w.blocking([&] { w.get().wait_grads(check_signals); }); },
+           "Block until every queued gradient task ran (GIL released).")
+      .def("drain", [](PyWorker& w) { w.blocking([&] { w.get().drain(check_signals); }); },
+           "Block until every queued task ran (GIL released).")
+      .def("wait", [](PyWorker& w, std::shared_ptr<sch::TaskHandle> t) {
+             w.blocking([&] { w.get().wait(t, check_signals); });
+           },
+           py::arg("task"), "Block until task ran (GIL released).")
+      .def("check", [](PyWorker& w) { w.release_finished(); w.get().check(); },
+           "Raise WorkerFailed if a task failed (sticky).")
+      .def_property_readonly("failed", [](PyWorker& w) { return static_cast<bool>(w.get().error()); })
+      .def_property_readonly("error_message", [](PyWorker& w) { return w.get().error_message(); })
+      .def_property_readonly("grads_pending", [](PyWorker& w) { return w.get().grads_pending(); })
+      .def_property_readonly("unfinished", [](PyWorker& w) { return w.get().unfinished(); })
+      .def("close", &PyWorker::close, "Run what is queued, then join the thread (idempotent).");
+
+  py::enum_<sch::GradPlace>(m, "GradPlace")
+      .value("none", sch::GradPlace::kNone)
+      .value("on_device", sch::GradPlace::kOnDevice)
+      .value("in_flight_staging", sch::GradPlace::kInFlightStaging)
+      .value("in_flight_direct", sch::GradPlace::kInFlightDirect)
+      .value("direct", sch::GradPlace::kDirect)
+      .value("accumulated", sch::GradPlace::kAccumulated);
+  py::enum_<sch::UpdateState>(m, "UpdateState")
+      .value("none", sch::UpdateState::kNone)
+      .value("queued", sch::UpdateState::kQueued)
+      .value("running", sch::UpdateState::kRunning)
+      .value("done", sch::UpdateState::kDone);
+
+  py::class_<sch::EntryState>(m, "EntryState")
+      .def_readonly("place", &sch::EntryState::place)
+      .def_readonly("micro_batches", &sch::EntryState::micro_batches)
+      .def_readonly("in_flight", &sch::EntryState::in_flight)
+      .def_readonly("grad_sq", &sch::EntryState::grad_sq)
+      .def_readonly("norm_known", &sch::EntryState::norm_known)
+      .def_readonly("finite", &sch::EntryState::finite)
+      .def_readonly("eager", &sch::EntryState::eager)
+      .def_readonly("update", &sch::EntryState::update);
+
+  py::class_<sch::Ledger, std::shared_ptr<sch::Ledger>>(m, "Ledger",
+                                                        "Per-entry gradient state machines (scheduler/ledger.h); "
+                                                        "an illegal transition raises LedgerError.")
+      .def(py::init<std::vector<int64_t>>(), py::arg("entries_per_unit"))
+      .def_property_readonly("num_units", &sch::Ledger::num_units)
+      .def("num_entries", &sch::Ledger::num_entries, py::arg("unit"))
+      .def("get", &sch::Ledger::get, py::arg("unit"), py::arg("entry"))
+      .def("begin_d2h", &sch::Ledger::begin_d2h, py::arg("unit"), py::arg("entry"), py::arg("direct"))
+      .def("on_device", &sch::Ledger::on_device, py::arg("unit"), py::arg("entry"))
+      .def("mark_eager", &sch::Ledger::mark_eager, py::arg("unit"), py::arg("entry"))
+      .def("landed_direct", &sch::Ledger::landed_direct, py::arg("unit"), py::arg("entry"), py::arg("grad_sq"),
+           py::arg("norm_known"))
+      .def("accumulated", &sch::Ledger::accumulated, py::arg("unit"), py::arg("entry"), py::arg("grad_sq"))
+      .def("moved_to_accumulator", &sch::Ledger::moved_to_accumulator, py::arg("unit"), py::arg("entry"),
+           py::arg("grad_sq"))
+      .def("record_norm", &sch::Ledger::record_norm, py::arg("unit"), py::arg("entry"), py::arg("grad_sq"))
+      .def("reset", &sch::Ledger::reset, py::arg("unit"), py::arg("entry"))
+      .def("queue_update", &sch::Ledger::queue_update, py::arg("unit"), py::arg("entry"))
+      .def("cancel_update", &sch::Ledger::cancel_update, py::arg("unit"), py::arg("entry"))
+      .def("start_update", &sch::Ledger::start_update, py::arg("unit"), py::arg("entry"))
+      .def("finish_update", &sch::Ledger::finish_update, py::arg("unit"), py::arg("entry"))
+      .def("any_in_compute", &sch::Ledger::any_in_compute, py::arg("unit"))
+      .def("update_pending", &sch::Ledger::update_pending, py::arg("unit"))
+      .def("finite", &sch::Ledger::finite, py::arg("unit"), py::arg("entries"))
+      .def("grad_sq", &sch::Ledger::grad_sq, py::arg("unit"));
+}
+
+}  // namespace bindings
+}  // namespace megatrain
