@@ -281,8 +281,8 @@ def run_megatrain(spec):
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
-    devstate = opts.get("devstate", "0")
-    devstate = devstate if devstate == "auto" else int(devstate)
+    devstate = opts.get("devstate")  # None: wrap's default (the planner under policy=auto, else 0)
+    devstate = devstate if devstate in (None, "auto") else int(devstate)
     clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,

@@ -39,11 +39,18 @@ def _train(model, policy, monkeypatch, debug):
     return res, wrapped
 
 
+# SDPA's memory-efficient attention backward (the fp32 path on the GPU) accumulates with atomics, so
+# two runs of the same policy differ at the last bits; elements near zero (rare embedding rows) then
+# differ by ~1e-6 absolute after 3 AdamW steps at lr 1e-3 (measured on the H200: 2.2e-6). Hence an
+# absolute floor of torch.testing's fp32 default (1e-5) beside the 1e-5 relative tolerance.
+ATOL = 1e-5
+
+
 def _same(ref, got):
     for a, b in zip(got.losses, ref.losses):
         assert abs(a - b) <= 1e-5 * abs(b), (got.losses, ref.losses)
     for name, b in ref.params.items():
-        assert_close_rel(got.params[name], b, 1e-5, name)
+        assert_close_rel(got.params[name], b, 1e-5, name, atol=ATOL)
 
 
 def test_offload_policy_matches_recompute_on_the_gpu(monkeypatch):

@@ -95,6 +95,25 @@ def test_parity_mixed_placement(monkeypatch):
     check(ref, got, wrapped)
     (d,) = wrapped.megatrain.auto_decisions.values()
     assert d["store_layers"] == 2 and _device_layers(wrapped) == [0]
+    pl = wrapped.megatrain.placement()
+    assert (pl["layers"], pl["device_state_layers"], pl["streamed_layers"]) == (3, 1, 2)
+    assert pl["device_state_bytes"] == wrapped.megatrain.device_state.nbytes > 0
+    (acts,) = pl["activations"]
+    assert (acts["store_layers"], acts["recompute_layers"], acts["block_k"]) == (2, 1, 1)
+
+
+def test_default_placement_is_the_planner_under_auto_on_cuda_only():
+    """``device_state_layers=None`` (default): ``"auto"`` with ``activation_policy="auto"`` on CUDA, else 0."""
+    resolve = importlib.import_module("megatrain.runtime.device_state").resolve_device_state_layers
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve(None, "auto", cuda) == "auto"
+    assert resolve(None, "recompute", cuda) == 0 and resolve(None, "store", cuda) == 0
+    assert resolve(None, "auto", cpu) == 0  # the host store is the CPU backend's device memory
+    assert resolve(2, "auto", cuda) == 2 and resolve(0, "auto", cuda) == 0 and resolve("auto", "store", cpu) == "auto"
+    model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto")
+    pl = model.megatrain.placement()
+    assert (pl["device_state_layers"], pl["streamed_layers"], pl["activations"]) == (0, 3, [])
+    assert megatrain.wrap(tiny("llama"), device="cpu").megatrain.placement()["activations"] is None
 
 
 def test_parity_store_policy_all_layers_on_the_device_streams_no_layer():

@@ -51,9 +51,18 @@ import torch
 AUTO_DEVICE_STATE_FRACTION = 0.5
 
 
+def resolve_device_state_layers(value, activation_policy: str, device: torch.device):
+    """``device_state_layers`` as given, or its default (``None``): ``"auto"`` under
+    ``activation_policy="auto"`` on CUDA (the placement planner), else 0 (every layer's state in the
+    host store; on the CPU backend the host store already is the compute device's memory)."""
+    if value is None:
+        return "auto" if activation_policy == "auto" and device.type == "cuda" else 0
+    return value
+
+
 def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_layers") -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 0 or ``"auto"``."""
-    if value == "auto" and isinstance(value, str):
+    """Raise ``ValueError`` unless ``value`` is an int >= 0, ``"auto"`` or ``None`` (the default)."""
+    if value is None or (value == "auto" and isinstance(value, str)):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device) "

@@ -499,7 +499,7 @@ def _wrap_with(model, source, wrap_kwargs):
     kw.update(wrap_kwargs)
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
-                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers", 0))
+                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:

@@ -29,6 +29,28 @@ class EngineStats:
         self._timed_copies.append((kind, start, end))
         return end
 
+    def placement(self) -> dict:
+        """Where the decoder layers' training state and activations live (what the planner chose).
+
+        Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
+        device), ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
+        host store), ``layers``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
+        ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
+        (one saved input per K layers), ``free_bytes`` (device bytes free when decided); ``None``
+        for the other policies (``activation_policy`` says what every layer does).
+        """
+        k = len(self.device_state.units) if self.device_state else 0
+        decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
+        acts = None
+        if decisions is not None:
+            acts = [{"input_shapes": [list(s) for s in key],
+                     **{n: d[n] for n in ("store_layers", "recompute_layers", "block_k", "free_bytes") if n in d}}
+                    for key, d in decisions.items()]
+        return dict(layers=len(self.layers), device_state_layers=k,
+                    device_state_bytes=self.device_state.nbytes if self.device_state else 0,
+                    streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
+                    activations=acts)
+
     def stats(self) -> dict:
         """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import long_context
-from .device_state import check_device_state_layers
+from .device_state import check_device_state_layers, resolve_device_state_layers
 from .engine import Engine
 from .units import Entry, Unit
 from .module_api import EngineModuleApi, install as _install_module_api
@@ -753,7 +753,7 @@ class WrappedEngine(EngineModuleApi, Engine):
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
          activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
-         chunked_loss="auto", tile_mlp="auto", device_state_layers=0) -> nn.Module:
+         chunked_loss="auto", tile_mlp="auto", device_state_layers=None) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -792,18 +792,20 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             tile): ``"auto"`` (when its intermediates would exceed 1/16 of the free device memory),
             ``True``, ``False`` or rows per tile.
         device_state_layers: decoder layers ``0 .. K-1`` whose *whole* training state stays on the
-            device (opt-in; default 0: every layer's state lives in the host store): compute-dtype
-            weights, fp32 master, ``exp_avg``, ``exp_avg_sq`` and fp32 gradient accumulator, i.e.
-            2 + 12 + 4 = 18 device bytes per parameter in bf16 (20 in fp32). Their weights never
-            stream, their gradients never leave the device, and ``optimizer.step()`` updates them
-            on the device with exactly ``torch.optim.AdamW``'s math (clip coefficient of the
-            global norm, per-parameter step counts, the groups' hyperparameters); the next forward
-            runs on them while the CPU updates the deeper layers. An int ``K`` (0 .. number of
-            layers), or ``"auto"``: as many layers as fit in half of the device memory free at
-            wrap time, computed from those exact byte counts (``model.megatrain.stats()
-            ["device_state_layers"]`` says how many). The host store keeps these layers'
-            sections too: checkpoints, ``state_dict()``, export and ``optimizer.state`` read and
-            write them there (see ``megatrain.runtime.device_state``).
+            device: compute-dtype weights, fp32 master, ``exp_avg``, ``exp_avg_sq`` and fp32 gradient
+            accumulator, i.e. 2 + 12 + 4 = 18 device bytes per parameter in bf16 (20 in fp32). Their
+            weights never stream, their gradients never leave the device, and ``optimizer.step()``
+            updates them on the device with exactly ``torch.optim.AdamW``'s math (clip coefficient
+            of the global norm, per-parameter step counts, the groups' hyperparameters); the next
+            forward runs on them while the CPU updates the deeper layers. An int ``K`` (0 .. number
+            of layers), or ``"auto"``: as many layers as fit in half of the device memory free at
+            wrap time, computed from those exact byte counts. Default ``None``: ``"auto"`` with
+            ``activation_policy="auto"`` on CUDA (the placement planner: first the training state of as
+            many layers as fit, then the activations of as many layers as fit in what is left;
+            ``model.megatrain.placement()`` says what it chose), else 0 (every layer's state in
+            the host store). The host store keeps these layers' sections too: checkpoints,
+            ``state_dict()``, export and ``optimizer.state`` read and write them there (see
+            ``megatrain.runtime.device_state`` and docs/placement.md).
 
     Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
     embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
@@ -828,7 +830,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
 
 
 def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
-          chunked_loss="auto", tile_mlp="auto", device_state_layers=0):
+          chunked_loss="auto", tile_mlp="auto", device_state_layers=None):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     if getattr(model, "megatrain", None) is not None:
@@ -857,6 +859,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     check_activation_policy(activation_policy)
     check_device_state_layers(device_state_layers)
+    device_state_layers = resolve_device_state_layers(device_state_layers, activation_policy, device)
     for name, p in model.named_parameters():
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")

@@ -1027,6 +1027,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
             "activation_policy": cfg.runtime.activation_policy,
             "auto_decisions": _auto_decisions(engine),
+            "placement": engine.placement() if engine is not None else None,
             "long_context": _long_context(engine, cfg),
             "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
@@ -1079,6 +1080,11 @@ def summary_rows(summary: dict) -> list:
         ("GPU peak memory", b(summary.get("gpu_peak_bytes")) if summary.get("gpu_peak_bytes") is not None else "n/a"),
         ("host RSS", b(summary.get("host_rss_bytes"))),
     ]
+    pl = summary.get("placement")
+    if pl and pl.get("device_state_layers"):
+        rows.append(("layers with their state on the device",
+                     f"{pl['device_state_layers']} of {pl['layers']} ({b(pl['device_state_bytes'])}), "
+                     f"{pl['streamed_layers']} streamed"))
     if "pinned_bytes" in stats:
         rows.append(("pinned host memory", b(stats["pinned_bytes"])))
     if "bytes_per_param" in stats:
