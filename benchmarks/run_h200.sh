@@ -4,6 +4,7 @@
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
+#                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -99,6 +100,26 @@ for s in "${stages[@]}"; do
     long_loss)  # LM head + loss alone at long T: chunked vs full logits vs liger-kernel / cut-cross-entropy (.whl)
       run long_loss bash -c '[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl .whl/cut_cross_entropy*.whl;
         timeout 240 python3 benchmarks/bench_long_context.py --loss-only --seq 32768 131072 --out docs/benchmarks/long_context_loss.json' ;;
+    before_build)  # .before/: `git archive $BEFORE_COMMIT python csrc benchmarks setup.py pyproject.toml CMakeLists.txt`, carried (git-ignored)
+      run before_build bash -c 'cd .before && python3 setup.py build_ext --inplace -q >/dev/null && PYTHONPATH=$PWD/python python3 -c "import megatrain._C as C; print(C.build_info()[\"git_sha\"] if \"git_sha\" in C.build_info() else \"built\")"' ;;
+    before_after)  # 3.37B, 4 x 4096 tokens, megatrain streamed (recompute), without / with max_grad_norm: .before/ vs this tree, alternating
+      for clip in 0 1.0; do
+        for tree in before after; do
+          dir=.; pp=; [ $tree = before ] && { dir=.before; pp=$PWD/.before/python; }
+          extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
+          c=$MEGATRAIN_GIT_COMMIT; [ $tree = before ] && c=${BEFORE_COMMIT:-before}
+          run ba_${tree}_clip$clip env PYTHONPATH=$pp MEGATRAIN_GIT_COMMIT=$c timeout 240 python3 $dir/benchmarks/bench_train.py \
+            --systems megatrain --steps 5 --warmup 2 $extra --out docs/benchmarks/before_after_${tree}_clip$clip.json
+        done
+      done
+      python3 - <<'PY'
+import json
+for clip in ("0", "1.0"):
+    r = {t: json.load(open(f"docs/benchmarks/before_after_{t}_clip{clip}.json"))["rows"][0] for t in ("before", "after")}
+    print(f"max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
+          f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
+PY
+      ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;
