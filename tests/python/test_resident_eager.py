@@ -33,7 +33,7 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
 
     def wait_for_the_failure(p):  # runs after megatrain's hook on the LM head queued its update
         t0 = time.monotonic()
-        while eng._worker._error is None and time.monotonic() - t0 < 30:
+        while not eng._worker.failed and time.monotonic() - t0 < 30:
             time.sleep(0.001)
 
     model.lm_head.weight.register_post_accumulate_grad_hook(wait_for_the_failure)
@@ -42,15 +42,26 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever(monkeypat
     with pytest.raises(RuntimeError, match="CPU worker failed.*simulated adam failure"):
         model(input_ids=x, labels=x).loss.backward()
     monkeypatch.setattr(grads_mod, "_C_ops", real)
-    eng._worker._error = None  # look behind the (sticky) failure: what did the hand-over leave?
-    eng.flush()
+    t0 = time.monotonic()  # the tasks queued behind the failure are skipped: wait until all are
+    while eng._worker.unfinished and time.monotonic() - t0 < 30:
+        time.sleep(0.001)
+    assert eng._worker.unfinished == 0
     stuck = [u.index for u in eng.units if not u.update_done.is_set()]
     assert not stuck, f"units {stuck} wait for an update that was never queued"
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (model(input_ids=x, labels=x), done.set()), daemon=True)
+    outcome = []
+
+    def forward():
+        try:
+            model(input_ids=x, labels=x)
+            outcome.append("ran")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=forward, daemon=True)
     t.start()
     t.join(30)
-    assert done.is_set(), "the next forward hangs"
+    assert outcome, "the next forward hangs"
+    assert "CPU worker failed" in outcome[0] and "cannot train on" in outcome[0]  # sticky, not a hang
 
 
 def _assert_masters_match(wrapped, opt, ref):

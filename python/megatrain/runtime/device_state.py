@@ -256,7 +256,7 @@ class DeviceState:
             finally:
                 done.set()
 
-        eng.submit_grad_task(task, ready=ev.query if ev is not None else None)
+        eng.submit_grad_task(task, ready=ev)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()

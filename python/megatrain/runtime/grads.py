@@ -110,9 +110,11 @@ class GradLedger:
             with checked_in_python():
                 self._norm_rows = _C.pinned_empty(n_units * max_entries, torch.float64).view(n_units, max_entries)
 
-    def submit_grad_task(self, task: Callable[[], None], ready: Optional[Callable[[], bool]] = None) -> None:
-        """Queue ``task`` on the CPU worker as a gradient task (FIFO, before updates; ``ready``: see ``_Worker.submit``)."""
-        self._worker.submit(task, ready=ready)
+    def submit_grad_task(self, task: Callable[[], None], ready=None):
+        """Queue ``task`` on the CPU worker as a gradient task (FIFO, before updates; ``ready``: see ``_Worker.submit``).
+
+        Returns the task's handle."""
+        return self._worker.submit(task, ready=ready)
 
     def _staging_buffer(self) -> torch.Tensor:
         """A gradient staging buffer of the bounded pool (allocated on first use; blocks while all are in flight)."""
@@ -280,13 +282,13 @@ class GradLedger:
             if on_done is not None:
                 on_done()
 
-        self._worker.submit(grad_task, ready=ev.query if ev is not None else None)
+        grad_handle = self._worker.submit(grad_task, ready=ev)
         if plan is not None:
             items, scale = plan
-            self._submit_adam(unit, items, scale, after=grad_done, entries=[i for i, p in enumerate(present) if p],
+            self._submit_adam(unit, items, scale, after=grad_handle, entries=[i for i, p in enumerate(present) if p],
                               finite=(lambda: finite[0]) if getattr(opt, "nonfinite", None) is not None else None)
 
-    def _submit_adam(self, unit: Unit, items, scale: float, after: Optional[threading.Event] = None,
+    def _submit_adam(self, unit: Unit, items, scale: float, after=None,
                      entries: Optional[List[int]] = None, zero_grads=(),
                      finite: Optional[Callable[[], bool]] = None) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
@@ -294,7 +296,7 @@ class GradLedger:
         The unit is "in flight" from when the task is queued (``_submit_updating``) until it ran.
         Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
         accumulator; direct entries that are not updated (not in this optimizer) get their weights
-        back. ``after``: set when the unit's gradient task ran (the update is not started before).
+        back. ``after``: the handle of the unit's gradient task (the update is not started before it ran).
         ``finite``: called in the task; False skips the update (a non-finite gradient never reaches
         the masters; the compute copy is rewritten from them and the optimizer undoes the step count).
         Takes over (and clears) ``unit.direct`` of those entries: the compute section holds
@@ -336,7 +338,7 @@ class GradLedger:
                     self._stats["adam_time_s"] += time.perf_counter() - t0
 
         self._submit_updating([unit], task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
-                              ready=after.is_set if after is not None else None)
+                              ready=after)
 
     def _weights_back(self, unit: Unit, entries) -> None:
         """Worker: rewrite entries' compute copy from the fp32 masters (gradients held there are dropped)."""

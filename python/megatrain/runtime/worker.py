@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import collections
-import itertools
 import os
-import threading
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
-import torch
+from .._loader import load_extension
+
+_C = load_extension()
 
 _LIVE_WORKERS: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
 
@@ -24,18 +23,8 @@ def _stop_workers() -> None:
         w.close()
 
 
-class _Task:
-    __slots__ = ("klass", "key", "seq", "fn", "ready")
-
-    def __init__(self, klass, key, seq, fn, ready):
-        self.klass, self.key, self.seq, self.fn, self.ready = klass, key, seq, fn, ready
-
-    def is_ready(self) -> bool:
-        return self.ready is None or bool(self.ready())
-
-
 class _Worker:
-    """One CPU thread running gradient tasks and Adam updates, by priority and readiness.
+    """The CPU worker thread: :class:`megatrain._C.Worker` (``csrc/megatrain/scheduler/worker.h``).
 
     Gradient tasks (D2H waits, accumulation, zero_grad bookkeeping) run in submission order and
     before updates: they free pinned staging buffers and are what ``optimizer.step()`` waits
@@ -45,118 +34,64 @@ class _Worker:
     next forward needs soonest) is updated first, and the deep layers' updates overlap the next
     forward instead of delaying its start.
 
-    A task may carry a readiness test (a CUDA event's ``query``, or "this unit's gradient task
-    ran"). While the oldest gradient task is still waiting for its D2H copy, a ready update runs
-    instead of blocking the thread on that copy (otherwise a main thread that runs ahead of the
-    GPU would queue every layer's gradient task first and no update would overlap backward).
+    A task may carry a readiness gate: a recorded ``torch.cuda.Event`` (queried with
+    ``cudaEventQuery`` on the worker thread, without the GIL) or the :class:`megatrain._C.TaskHandle`
+    of an earlier task. While the oldest gradient task is still waiting for its D2H copy, a ready
+    update runs instead of blocking the thread on that copy (otherwise a main thread that runs
+    ahead of the GPU would queue every layer's gradient task first and no update would overlap
+    backward).
+
+    A task that raises stops the worker's work: the tasks queued after it are skipped and every
+    later ``submit`` / wait raises ``RuntimeError`` ("megatrain CPU worker failed: ...", sticky).
+    Python tasks take the GIL on the worker thread; waits release it.
+
+    Args:
+        adam_threads: intra-op threads of the kernels run on the worker (default: the
+            ``MEGATRAIN_ADAM_THREADS`` environment switch, else torch's), e.g. cores - 1 so that the
+            thread launching GPU work is never starved by the update.
     """
 
     GRAD = 0
     UPDATE = 1
 
-    def __init__(self):
-        self._grads: "collections.deque[_Task]" = collections.deque()
-        self._updates: List[_Task] = []
-        self._seq = itertools.count()
-        self._error: Optional[BaseException] = None
-        self._closed = False
-        self._stop = False
-        self._cv = threading.Condition()
-        self._grad_pending = 0
-        self._unfinished = 0
-        self._thread = threading.Thread(target=self._run, name="megatrain-cpu-worker", daemon=True)
-        self._thread.start()
+    def __init__(self, adam_threads: Optional[int] = None):
+        if adam_threads is None:
+            n = os.environ.get("MEGATRAIN_ADAM_THREADS", "")
+            adam_threads = max(1, int(n)) if n.strip() else -1
+        self._w = _C.Worker(adam_threads=adam_threads)
         _LIVE_WORKERS.add(self)
 
-    def _pick(self) -> Optional[_Task]:
-        """Next task (called with the lock held, some task queued)."""
-        if self._grads and self._grads[0].is_ready():
-            return self._grads.popleft()
-        ready = [t for t in self._updates if t.is_ready()] if self._updates else []
-        if ready:
-            t = min(ready, key=lambda t: (t.key, t.seq))
-            self._updates.remove(t)
-            return t
-        if self._grads:
-            return self._grads.popleft()  # blocks on its copy: no later work can be ready before it
-        t = min(self._updates, key=lambda t: (t.key, t.seq))
-        self._updates.remove(t)
-        return t
-
-    def _run(self):
-        # MEGATRAIN_ADAM_THREADS: intra-op threads of this worker's kernels (default: torch's),
-        # e.g. cores - 1 so that the thread launching GPU work is never starved by the update.
-        n = os.environ.get("MEGATRAIN_ADAM_THREADS", "")
-        if n.strip():
-            torch.set_num_threads(max(1, int(n)))
-        while True:
-            with self._cv:
-                while not self._grads and not self._updates:
-                    if self._stop:
-                        return
-                    self._cv.wait()
-                task = self._pick()
-            try:
-                if self._error is None:
-                    task.fn()
-            except BaseException as e:  # re-raised on the main thread at the next sync point
-                self._error = e
-            finally:
-                with self._cv:
-                    self._unfinished -= 1
-                    if task.klass == self.GRAD:
-                        self._grad_pending -= 1
-                    self._cv.notify_all()
-
-    def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0,
-               ready: Optional[Callable[[], bool]] = None) -> None:
+    def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0, ready=None):
         """Queue ``task``: ``klass`` GRAD (FIFO, first) or UPDATE (by ``key``, smallest first).
 
-        ``ready``: a non-blocking test; the task is preferred only once it returns True.
+        ``ready``: None, a recorded ``torch.cuda.Event`` or an earlier task's handle; the task is
+        preferred only once it is done. Returns the task's :class:`megatrain._C.TaskHandle`.
         """
-        self.check()
-        t = _Task(klass, key, next(self._seq), task, ready)
-        with self._cv:
-            self._unfinished += 1
-            if klass == self.GRAD:
-                self._grad_pending += 1
-                self._grads.append(t)
-            else:
-                self._updates.append(t)
-            self._cv.notify_all()
-
-    def _wait(self, done: Callable[[], bool]) -> None:
-        with self._cv:
-            while not done() and self._error is None:
-                self._cv.wait(timeout=1.0)
-        self.check()
+        return self._w.submit(task, klass, key, ready)
 
     def wait_grads(self) -> None:
         """Block until every queued gradient task has run (updates may still be queued)."""
-        self._wait(lambda: self._grad_pending == 0)
+        self._w.wait_grads()
 
     def drain(self) -> None:
         """Block until every queued task has run."""
-        self._wait(lambda: self._unfinished == 0)
+        self._w.drain()
 
     def check(self) -> None:
         """Raise if a task failed. Sticky: the tasks queued after the failed one were skipped (their
         waiters would otherwise wait forever), so every later call raises as well."""
-        if self._error is not None:
-            err = self._error
-            raise RuntimeError(
-                f"megatrain CPU worker failed: {err!r}. The tasks queued after it were not run, so the host-memory "
-                "training state may be partly updated and this model cannot train on: build it again "
-                "(megatrain.wrap) and load the last checkpoint (megatrain.load_checkpoint)") from err
+        self._w.check()
+
+    @property
+    def failed(self) -> bool:
+        """A task failed (every later call raises)."""
+        return self._w.failed
+
+    @property
+    def unfinished(self) -> int:
+        """Tasks queued or running (skipped ones count as finished)."""
+        return self._w.unfinished
 
     def close(self) -> None:
         """Run what is queued, then stop the thread (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=60)
-
-
+        self._w.close()
