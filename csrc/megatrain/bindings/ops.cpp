@@ -31,15 +31,8 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
   OutDtype odt = OutDtype::kNone;
   void* out_ptr = nullptr;
   if (compute_out.has_value()) {
-    const at::Tensor& out = *compute_out;
-    TORCH_CHECK_TYPE(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, op,
-                     ": compute_out must be a contiguous bfloat16 or float32 CPU tensor, got dtype ",
-                     out.scalar_type());
-    check_cpu_contiguous(out, op, "compute_out");
-    TORCH_CHECK_VALUE(out.numel() == n, op, ": compute_out must have ", n,
-                      " elements (the numel of master), got ", out.numel());
-    odt = out.scalar_type() == at::kFloat ? OutDtype::kFloat32 : OutDtype::kBFloat16;
-    out_ptr = out.data_ptr();
+    odt = out_dtype_of(*compute_out, op, "compute_out", n);
+    out_ptr = compute_out->data_ptr();
   }
   TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1 (the step count after this update), got ",
                     step);

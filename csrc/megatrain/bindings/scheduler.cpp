@@ -23,6 +23,7 @@ using megatrain::bindings::check_cpu_contiguous;
 using megatrain::bindings::check_fp32_state;
 using megatrain::bindings::aten_parallel_for;
 using megatrain::bindings::grad_dtype_of;
+using megatrain::bindings::out_dtype_of;
 
 namespace {
 
@@ -51,6 +52,19 @@ class PyWorker {
     }
     worker_ = std::make_unique<sch::Worker>(std::move(o));
   }
+
+  // Garbage collection of an engine drops its worker with the GIL held: queued Python tasks
+  // need it to finish, so the join runs without it.
+  ~PyWorker() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      worker_->close();
+    } else {
+      worker_->close();
+    }
+  }
+  PyWorker(const PyWorker&) = delete;
+  PyWorker& operator=(const PyWorker&) = delete;
 
   sch::Worker& get() { return *worker_; }
 
@@ -106,23 +120,13 @@ sch::TaskClass class_of(int klass) {
   return static_cast<sch::TaskClass>(klass);
 }
 
-ca::OutDtype out_dtype_of(const at::Tensor& t, const char* op) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, op,
-                   ": the compute copy must be a contiguous bfloat16 or float32 CPU tensor, got dtype ",
-                   t.scalar_type());
-  check_cpu_contiguous(t, op, "compute");
-  return t.scalar_type() == at::kFloat ? ca::OutDtype::kFloat32 : ca::OutDtype::kBFloat16;
-}
-
 // (master, compute) pairs -> WeightsBack, tensors kept.
 std::vector<sch::WeightsBack> weights_back_of(const std::vector<std::tuple<at::Tensor, at::Tensor>>& pairs,
                                               Keep& keep, const char* op) {
   std::vector<sch::WeightsBack> out;
   for (const auto& [master, compute] : pairs) {
     check_fp32_state(master, op, "master", master.numel());
-    const ca::OutDtype dt = out_dtype_of(compute, op);
-    TORCH_CHECK_VALUE(compute.numel() == master.numel(), op, ": compute must have ", master.numel(),
-                      " elements (the numel of master), got ", compute.numel());
+    const ca::OutDtype dt = out_dtype_of(compute, op, "compute", master.numel());
     out.push_back({master.data_ptr<float>(), compute.data_ptr(), dt, master.numel()});
     keep.tensors.push_back(master);
     keep.tensors.push_back(compute);
@@ -268,9 +272,7 @@ on its thread).)doc")
                it.args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
                it.args.grad_dtype = grad_dtype_of(grad, op, n);
                it.args.grad = grad.data_ptr();
-               it.args.out_dtype = out_dtype_of(compute, op);
-               TORCH_CHECK_VALUE(compute.numel() == n, op, ": compute must have ", n, " elements, got ",
-                                 compute.numel());
+               it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
                it.args.compute_out = compute.data_ptr();
                TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
                it.hyper.lr = lr;

@@ -52,6 +52,16 @@ inline cpu_adam::GradDtype grad_dtype_of(const at::Tensor& grad, const char* op,
   return grad.scalar_type() == at::kFloat ? cpu_adam::GradDtype::kFloat32 : cpu_adam::GradDtype::kBFloat16;
 }
 
+// The element type of a compute copy written by the kernels (bf16 or fp32), checked like grad.
+inline cpu_adam::OutDtype out_dtype_of(const at::Tensor& out, const char* op, const char* name, int64_t numel) {
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat, op, ": ", name,
+                   " must be a contiguous bfloat16 or float32 CPU tensor, got dtype ", out.scalar_type());
+  check_cpu_contiguous(out, op, name);
+  TORCH_CHECK_VALUE(out.numel() == numel, op, ": ", name, " must have ", numel,
+                    " elements (the numel of master), got ", out.numel());
+  return out.scalar_type() == at::kFloat ? cpu_adam::OutDtype::kFloat32 : cpu_adam::OutDtype::kBFloat16;
+}
+
 // The cpu_adam drivers' chunks (cpu_adam::kChunkNumel, independent of the thread count) on
 // torch's intra-op pool.
 inline void aten_parallel_for(int64_t chunks, const std::function<void(int64_t, int64_t)>& body) {

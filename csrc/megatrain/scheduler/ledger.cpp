@@ -153,32 +153,28 @@ void Ledger::reset(int64_t unit, int64_t entry) {
   s.update = update;
 }
 
-void Ledger::queue_update(int64_t unit, int64_t entry) {
+void Ledger::move_update(int64_t unit, int64_t entry, const char* op, UpdateState from_a, UpdateState from_b,
+                         UpdateState to) {
   std::lock_guard<std::mutex> lock(mu_);
-  EntryState& s = at(unit, entry, "queue_update");
-  if (s.update != UpdateState::kNone && s.update != UpdateState::kDone) illegal(unit, entry, "queue_update", s);
-  s.update = UpdateState::kQueued;
+  EntryState& s = at(unit, entry, op);
+  if (s.update != from_a && s.update != from_b) illegal(unit, entry, op, s);
+  s.update = to;
+}
+
+void Ledger::queue_update(int64_t unit, int64_t entry) {
+  move_update(unit, entry, "queue_update", UpdateState::kNone, UpdateState::kDone, UpdateState::kQueued);
 }
 
 void Ledger::cancel_update(int64_t unit, int64_t entry) {
-  std::lock_guard<std::mutex> lock(mu_);
-  EntryState& s = at(unit, entry, "cancel_update");
-  if (s.update != UpdateState::kQueued) illegal(unit, entry, "cancel_update", s);
-  s.update = UpdateState::kNone;
+  move_update(unit, entry, "cancel_update", UpdateState::kQueued, UpdateState::kQueued, UpdateState::kNone);
 }
 
 void Ledger::start_update(int64_t unit, int64_t entry) {
-  std::lock_guard<std::mutex> lock(mu_);
-  EntryState& s = at(unit, entry, "start_update");
-  if (s.update != UpdateState::kQueued) illegal(unit, entry, "start_update", s);
-  s.update = UpdateState::kRunning;
+  move_update(unit, entry, "start_update", UpdateState::kQueued, UpdateState::kQueued, UpdateState::kRunning);
 }
 
 void Ledger::finish_update(int64_t unit, int64_t entry) {
-  std::lock_guard<std::mutex> lock(mu_);
-  EntryState& s = at(unit, entry, "finish_update");
-  if (s.update != UpdateState::kRunning) illegal(unit, entry, "finish_update", s);
-  s.update = UpdateState::kDone;
+  move_update(unit, entry, "finish_update", UpdateState::kRunning, UpdateState::kRunning, UpdateState::kDone);
 }
 
 bool Ledger::any_in_compute(int64_t unit) const {

@@ -121,6 +121,9 @@ class Ledger {
 
  private:
   EntryState& at(int64_t unit, int64_t entry, const char* op);  // lock held
+  // The update state from from_a or from_b to `to`, else LedgerError.
+  void move_update(int64_t unit, int64_t entry, const char* op, UpdateState from_a, UpdateState from_b,
+                   UpdateState to);
   [[noreturn]] void illegal(int64_t unit, int64_t entry, const char* op, const EntryState& s) const;
 
   mutable std::mutex mu_;
