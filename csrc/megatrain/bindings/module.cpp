@@ -29,6 +29,7 @@ namespace py = pybind11;
 namespace megatrain {
 namespace bindings {
 void init_scheduler(py::module_& m);  // scheduler.cpp
+void init_disk_tier(py::module_& m);  // disk_tier.cpp
 }  // namespace bindings
 }  // namespace megatrain
 using megatrain::common::CpuIsa;
@@ -174,6 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   megatrain::bindings::init_scheduler(m);
+  megatrain::bindings::init_disk_tier(m);
 
   m.def("build_info", &build_info,
         "Versions and options this extension was built with, plus the CPU ISA chosen now.");
