@@ -5,6 +5,7 @@
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
+#                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -120,6 +121,8 @@ for clip in ("0", "1.0"):
           f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
 PY
       ;;
+    disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
+      run disk timeout 120 python3 benchmarks/bench_disk.py --dir "$PWD/build" --out docs/benchmarks/disk_h200 ${DISK_ARGS:-} ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;

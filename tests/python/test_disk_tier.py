@@ -114,3 +114,25 @@ def test_stale_files_and_misuse(tmp_path):
     with pytest.raises(_C.DiskTierError, match="not a disk-tier file"):
         _C.DiskTier(str(tmp_path), [[100]])
     assert open(path).read() == "mine"
+
+
+def test_bench_disk_writes_its_table_and_json(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_disk", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_disk.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "disk"
+    assert bench.main(["--dir", str(tmp_path), "--unit-gb", "0.003", "--total-gb", "0.006",
+                       "--threads", "1,2", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    tiers = [r for r in data["results"] if r["tool"] == "DiskTier"]
+    assert [r["threads"] for r in tiers] == [1, 2]
+    for r in tiers:
+        assert r["bytes"] == data["num_units"] * _C.DiskTier.bytes_required([[data["unit_bytes"] // 3] * 3])
+        assert r["write_GBps"] > 0 and r["read_GBps"] > 0
+    assert "DiskTier" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("megatrain_bench_disk_")] == []
