@@ -174,7 +174,7 @@ def child_load(spec):
                 store_fill_gb_per_s=st["host_store_bytes"] / load_s / 1e9, host_store_bytes=st["host_store_bytes"],
                 peak_rss_gib=peak / GiB, store_gib=st["host_store_bytes"] / GiB,
                 peak_minus_store_gib=(peak - st["host_store_bytes"]) / GiB, pinned=bool(model.megatrain.store.is_pinned),
-                pin_after_fill=os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0", n_params=st["num_params"],
+                pin_after_fill=model.megatrain.options.pin_after_fill, n_params=st["num_params"],
                 forward_finite=ok)
 
 

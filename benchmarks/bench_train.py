@@ -238,17 +238,16 @@ def _device_sync(device):
 # one function per system: (spec) -> partial row (timing, settings, extras)
 # ----------------------------------------------------------------------------------------------
 
-# megatrain variant options that are engine environment switches (the "before" of a ratio)
-VARIANT_ENV = {"overlap": "MEGATRAIN_OVERLAP", "d2h": "MEGATRAIN_D2H_OVERLAP", "eager": "MEGATRAIN_EAGER_UPDATES",
-               "threads": "MEGATRAIN_ADAM_THREADS"}
+# megatrain variant options that are fields of megatrain.runtime.options.Options (the "before" of a ratio)
+VARIANT_OPTIONS = {"overlap": "overlap", "d2h": "d2h_overlap", "eager": "eager_updates", "threads": "adam_threads"}
 
 
 def megatrain_variant(name: str) -> dict:
     """``megatrain[:key=value,...]`` -> options. Keys: ``slots`` (num_slots), ``policy``
-    (activation_policy), ``overlap`` (0: MEGATRAIN_OVERLAP=0, updates never overlap the next forward),
-    ``d2h`` (0: MEGATRAIN_D2H_OVERLAP=0, the compute stream waits for each layer's gradient D2H),
-    ``eager`` (0: MEGATRAIN_EAGER_UPDATES=0, no update starts during backward: all wait for step()),
-    ``threads`` (MEGATRAIN_ADAM_THREADS: CPU threads of the fused Adam), ``acc`` (0:
+    (activation_policy), ``overlap`` (0: ``Options.overlap=False``, updates never overlap the next forward),
+    ``d2h`` (0: ``Options.d2h_overlap=False``, the compute stream waits for each layer's gradient D2H),
+    ``eager`` (0: ``Options.eager_updates=False``, no update starts during backward: all wait for step()),
+    ``threads`` (``Options.adam_threads``: CPU threads of the fused Adam), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
     ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit).
@@ -260,7 +259,7 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_ENV):
+        if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
                              "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, acc=0|1, "
                              "devstate=K|auto")
@@ -273,10 +272,12 @@ def megatrain_variant(name: str) -> dict:
 def run_megatrain(spec):
     import torch
     opts = megatrain_variant(spec["system"])
-    for k, var in VARIANT_ENV.items():  # read by the engine when wrap() builds it
-        if k in opts:
-            os.environ[var] = opts[k]
     import megatrain
+    from megatrain.runtime.options import set_options
+
+    changes = {f: (max(1, int(opts[k])) if f == "adam_threads" else opts[k] != "0")
+               for k, f in VARIANT_OPTIONS.items() if k in opts}
+    mo = set_options(**changes)  # read by the engine when wrap() builds it
     dev = spec["device"]
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
@@ -287,10 +288,8 @@ def run_megatrain(spec):
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
                     grad_accumulator=accumulator, device_state_layers=devstate,
-                    overlap=os.environ.get("MEGATRAIN_OVERLAP", "1") != "0",
-                    d2h_overlap=os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0",
-                    eager_updates=os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0",
-                    adam_threads=os.environ.get("MEGATRAIN_ADAM_THREADS") or "torch default",
+                    overlap=mo.overlap, d2h_overlap=mo.d2h_overlap, eager_updates=mo.eager_updates,
+                    adam_threads=mo.adam_threads or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=clip, grad_accum=ga, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"], spec["device"])

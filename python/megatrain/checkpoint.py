@@ -30,7 +30,6 @@ import json
 import os
 import random
 import struct
-import time
 import warnings
 from typing import Optional
 
@@ -46,8 +45,6 @@ STATE = "state.json"
 SCHEDULER = "scheduler.pt"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 _CHUNK = 16 << 20
-# Test hook: seconds to sleep after each unit file (lets a test kill a process mid-save).
-_DELAY_ENV = "MEGATRAIN_CHECKPOINT_TEST_DELAY_S"
 
 
 class CheckpointError(ValueError):
@@ -257,7 +254,6 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
     eng.sync_host()  # queued Adam updates and gradient accumulation are done; device-state layers copied
 
-    delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
     with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
                           "a megatrain checkpoint") as tmp:
         files = {}
@@ -274,8 +270,6 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
             del tensors
             units.append({"index": u.index, "kind": u.kind, "file": fname,
                           "entries": [[e.name, list(e.shape)] for e in u.entries]})
-            if delay:
-                time.sleep(delay)
 
         state = {"extra": extra_json, "rng": _rng_state(), "optimizer": None}
         if optimizer is not None:

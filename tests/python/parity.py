@@ -142,3 +142,22 @@ def poison_gradient_at(layer):
         t.register_hook(lambda g: g * float("nan"))
 
     return layer.register_forward_hook(poison)
+
+
+def slow_checkpoint_writes(seconds: float) -> None:
+    """Make ``megatrain.save_checkpoint`` sleep ``seconds`` after each unit file it writes.
+
+    For tests that kill a process (or race another save) in the middle of a checkpoint save.
+    """
+    import time
+
+    import megatrain.checkpoint as ck
+
+    real = ck._write_safetensors
+
+    def slow(*a, **k):
+        out = real(*a, **k)
+        time.sleep(seconds)
+        return out
+
+    ck._write_safetensors = slow

@@ -98,7 +98,8 @@ def _worker(argv):
         _train(model, opt, sched, 0, 1)
         megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
         _train(model, opt, sched, 1, 2)
-        os.environ["MEGATRAIN_CHECKPOINT_TEST_DELAY_S"] = "30"
+        from parity import slow_checkpoint_writes
+        slow_checkpoint_writes(30)
         print("SAVING", flush=True)
         megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 2})
         print("SAVED (should have been killed)", flush=True)

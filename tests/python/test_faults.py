@@ -55,7 +55,8 @@ def _worker(argv):
     mode = argv[0]
     if mode == "slow_save":  # a checkpoint save that takes a while (another process saves meanwhile)
         model, opt = _wrapped()
-        os.environ["MEGATRAIN_CHECKPOINT_TEST_DELAY_S"] = argv[2]
+        from parity import slow_checkpoint_writes
+        slow_checkpoint_writes(float(argv[2]))
         print("SAVING", flush=True)
         megatrain.checkpoint.save_checkpoint(argv[1], model, opt, extra={"who": "slow"})
         print("SAVED", flush=True)

@@ -39,7 +39,6 @@ store and every step of the logic is the same, so CPU parity tests cover it.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from typing import List, Optional
 
@@ -155,7 +154,7 @@ class DeviceState:
     def __init__(self, eng, units: List):
         self.eng = eng
         self.units = list(units)
-        impl = os.environ.get("MEGATRAIN_DEVICE_ADAM", "")
+        impl = eng.options.device_adam
         if impl not in ("", "fused", "foreach"):
             raise ValueError(f"MEGATRAIN_DEVICE_ADAM must be 'fused' or 'foreach', got {impl!r}")
         # torch._fused_adamw_ on CUDA (what torch.optim.AdamW(fused=True) runs); the foreach

@@ -36,7 +36,6 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -47,16 +46,13 @@ import torch
 from .._loader import load_extension
 from .grads import GradLedger
 from .host_memory import check_host_budget, checked_in_python
+from .options import Options, options
 from .slots import SlotPool
 from .stats import EngineStats
 from .units import Unit, plan_host_memory, unit_tables
 from .worker import _Worker
 
 _C = load_extension()
-
-
-def _debug_races() -> bool:
-    return os.environ.get("MEGATRAIN_DEBUG_RACES", "0") not in ("", "0")
 
 
 
@@ -144,9 +140,8 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self.host_plan = plan_host_memory(units, compute_dtype, self.accumulator_mode, staging_buffers)
         store_bytes = self.host_plan["store_bytes"]
         staging_bytes = self.host_plan["staging_bytes"]
-        # MEGATRAIN_PIN_AFTER_FILL=0: page-lock the arena when it is mapped (every page faulted in
-        # before the fill) instead of after it (benchmarks/bench_load.py measures both).
-        self.pin_after_fill = os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0"
+        self.options: Options = options()  # read once, here (see megatrain.runtime.options)
+        self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
         check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
                           "host store", reclaimable_bytes=credit)
@@ -161,19 +156,13 @@ class Engine(SlotPool, GradLedger, EngineStats):
                 e.state_offset = soff
             u.numel = self.store.unit_numel(u.index)
             u.state_numel = self.store.unit_state_numel(u.index)
-        self.debug = _debug_races()
-        # MEGATRAIN_OVERLAP=0 (benchmarks' "before"): updates in submission order and step()
-        # waits for all of them, so no update overlaps the next forward.
-        self.overlap = os.environ.get("MEGATRAIN_OVERLAP", "1") != "0"
-        # MEGATRAIN_D2H_OVERLAP=0 (benchmarks' "before"): the compute stream waits for each unit's
-        # gradient D2H before the next layer's backward, so copies never run under compute.
-        self.d2h_overlap = os.environ.get("MEGATRAIN_D2H_OVERLAP", "1") != "0"
-        # MEGATRAIN_EAGER_UPDATES=0 (benchmarks' "before"): no update starts during backward; all
-        # are queued by step() (as with clipping), so CPU Adam overlaps only the next forward.
-        self.eager_updates = os.environ.get("MEGATRAIN_EAGER_UPDATES", "1") != "0"
+        self.debug = self.options.debug_races
+        self.overlap = self.options.overlap
+        self.d2h_overlap = self.options.d2h_overlap
+        self.eager_updates = self.options.eager_updates
         self._init_slots(num_slots)
         self._init_grads(staging_buffers)
-        self._worker = _Worker()
+        self._worker = _Worker(adam_threads=self.options.adam_threads)
         self._init_stats()
         self._optimizer: Optional[EngineOptimizer] = None
         self.device_state = None  # DeviceState of the device-state layers (init_device_state)

@@ -314,7 +314,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         UnsupportedModelError: no decoder layer list (as ``wrap``).
         ValueError / TypeError: a bad option or input.
     """
-    from .host_memory import host_budget_shortfall, host_memory_limits, _ENV
+    from .host_memory import host_budget_shortfall, host_memory_limits
+    from .options import options
     from .units import plan_host_memory
     from .wrap import UnsupportedModelError, check_activation_policy, find_decoder_layers, model_units
 
@@ -360,14 +361,14 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     host = store + staging + accum
     cuda = device.type == "cuda"
     pinned = store + staging if cuda else 0
-    pin_after_fill = os.environ.get("MEGATRAIN_PIN_AFTER_FILL", "1") != "0"
+    pin_after_fill = options().pin_after_fill
     reclaim = 0
     if in_memory and pin_after_fill:
         reclaim = sum(e.numel * e.param.element_size() for u in units for e in u.entries
                       if e.param.device.type == "cpu")
     limits = host_memory_limits()
     short = host_budget_shortfall(host, pinned, reclaim, limits)
-    if os.environ.get(_ENV) == "1":
+    if options().skip_host_memory_check:
         available, limit_name = None, None
     elif short is not None:
         available, limit_name = short["available_bytes"], short["limit"]

@@ -13,8 +13,9 @@ import resource
 from typing import Optional
 
 from .._loader import load_extension
+from .options import ENV, options
 
-_ENV = "MEGATRAIN_SKIP_HOST_MEMORY_CHECK"
+_ENV = ENV["skip_host_memory_check"]
 
 
 def _read_int(path: str) -> Optional[int]:
@@ -103,7 +104,7 @@ def host_budget_shortfall(needed_bytes: int, pinned_bytes: int, reclaimable_byte
         None, or a dict: ``available_bytes`` (under that limit, without the credit), ``limit``
         (its name), ``kind`` ("memory" or "memlock"), ``advice`` (what to change), ``credit_bytes``.
     """
-    if os.environ.get(_ENV) == "1":
+    if options().skip_host_memory_check:
         return None
     lim = host_memory_limits() if limits is None else limits
     credit = max(0, int(reclaimable_bytes))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 from typing import Callable, Optional
 
@@ -46,19 +45,16 @@ class _Worker:
     Python tasks take the GIL on the worker thread; waits release it.
 
     Args:
-        adam_threads: intra-op threads of the kernels run on the worker (default: the
-            ``MEGATRAIN_ADAM_THREADS`` environment switch, else torch's), e.g. cores - 1 so that the
-            thread launching GPU work is never starved by the update.
+        adam_threads: intra-op threads of the kernels run on the worker (None: torch's; the
+            engine passes ``Options.adam_threads``, ``MEGATRAIN_ADAM_THREADS``), e.g. cores - 1 so
+            that the thread launching GPU work is never starved by the update.
     """
 
     GRAD = 0
     UPDATE = 1
 
     def __init__(self, adam_threads: Optional[int] = None):
-        if adam_threads is None:
-            n = os.environ.get("MEGATRAIN_ADAM_THREADS", "")
-            adam_threads = max(1, int(n)) if n.strip() else -1
-        self._w = _C.Worker(adam_threads=adam_threads)
+        self._w = _C.Worker(adam_threads=-1 if adam_threads is None else adam_threads)
         _LIVE_WORKERS.add(self)
 
     def submit(self, task: Callable[[], None], klass: int = GRAD, key: int = 0, ready=None):

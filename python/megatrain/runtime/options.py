@@ -1,0 +1,116 @@
+"""Run-time switches of megatrain: the one reader of the ``MEGATRAIN_*`` environment variables.
+
+:func:`options` returns the :class:`Options` in force: those given to :func:`set_options` (a
+benchmark's "before" configuration), else the environment read at the call. An
+:class:`~megatrain.runtime.engine.Engine` reads them once, when ``wrap`` builds it, and keeps them
+as ``engine.options``. The C++ core reads its own switches (``MEGATRAIN_HUGEPAGES``,
+``MEGATRAIN_CPU_ISA``, ...; see ``csrc/megatrain/common/tuning.h``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional
+
+# Environment variable of each field read from the environment (the benchmark switches have none).
+ENV = {
+    "pin_after_fill": "MEGATRAIN_PIN_AFTER_FILL",
+    "debug_races": "MEGATRAIN_DEBUG_RACES",
+    "adam_threads": "MEGATRAIN_ADAM_THREADS",
+    "device_adam": "MEGATRAIN_DEVICE_ADAM",
+    "skip_host_memory_check": "MEGATRAIN_SKIP_HOST_MEMORY_CHECK",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The switches an engine runs with (defaults: the production configuration).
+
+    Attributes:
+        pin_after_fill: ``MEGATRAIN_PIN_AFTER_FILL`` (default 1). True: the host store is
+            page-locked after it is filled (the model's own weights, freed meanwhile, count as
+            available to the budget check); ``0``: when it is mapped (every page faulted in before
+            the fill; ``benchmarks/bench_load.py`` measures both).
+        debug_races: ``MEGATRAIN_DEBUG_RACES=1``: sleep ~1 ms on the copy streams before each
+            copy and fill released device slots with NaN (race hunting; parity must still hold).
+        adam_threads: ``MEGATRAIN_ADAM_THREADS=N``: intra-op threads of the CPU worker's kernels
+            (None: torch's default), e.g. cores - 1 so the thread launching GPU work is never starved.
+        device_adam: ``MEGATRAIN_DEVICE_ADAM``: the AdamW of device-state layers, ``"fused"``
+            (``torch._fused_adamw_``), ``"foreach"``, or ``""`` (fused on CUDA, foreach elsewhere).
+        skip_host_memory_check: ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: no host budget check
+            (VMs that grow their RAM lazily report too little MemAvailable).
+        overlap: benchmark "before" switch (no environment variable). False: updates run in
+            submission order and ``step()`` waits for all of them, so no update overlaps the next forward.
+        d2h_overlap: benchmark "before" switch. False: the compute stream waits for each unit's
+            gradient D2H before the next layer's backward, so copies never run under compute.
+        eager_updates: benchmark "before" switch. False: no update starts during backward; all
+            are queued by ``step()`` (as with clipping), so CPU Adam overlaps only the next forward.
+    """
+
+    pin_after_fill: bool = True
+    debug_races: bool = False
+    adam_threads: Optional[int] = None
+    device_adam: str = ""
+    skip_host_memory_check: bool = False
+    overlap: bool = True
+    d2h_overlap: bool = True
+    eager_updates: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Options":
+        """The options the environment sets (``os.environ`` when ``environ`` is None); unset: the defaults.
+
+        Raises:
+            ValueError: ``MEGATRAIN_ADAM_THREADS`` is not an integer.
+        """
+        env = os.environ if environ is None else environ
+        threads = env.get(ENV["adam_threads"], "")
+        return cls(
+            pin_after_fill=env.get(ENV["pin_after_fill"], "1") != "0",
+            debug_races=env.get(ENV["debug_races"], "0") not in ("", "0"),
+            adam_threads=max(1, int(threads)) if threads.strip() else None,
+            device_adam=env.get(ENV["device_adam"], ""),
+            skip_host_memory_check=env.get(ENV["skip_host_memory_check"]) == "1",
+        )
+
+
+_set: Optional[Options] = None
+
+
+def options() -> Options:
+    """The options in force now: :func:`set_options`'s, else :meth:`Options.from_env`."""
+    return _set if _set is not None else Options.from_env()
+
+
+def set_options(opts: Optional[Options] = None, **changes) -> Options:
+    """Fix the options of the engines built from now on (benchmarks, tests); returns them.
+
+    ``opts`` (default: the environment's) with the fields in ``changes`` replaced.
+    ``set_options(None)`` with no ``changes`` is not a reset: use :func:`reset_options`.
+
+    Raises:
+        TypeError: a name in ``changes`` is not a field of :class:`Options`.
+    """
+    global _set
+    _set = dataclasses.replace(opts if opts is not None else Options.from_env(), **changes)
+    return _set
+
+
+def reset_options() -> None:
+    """Read the options from the environment again (undo :func:`set_options`)."""
+    global _set
+    _set = None
+
+
+@contextlib.contextmanager
+def options_set(**changes) -> Iterator[Options]:
+    """``with options_set(overlap=False): ...``: :func:`set_options` inside the block only."""
+    global _set
+    old = _set
+    try:
+        yield set_options(old, **changes)
+    finally:
+        _set = old
