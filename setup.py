@@ -1,4 +1,4 @@
-"""Build megatrain._C against the torch already installed.
+"""Build megatrain._C (and the benchmark kernels, megatrain._bench) against the torch already installed.
 
     pip install --no-build-isolation -e .
 
@@ -33,10 +33,22 @@ VERSION = "0.1.0"
 ISA_VARIANTS = {"adam_scalar.cpp": "scalar", "adam_avx2.cpp": "avx2", "adam_avx512.cpp": "avx512"}
 
 
+def _source_list(name):
+    lines = (ROOT / "csrc" / name).read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
 def core_sources():
     """The torch-free core: the one list shared with CMakeLists.txt."""
-    lines = (ROOT / "csrc" / "core_sources.txt").read_text().splitlines()
-    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    return _source_list("core_sources.txt")
+
+
+def bench_sources():
+    """megatrain._bench: the STREAM kernels (csrc/bench_sources.txt, shared with CMakeLists.txt), the
+    CPU feature detection they dispatch on, and their bindings (csrc/megatrain/bindings/bench/)."""
+    bdir = ROOT / "csrc" / "megatrain" / "bindings" / "bench"
+    return (_source_list("bench_sources.txt") + ["csrc/megatrain/common/cpu_features.cpp"]
+            + sorted(str(p.relative_to(ROOT)) for p in bdir.glob("*.cpp")))
 
 
 def binding_sources():
@@ -188,12 +200,22 @@ def make_extension():
     return cpp_extension.CppExtension(**kwargs)
 
 
+def make_bench_extension():
+    return cpp_extension.CppExtension(
+        name="megatrain._bench",
+        sources=bench_sources(),
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": list(CXX_FLAGS)},
+        extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX,
+    )
+
+
 setup(
     version=VERSION,
     package_dir={"": "python"},
     packages=find_packages(where="python"),
     package_data={"megatrain": ["_build_info.json"]},
-    ext_modules=[make_extension()],
+    ext_modules=[make_extension(), make_bench_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -4,7 +4,7 @@ against a host-bandwidth roofline measured in the same run.
 Everything updates the same number of fp32 parameters in one process, side by side, so the ratios
 are comparable.
 
-Roofline (STREAM-style, ``torch.ops.megatrain.bench_stream``): copy, triad and an "AdamW-shaped"
+Roofline (STREAM-style, ``torch.ops.megatrain.bench_stream`` of the ``megatrain._bench`` extension): copy, triad and an "AdamW-shaped"
 stream (read p, m, v and the grad, write p, m, v and a bf16 copy, trivial arithmetic), run on all
 threads with the same ``at::parallel_for`` chunking as ``megatrain::adamw_step_``, on the very
 arrays each megatrain variant updates (same size, same allocation), each with and without
@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+import megatrain._bench  # noqa: F401  (registers torch.ops.megatrain.bench_stream)
 import megatrain.ops as ops
 from megatrain._ext import _C as C
 
@@ -220,7 +221,7 @@ def measure_streams(st, n, steps, warmup):
         nbytes = [0]
 
         def run(k=k, arr=arr, nt=nt):
-            nbytes[0] = torch.ops.megatrain.bench_stream(k, arr, nt)
+            nbytes[0] = torch.ops.megatrain.bench_stream(k, arr, nt, C.cpu_isa())
         ts, times = time_it(run, steps, warmup)
         row[name] = {"seconds": ts, "times": times, "bytes": nbytes[0], "GB_per_s": nbytes[0] / ts / 1e9,
                      "bytes_per_elem": nbytes[0] // n}

@@ -1,5 +1,8 @@
 """megatrain::adamw_step_ / grad_accumulate_ against torch.optim.AdamW, on every CPU ISA here."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -370,6 +373,8 @@ def test_large_store_units_stagger_their_sections_unless_switched_off(skew, rest
 
 
 def test_bench_stream_kernels_compute_and_count_bytes():
+    import megatrain._bench  # noqa: F401  (registers torch.ops.megatrain.bench_stream)
+
     n = 70_001
     p, m, v = torch.randn(n), torch.randn(n), torch.rand(n)
     g = torch.randn(n)
@@ -388,3 +393,13 @@ def test_bench_stream_kernels_compute_and_count_bytes():
         assert torch.ops.megatrain.bench_stream("adam", [pp, mm, vv, g.to(torch.bfloat16), out], nt) == 28 * n
     with pytest.raises(Exception):
         torch.ops.megatrain.bench_stream("scale", [p, m], False)
+    for isa in C.supported_isas():  # an explicit ISA (what benchmarks pass: _C.cpu_isa()) computes the same
+        dst = torch.zeros(n)
+        assert torch.ops.megatrain.bench_stream("copy", [dst, p], False, isa) == 8 * n and torch.equal(dst, p)
+
+
+def test_bench_kernels_are_not_in_the_core_extension():
+    code = ("import torch, megatrain, megatrain.ops; "
+            "print(hasattr(torch.ops.megatrain, 'adamw_step_'), hasattr(torch.ops.megatrain, 'bench_stream'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"], out

@@ -1,7 +1,7 @@
-// Benchmark-only op: torch.ops.megatrain.bench_stream, the STREAM-style host bandwidth kernels
-// (csrc/megatrain/bench/stream_kernels.h) run with the same at::parallel_for chunking as
-// megatrain::adamw_step_, so benchmarks/bench_cpu_adam.py can set the fused AdamW against a
-// bandwidth roofline measured on the same arrays, threads and run.
+// Benchmark-only op of the megatrain._bench extension (not of _C): torch.ops.megatrain.bench_stream,
+// the STREAM-style host bandwidth kernels (csrc/megatrain/bench/stream_kernels.h) run with the
+// same at::parallel_for chunking as megatrain::adamw_step_, so benchmarks/bench_cpu_adam.py can set
+// the fused AdamW against a bandwidth roofline measured on the same arrays, threads and run.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,7 +29,10 @@ float* fp32_arg(const at::Tensor& t, int64_t n, const char* name) {
 
 // Runs one pass of kernel `kind` over the arrays (all the same numel; see the schema) and
 // returns the bytes it counts (explicit reads + writes).
-int64_t bench_stream_cpu(const std::string& kind, at::TensorList arrays, bool nt_stores) {
+// `isa`: "scalar" | "avx2" | "avx512", or "" for the best this CPU supports (MEGATRAIN_CPU_ISA
+// overrides); this extension keeps no ISA choice of its own, so a benchmark passes _C.cpu_isa().
+int64_t bench_stream_cpu(const std::string& kind, at::TensorList arrays, bool nt_stores,
+                         const std::string& isa_name) {
   bench::StreamArgs s;
   s.kind = bench::parse_stream_kind(kind.c_str());
   s.nt = nt_stores;
@@ -71,7 +74,8 @@ int64_t bench_stream_cpu(const std::string& kind, at::TensorList arrays, bool nt
       break;
     }
   }
-  const common::CpuIsa isa = common::active_isa();
+  const common::CpuIsa isa = isa_name.empty() ? common::active_isa() : common::parse_isa(isa_name);
+  TORCH_CHECK_VALUE(common::cpu_supports(isa), "bench_stream: this CPU does not support ISA ", isa_name);
   const int64_t chunks = (n + kChunkNumel - 1) / kChunkNumel;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t ci = c0; ci < c1; ++ci) {
@@ -86,7 +90,7 @@ int64_t bench_stream_cpu(const std::string& kind, at::TensorList arrays, bool nt
 }  // namespace megatrain
 
 TORCH_LIBRARY_FRAGMENT(megatrain, m) {
-  m.def("bench_stream(str kind, Tensor(a!)[] arrays, bool nt_stores=False) -> int");
+  m.def("bench_stream(str kind, Tensor(a!)[] arrays, bool nt_stores=False, str isa=\"\") -> int");
 }
 
 TORCH_LIBRARY_IMPL(megatrain, CPU, m) {
