@@ -174,8 +174,8 @@ def test_parity_auto_policy(monkeypatch, fraction, expect_store):
     # remaining layers fall back to recompute (the first one stays stored: a mixed backward).
     import importlib
 
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")  # the module, not the function
-    monkeypatch.setattr(wrap_mod, "AUTO_STORE_FRACTION", fraction)
+    policies = importlib.import_module("megatrain.runtime.policies")
+    monkeypatch.setattr(policies, "AUTO_STORE_FRACTION", fraction)
     model = tiny("llama")
     ref, got, wrapped, _ = run_pair(model, policy="auto", max_grad_norm=1.0)
     check(ref, got)

@@ -187,7 +187,7 @@ def _activation_bytes(config, num_layers: int, tokens: int, elem: int, policy: s
         per_layer += mlp_rows * inter * elem * 6 - tokens * elem * 4 * inter
     chosen = policy
     if policy == "auto":
-        from .wrap import AUTO_STORE_FRACTION
+        from .policies import AUTO_STORE_FRACTION
 
         chosen = "store" if free is not None and per_layer * num_layers <= AUTO_STORE_FRACTION * free else "recompute"
         if free is not None and chosen == "recompute" and num_layers * layer_in > AUTO_STORE_FRACTION * free:

@@ -1,0 +1,166 @@
+"""Activation policies: which layer inputs / graphs a forward keeps for backward.
+
+``recompute`` (keep each layer's input, K=1), ``block:K`` (keep every K-th input, recompute the
+block), ``store`` (keep the layer graph; saved weight views become :class:`~.layer_call._WeightRef`
+handles), ``auto`` (store the layers whose graphs fit in ``AUTO_STORE_FRACTION`` of the free device
+memory, recompute the others), ``offload`` (see :mod:`.offload`). :class:`ActivationPolicies` is
+mixed into :class:`~.wrapped.WrappedEngine`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import long_context
+from .layer_call import _Block, _LayerCall, _shape_key, _WeightRef
+
+_POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
+
+# ``auto``: keep activations (``store``) when all layers' measured activation bytes fit in this
+# fraction of the device memory still free; the rest is left for logits, gradients, fragmentation.
+AUTO_STORE_FRACTION = 0.6
+
+
+def check_activation_policy(policy, what: str = "megatrain.wrap: activation_policy") -> int:
+    """Check an activation policy string (the rule of :func:`wrap`; the CLI checks its config with it too).
+
+    Args:
+        policy: ``"recompute"``, ``"store"``, ``"auto"``, ``"offload"`` or ``"block:K"`` with K >= 1.
+        what: how the error message names the value (``runtime.activation_policy`` in the CLI).
+
+    Returns:
+        K of ``block:K``; 1 for the other policies.
+
+    Raises:
+        ValueError: ``policy`` is anything else; the message names the accepted values and ``policy``.
+    """
+    m = _POLICY_RE.fullmatch(policy) if isinstance(policy, str) else None
+    if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
+        raise ValueError(f"{what} must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got {policy!r}")
+    return int(m.group(1)) if m.group(1) else 1
+
+
+class ActivationPolicies:
+    """The block:K, store and auto policies of a :class:`~.wrapped.WrappedEngine`."""
+
+    def _assign_block(self, call: _LayerCall, diff) -> None:
+        """Place ``call`` in the current block (block:K) if its inputs are exactly the last layer's outputs."""
+        k = self.block_k
+        if self.auto_policy:  # auto: block:K once the first call chose it (checkpoint spacing from free memory)
+            d = self.auto_decisions.get(_shape_key(diff))
+            k = 1 if d is None else d.get("block_k", 1)
+        if k == 1:
+            return
+        prev = self._last_call
+        chained = (prev is not None and prev.block is self._pending_block and self._pending_block is not None
+                   and len(self._pending_block.calls) < k and prev.saved is not None
+                   and len(diff) == len(prev.saved) and all(a is b() for a, b in zip(diff, prev.saved)))
+        if not chained:
+            self._pending_block = _Block()
+        blk = self._pending_block
+        call.block = blk
+        call.pos = len(blk.calls)
+        blk.calls.append(call)
+        if call.pos == 0:
+            blk.first_inputs = tuple(x.detach() for x in diff)
+
+    def block_input(self, call: _LayerCall):
+        """Inputs of a non-first layer of a block: recompute the block prefix from its first input."""
+        blk = call.block
+        if call.pos not in blk.inputs:
+            x = blk.first_inputs
+            with torch.no_grad():
+                for pos in range(0, call.pos):
+                    c = blk.calls[pos]
+                    cpu_rng, cuda_rng = c.rng
+                    with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+                        torch.set_rng_state(cpu_rng)
+                        if cuda_rng is not None:
+                            torch.cuda.set_rng_state(cuda_rng, self.device)
+                        out = self.execute(c, x, grad=False)
+                    leaves, _ = tree_flatten(out)
+                    x = tuple(leaves[i].detach() for i in c.out_tensor_idx)
+                    blk.inputs[pos + 1] = x
+        return blk.inputs.pop(call.pos)
+
+    def store_this(self, call: _LayerCall, diff_inputs) -> bool:
+        """Whether this layer call keeps its graph (``store``), or saves only its input.
+
+        ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
+        its graph saved); then as many layers as fit in ``AUTO_STORE_FRACTION`` of the free device
+        memory, next to the saved inputs of the others (layers ``0 .. store_layers - 1``), keep
+        their graphs and the others save only their input (``recompute``): all layers when everything fits, none but the measured one when
+        nothing does. When even the inputs of all layers (``recompute``) do not fit there, no layer
+        keeps its graph and one input of every K is kept (``block:K``, K from
+        :func:`long_context.checkpoint_spacing`).
+        """
+        if not self.auto_policy:
+            return self.store_activations
+        d = self.auto_decisions.get(_shape_key(diff_inputs))
+        return True if d is None else call.unit.index < d["store_layers"]
+
+    def _decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
+        """``auto``: decide for input shape ``key`` from the first call's measured bytes (graph:
+        ``layer_bytes``; its differentiable inputs: ``input_bytes``) and the free device memory."""
+        free = self.free_device_bytes()
+        n = len(self.layers)
+        need = layer_bytes * n
+        budget = AUTO_STORE_FRACTION * free
+        block_k = 1
+        if layer_bytes <= 0 or layer_bytes <= input_bytes:
+            k = n
+        elif n * input_bytes > budget:
+            # Long context: not even one saved input per layer fits; space the checkpoints.
+            k = 0
+            block_k = long_context.checkpoint_spacing(n, input_bytes, budget)
+        else:
+            # k kept graphs plus the n - k saved inputs of the recomputed layers fit the budget
+            k = min(n, int((budget - n * input_bytes) // (layer_bytes - input_bytes)))
+        self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k, block_k=block_k,
+                                        bytes_per_layer=layer_bytes, bytes_all_layers=need,
+                                        bytes_per_input=input_bytes, free_bytes=free)
+
+    def forward_stored(self, call: _LayerCall, diff_inputs):
+        """``store`` policy: run ``call`` with grad on streamed weights and keep its graph.
+
+        Saved tensors that are views of the weight slot are packed as ``(offset, shape, stride)``
+        handles (saved-tensor hooks), so no slot stays pinned by the graph; backward re-streams the
+        weights and the handles resolve to the slot that holds them then. Returns the outputs
+        (with graph; ``_LayerFunction`` hands graph-free aliases to the outer graph).
+        """
+        unit = call.unit
+        detached = [x.detach().requires_grad_(True) for x in diff_inputs]
+        saved_storages = {}  # data_ptr -> bytes of the activations the graph keeps
+
+        def unpack(x):
+            if isinstance(x, _WeightRef):
+                slot = self._weight_slots[x.unit]
+                return slot.buf.as_strided(x.shape, x.stride, x.offset)
+            return x
+
+        def hooks(slot):
+            weights = slot.buf.untyped_storage().data_ptr()
+
+            def pack(t):
+                st = t.untyped_storage()
+                if t.device == slot.buf.device and st.data_ptr() == weights:
+                    return _WeightRef(unit.index, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                saved_storages[st.data_ptr()] = st.nbytes()
+                return t
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+        with torch.enable_grad():
+            out, bound, slot = self.execute(call, detached, grad=True, around=hooks)
+        self.release(slot)
+        call.stored = (out, bound, detached)
+        if self.auto_policy:
+            key = _shape_key(diff_inputs)
+            if key not in self.auto_decisions:
+                self._decide_auto(key, sum(saved_storages.values()),
+                                  sum(x.numel() * x.element_size() for x in diff_inputs))
+        return out
+

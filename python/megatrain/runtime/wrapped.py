@@ -1,0 +1,355 @@
+"""``WrappedEngine``: the engine plus the model side (layer calls, resident unit, activation policy)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .engine import Engine
+from .layer_call import _Block, _LayerCall, _LayerFunction, _streamed_class
+from .layers import _move_buffers, model_units
+from .module_api import EngineModuleApi
+from .policies import ActivationPolicies, check_activation_policy
+from .units import Unit
+
+
+class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
+    """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
+
+    def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
+                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
+                 grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0):
+        self.block_k = check_activation_policy(activation_policy)
+        self.store_activations = activation_policy == "store"
+        self.auto_policy = activation_policy == "auto"
+        self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)
+        # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
+        self.auto_decisions: dict = {}
+        self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
+        self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
+        self.activation_policy = activation_policy
+        self.model = model
+        units = model_units(model, layers_name, layers)
+        self.resident = units[-1] if units and units[-1].kind == "resident" else None
+        # The model's own weights are freed unit by unit as they are copied (below): with the
+        # store page-locked after the fill, the peak is the store plus one layer.
+        reclaim = 0 if source is not None else sum(
+            e.numel * e.param.element_size() for u in units for e in u.entries if e.param.device.type == "cpu")
+        super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
+                         reclaimable_bytes=reclaim)
+
+        # Initialise the store: master (fp32) and compute copy, from the model's weights or from
+        # ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta).
+        with torch.no_grad():
+            if source is not None:
+                source.fill(self)  # every master
+            for u in self.units:
+                for i, e in enumerate(u.entries):
+                    if e.frozen:  # compute copy only (written by the source directly)
+                        if source is None:
+                            self.entry_view(u, i, "compute").copy_(e.param.detach())
+                        continue
+                    if source is None:
+                        self.entry_view(u, i, "master").copy_(e.param.detach())
+                    self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
+                    self.entry_view(u, i, "exp_avg").zero_()
+                    self.entry_view(u, i, "exp_avg_sq").zero_()
+                if u.kind == "layer":
+                    self._placeholders(u)  # the layer's own parameters are released here
+                elif source is None:
+                    for e in u.entries:
+                        if e.param.device.type == "cpu":
+                            e.param.data = torch.empty(0, dtype=e.param.dtype)
+        self.finish_fill()
+        self.init_device_state(device_state_layers)
+
+        # Streamed layers: placeholders + streamed class.
+        for u in self.layers:
+            layer = u.module
+            _move_buffers(layer, device)
+            layer.__class__ = _streamed_class(type(layer))
+            layer._megatrain_engine = self
+            layer._megatrain_unit = u
+
+        # Resident unit: real device parameters viewing one device buffer.
+        if self.resident is not None:
+            self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
+            self.resident_loaded_version = -1
+            self._resident_staging = None  # allocated when a resident gradient is first summed (accumulation)
+            self._resident_consumed = {}
+            self._resident_hooked = set()
+            owners_seen = set()
+            for i, e in enumerate(self.resident.entries):
+                view = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
+                if e.param.device.type == "meta":  # streamed load: a new parameter (meta .data cannot be set)
+                    newp = nn.Parameter(view, requires_grad=e.param.requires_grad)
+                    for mod, attr in e.owners:
+                        mod._parameters[attr] = newp
+                    e.param = newp
+                else:
+                    e.param.data = view
+                self.register_param(e.param, self.resident, i)
+                # Modules that own resident weights refresh the device copy when called, so calling
+                # an inner module directly (model.model(...)) after step() sees the new weights too.
+                for mod, _ in e.owners:
+                    if id(mod) not in owners_seen and mod is not model:
+                        owners_seen.add(id(mod))
+                        mod.register_forward_pre_hook(lambda m, a: self.load_resident())
+            self._hook_resident_grads()
+        _move_buffers(model, device)
+        self.load_resident()
+        self._pending_block: Optional[_Block] = None
+        self._last_call: Optional[_LayerCall] = None
+        if activation_policy == "offload":
+            from .offload import InputOffload
+
+            self.offload = InputOffload(self)
+        self._dummy = torch.empty(0, requires_grad=True)
+        # Its AccumulateGrad node, held so that it stays the node of every graph: backward asks the
+        # autograd engine whether the running graph task reaches it, i.e. whether this backward
+        # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
+        self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
+        model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
+
+    def _placeholders(self, u: Unit) -> None:
+        """Replace layer unit ``u``'s parameters by meta placeholders (same shape, same ``requires_grad``)."""
+        for k, e in enumerate(u.entries):
+            ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
+                              requires_grad=e.param.requires_grad)
+            e.param = ph
+            for mod, attr in e.owners:
+                mod._parameters[attr] = ph
+            self.register_param(ph, u, k)
+
+    # ------------------------------------------------------------------ resident unit
+    def load_resident(self) -> None:
+        """Bring the resident unit's device buffer up to date with the host store (if it changed)."""
+        u = self.resident
+        if u is None:
+            return
+        self.wait_update(u)
+        if self.resident_loaded_version == u.version:
+            return
+        if self.cuda:
+            # The buffer is overwritten on the H2D stream: first let the compute stream finish
+            # whatever still reads it (the last backward's LM-head / embedding kernels).
+            in_use = torch.cuda.Event()
+            in_use.record(self.compute_stream())
+            ev = torch.cuda.Event()
+            self.copy_h2d(self.resident_buf, u, ready_event=ev, free_event=in_use)
+            self.compute_stream().wait_event(ev)
+        else:
+            self.copy_h2d(self.resident_buf, u)
+        self.resident_loaded_version = u.version
+
+    def resident_staging(self) -> torch.Tensor:
+        """The resident unit's gradient staging buffer (one region per entry), allocated on first use."""
+        if self._resident_staging is None:
+            self._resident_staging = self._host_buffer(self.resident.numel)
+        return self._resident_staging
+
+    def _make_resident_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            p.grad = None
+            grads = [None] * len(self.resident.entries)
+            grads[i] = g
+            prev = self._resident_consumed.get(i)
+            if prev is not None:
+                self.wait_event(prev)  # the worker still reads this entry's staging region from the last backward
+            done = threading.Event()
+            self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
+            self._resident_consumed[i] = done  # only once submitted: a refused gradient leaves nothing to wait for
+        return hook
+
+    def _hook_resident_grads(self) -> None:
+        """Hand each resident parameter's gradient to the engine as autograd finishes it.
+
+        A hook needs ``requires_grad``: a parameter unfrozen after ``wrap`` is hooked at the next
+        forward (without it its gradient would pile up in ``.grad``, never applied).
+        """
+        for i, e in enumerate(self.resident.entries):
+            if e.param.requires_grad and i not in self._resident_hooked:
+                e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
+                self._resident_hooked.add(i)
+
+    def checkpointing_requested(self, index: int, enabled: bool) -> None:
+        """transformers' gradient checkpointing was switched on or off for streamed layer ``index``.
+
+        It stays off (see ``_StreamedLayerMixin.gradient_checkpointing``); switching it on warns once
+        per enabling (``gradient_checkpointing_enable()`` sets it on every layer).
+        """
+        if enabled and not self._checkpointing_asked:
+            warnings.warn(
+                "megatrain: gradient checkpointing (gradient_checkpointing_enable() / TrainingArguments("
+                "gradient_checkpointing=True)) is ignored on a model wrapped by megatrain.wrap: megatrain's "
+                f"activation_policy (here {self.activation_policy!r}) already controls recompute, and checkpointing "
+                "the streamed layers as well would only run each layer's forward once more. Choose the policy with "
+                "megatrain.wrap(model, activation_policy='recompute' | 'store' | 'auto' | 'block:K')",
+                UserWarning)
+        if enabled:
+            self._checkpointing_asked.add(index)
+        else:
+            self._checkpointing_asked.discard(index)
+
+    def check_frozen(self) -> None:
+        """Raise if a parameter frozen at wrap time was unfrozen (it has no fp32 state to train)."""
+        for u in self.units:
+            for e in u.entries:
+                if e.frozen and e.param.requires_grad:
+                    raise RuntimeError(
+                        f"megatrain: parameter {e.name} was frozen (requires_grad=False) when the model was wrapped, so "
+                        "the host store holds only its compute copy (no master weights or Adam moments); it cannot "
+                        "be unfrozen now. Set requires_grad before megatrain.wrap / from_pretrained")
+
+    def begin_forward(self) -> None:
+        self.check_frozen()
+        self._pending_block = None
+        self._last_call = None
+        if self.offload is not None:
+            self.offload.begin_forward()
+        if self.resident is not None:
+            self._hook_resident_grads()
+        self.load_resident()
+
+    # ------------------------------------------------------------------ layer execution
+    def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
+        j = unit.index + step
+        return self.layers[j] if 0 <= j < len(self.layers) else None
+
+    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1, around=None):
+        """Run ``call``'s layer once on streamed weights. Returns its output (and bound leaves and
+        the still-held slot if grad). ``around(slot)``: a context manager entered around the call."""
+        unit = call.unit
+        slot = self.acquire(unit)
+        try:
+            self._prefetch_after(unit, slot, prefetch_step)  # depth num_slots - 1
+            bound = self.bind(unit, slot.buf, requires_grad=grad)
+            try:
+                args, kwargs = call.args_with(diff_inputs)
+                with around(slot) if around is not None else contextlib.nullcontext():
+                    out = call.layer._megatrain_orig_forward(*args, **kwargs)
+            finally:
+                self.unbind(unit)
+        except BaseException:
+            self.release(slot)
+            raise
+        if grad:
+            return out, bound, slot
+        self.release(slot)
+        return out
+
+    def run_layer(self, layer, args, kwargs):
+        unit = layer._megatrain_unit
+        leaves, spec = tree_flatten((args, kwargs))
+        any_param_grad = any(e.param.requires_grad for e in unit.entries)
+        diff_idx = [i for i, x in enumerate(leaves)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+        if not torch.is_grad_enabled() or not (diff_idx or any_param_grad):
+            call = _LayerCall(layer, unit, leaves, spec, [])
+            with torch.no_grad():
+                return self.execute(call, [], grad=False)
+        diff = [leaves[i] for i in diff_idx]
+        stored = list(leaves)
+        for i in diff_idx:
+            stored[i] = None
+        call = _LayerCall(layer, unit, stored, spec, diff_idx)
+        self._assign_block(call, diff)
+        outs = _LayerFunction.apply(self, call, self._dummy, *diff)
+        out_leaves = list(call.out_other)
+        for i, o in zip(call.out_tensor_idx, outs):
+            out_leaves[i] = o
+        self._last_call = call
+        # Weak references only: a strong one would make a cycle through the autograd graph
+        # (output -> grad_fn -> ctx -> call -> output) that keeps every step's graph alive.
+        call.saved = [weakref.ref(o) for o in outs]
+        return tree_unflatten(out_leaves, call.out_spec)
+
+    def _prefetch_after(self, unit: Unit, slot, step: int) -> None:
+        """Prefetch up to ``num_slots - 1`` units after ``unit`` in direction ``step`` (+1 / -1)."""
+        protect = [slot]
+        for d in range(1, self.num_slots):
+            nxt = self._neighbour(unit, step * d)
+            if nxt is None:
+                break
+            got = self.prefetch(nxt, current=protect)
+            if got is None:
+                break
+            protect.append(got)
+
+    def _weights_wanted(self) -> bool:
+        """Whether the running backward accumulates parameter gradients (False for
+        ``torch.autograd.grad(loss, inputs)`` or ``backward(inputs=...)`` that exclude them)."""
+        will = getattr(torch._C, "_will_engine_execute_node", None)
+        if will is None:
+            return True
+        try:
+            return bool(will(self._dummy_node))
+        except RuntimeError:  # not inside a backward graph task
+            return True
+
+    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
+        """Backward of one layer: weight grads sent D2H, input grads returned.
+
+        ``recompute`` / ``block:K``: re-run ``call`` with grad on re-streamed weights first.
+        ``store``: re-stream the weights for the kept graph's saved-weight handles.
+        """
+        unit = call.unit
+        want_weights = self._weights_wanted()
+        if call.stored is not None:
+            out, bound, detached = call.stored
+            call.stored = None
+            slot = self.acquire(unit)
+            self._weight_slots[unit.index] = slot
+            try:
+                self._prefetch_after(unit, slot, -1)
+            except BaseException:
+                self._weight_slots.pop(unit.index, None)
+                self.release(slot)
+                raise
+        else:
+            detached = [x.detach().requires_grad_(True) for x in inputs]  # every diff input required grad in forward
+            cpu_rng, cuda_rng = call.rng
+            with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, self.device)
+                with torch.enable_grad():
+                    out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1)
+        try:
+            leaves, _ = tree_flatten(out)
+            outs, gos = [], []
+            for i, go in zip(call.out_tensor_idx, grad_outs):
+                o = leaves[i]
+                if go is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                    outs.append(o)
+                    gos.append(go)
+            want_in = [x for x in detached if x.requires_grad]
+            want_w = [(k, b) for k, b in enumerate(bound) if b.requires_grad] if want_weights else []
+            targets = want_in + [b for _, b in want_w]
+            if outs and targets:
+                grads = torch.autograd.grad(outs, targets, gos, allow_unused=True)
+            else:
+                grads = [None] * len(targets)
+        finally:
+            self._weight_slots.pop(unit.index, None)
+            self.release(slot)
+        in_grads = iter(grads[:len(want_in)])
+        result = [next(in_grads) if x.requires_grad else None for x in detached]
+        wgrads: List[Optional[torch.Tensor]] = [None] * len(unit.entries)
+        for (k, _), g in zip(want_w, grads[len(want_in):]):
+            wgrads[k] = g
+        if any(g is not None for g in wgrads):
+            self.submit_grads(unit, wgrads)
+        if call.block is not None and call.pos == 0:
+            call.block.first_inputs = None
+        return result
+
+
