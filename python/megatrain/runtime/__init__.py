@@ -3,6 +3,6 @@ from .wrap import UnsupportedModelError, find_decoder_layers, wrap
 
 __all__ = ["wrap", "find_decoder_layers", "UnsupportedModelError"]
 
-from .module_api import install_clip_grad_norm as _install_clip_grad_norm  # noqa: E402
+from .clip_grad import install_clip_grad_norm as _install_clip_grad_norm  # noqa: E402
 
 _install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ is exact on wrapped models' parameters

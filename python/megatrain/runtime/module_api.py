@@ -16,11 +16,11 @@ script read and write those masters:
   written, so a refused load changes nothing.
 * ``model.save_pretrained(dir, ...)``: transformers' own ``save_pretrained`` (its arguments, its
   sharding and tied-weight handling) over that state dict, with each safetensors shard written
-  tensor by tensor straight from the host store (no shard-sized copy in RAM); ``config.json``
+  tensor by tensor straight from the host store (no shard-sized copy in RAM, :mod:`.save_pretrained`); ``config.json``
   records ``dtype: float32`` (the masters' dtype) and ``use_cache: true``.
 * ``torch.nn.utils.clip_grad_norm_`` over a wrapped model's parameters: the exact global norm
   from the engine's per-parameter squared norms, and the clip coefficient applied inside the
-  next ``CPUAdamW.step()`` (see :func:`clip_grad_norm_`).
+  next ``CPUAdamW.step()`` (:func:`megatrain.runtime.clip_grad.clip_grad_norm_`, installed at import).
 * ``torch.save(model)`` / ``copy.deepcopy(model)``: refused with one line naming what to use.
 
 Every read waits for the CPU updates in flight and copies the device-state layers' state to the host
@@ -29,19 +29,15 @@ store first (``engine.sync_host()``); every write refreshes them after (``engine
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
-import os
 import threading
 import types
-import warnings
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from .engine import locate
+from .save_pretrained import _save_pretrained
+
 
 _PICKLE_MSG = ("megatrain: a model wrapped by megatrain.wrap cannot be pickled (torch.save(model), copy.deepcopy): its "
                "weights live in megatrain's host store. Save with torch.save(model.state_dict(), path) (fp32 master "
@@ -298,204 +294,3 @@ def _restore_placeholders(eng, where) -> None:
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
             eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     eng.host_written([u for u, _ in units.values()])  # device-state layers take the loaded masters
-
-
-# ---------------------------------------------------------------------------- save_pretrained
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-
-
-def stream_safetensors(tensors: dict, filename: str, metadata: Optional[dict] = None) -> None:
-    """``safetensors.torch.save_file`` that writes each tensor's bytes straight from its memory.
-
-    Args:
-        tensors: ``{name: tensor}``; CPU contiguous tensors are written without a copy, others are
-            moved / made contiguous one at a time.
-        filename: destination file (overwritten).
-        metadata: string-to-string ``__metadata__``.
-
-    Raises:
-        ValueError: a dtype safetensors has no code for here (the caller falls back to safetensors).
-    """
-    import ctypes
-    import struct
-
-    header = {}
-    off = 0
-    for k, t in tensors.items():
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"unsupported dtype {t.dtype}")
-    # safetensors' own order: larger elements first (every tensor stays aligned), then by name
-    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    for k in names:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    if metadata:
-        header["__metadata__"] = {str(a): str(b) for a, b in metadata.items()}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(filename, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for k in names:
-            t = tensors[k].detach()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.to("cpu").contiguous()
-            n = t.numel() * t.element_size()
-            if n:
-                f.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
-
-
-@contextlib.contextmanager
-def _streamed_shards():
-    """Within: transformers' ``save_pretrained`` writes safetensors shards with :func:`stream_safetensors`."""
-    import transformers.modeling_utils as mu
-
-    orig = getattr(mu, "safe_save_file", None)
-    if orig is None:
-        yield
-        return
-
-    def save(tensors, filename, metadata=None):
-        try:
-            stream_safetensors(tensors, filename, metadata)
-        except ValueError:
-            orig(tensors, filename, metadata=metadata)
-
-    mu.safe_save_file = save
-    try:
-        yield
-    finally:
-        mu.safe_save_file = orig
-
-
-def _save_pretrained(self, save_directory, *args, **kwargs):
-    """transformers' ``save_pretrained`` over the fp32 master weights (see the module docstring)."""
-    eng = self.megatrain
-    eng.sync_host()
-    cfg = getattr(self, "config", None)
-    use_cache = getattr(cfg, "use_cache", None)
-    if cfg is not None and use_cache is not None:
-        cfg.use_cache = True  # wrap() switched it off for training; a saved model generates with a cache
-    try:
-        with _streamed_shards():
-            out = type(self).save_pretrained(self, save_directory, *args, **kwargs)
-    finally:
-        if cfg is not None and use_cache is not None:
-            cfg.use_cache = use_cache
-    path = os.path.join(str(save_directory), "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            c = json.load(f)
-        for k in ("dtype", "torch_dtype"):
-            if k in c:
-                c[k] = "float32"  # the masters' dtype (model.dtype is the compute copy's)
-        with open(path, "w") as f:
-            json.dump(c, f, indent=2, sort_keys=True)
-            f.write("\n")
-    return out
-
-
-# ---------------------------------------------------------------------------- clip_grad_norm_
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-
-
-def _engine_of(params: list):
-    refs = [locate(p) for p in params]
-    got = [r for r in refs if r is not None]
-    if not got:
-        return None
-    if len(got) != len(refs):
-        raise ValueError("megatrain: clip_grad_norm_ got parameters of a model wrapped by megatrain.wrap mixed with "
-                         "other tensors; clip them in separate calls (or give max_grad_norm to CPUAdamW)")
-    eng = got[0][0]
-    if any(r[0] is not eng for r in got):
-        raise ValueError("megatrain: clip_grad_norm_ got parameters of two different wrapped models")
-    return eng
-
-
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: Optional[bool] = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, exact for the parameters of a wrapped model.
-
-    Installed in place of torch's function when megatrain is imported; for anything but a
-    wrapped model's parameters it calls torch's own. For those it returns the total L2 norm of
-    their gradients (computed from the engine's per-parameter squared norms: a float32 CPU
-    scalar tensor, the same value torch would return on the unwrapped model) and records the
-    clip coefficient ``min(max_norm / (total + 1e-6), 1)``, which the next ``CPUAdamW.step()``
-    applies inside its fused update (then ``max_grad_norm`` clips the clipped gradient again,
-    exactly as torch would if both were applied; a ``max_grad_norm`` >= ``max_norm`` changes nothing).
-
-    Args:
-        parameters: the wrapped model's parameters (an iterable or a single tensor); every
-            parameter holding a gradient must be in it (the coefficient is one per step).
-        max_norm: as torch. norm_type: 2 only. error_if_nonfinite, foreach: as torch (foreach: no effect).
-
-    Raises:
-        RuntimeError: CPUAdamW was created without ``max_grad_norm`` and a gradient has arrived:
-            its updates start during backward, so no clip can apply to them (set
-            ``CPUAdamW(max_grad_norm=...)``; ``max_norm=inf``, which clips nothing, returns nan
-            with a warning instead); the total norm is not finite and ``error_if_nonfinite``.
-        ValueError: ``norm_type`` is not 2; a parameter holding a gradient is missing from ``parameters``.
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    eng = _engine_of(params)
-    if eng is None:
-        return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                      foreach=foreach)
-    opt = eng.optimizer
-    if float(norm_type) != 2.0:
-        raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model supports norm_type=2 only, got {norm_type!r}")
-    if opt is None:
-        return torch.tensor(0.0)
-    if any(u.eager_queued for u in eng.units) or (opt.max_grad_norm is None and _any_grad(eng)):
-        if math.isinf(float(max_norm)) and float(max_norm) > 0:
-            # Nothing to clip (the Trainer asks this way for a norm to log): the updates stand as they
-            # are; the norm itself was never computed.
-            if not getattr(eng, "_warned_norm_unknown", False):
-                eng._warned_norm_unknown = True
-                warnings.warn("megatrain: clip_grad_norm_(max_norm=inf) returns nan on this wrapped model: without "
-                              "CPUAdamW(max_grad_norm=...) the updates start during backward and no global norm is "
-                              "computed; pass max_grad_norm=float('inf') to CPUAdamW to get it", UserWarning,
-                              stacklevel=2)
-            return torch.tensor(float("nan"))
-        raise RuntimeError(
-            "megatrain: clip_grad_norm_ on a wrapped model needs CPUAdamW(..., max_grad_norm=...): without it each "
-            "layer's update starts during backward, before this clip. Pass max_grad_norm to CPUAdamW (the same "
-            "value clips exactly like clip_grad_norm_; then this call returns the true norm and changes nothing more), "
-            "or float('inf') to clip only here")
-    eng.wait_grads()
-    given = {id(p) for p in params}
-    sq = 0.0
-    for u in eng.units:
-        for i, e in enumerate(u.entries):
-            if u.has_grad[i]:
-                if id(e.param) not in given:
-                    raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model needs every parameter that holds a "
-                                     f"gradient; {e.name} has one and is not in the list (pass model.parameters())")
-                sq += u.grad_sq[i]
-    total = math.sqrt(sq) * opt.user_clip_scale
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
-                           "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                           "norm anyway, set `error_if_nonfinite=False`")
-    total_t = torch.tensor(total, dtype=torch.float32)
-    coef = float(torch.clamp(float(max_norm) / (total_t + 1e-6), max=1.0))
-    opt.user_clip_scale *= coef
-    return total_t
-
-
-def _any_grad(eng) -> bool:
-    return any(any(u.has_grad) or any(u.batches) for u in eng.units)
-
-
-def install_clip_grad_norm() -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_`` through :func:`clip_grad_norm_` (idempotent)."""
-    import torch.nn.utils.clip_grad as cg
-
-    for mod in (torch.nn.utils, cg):
-        if getattr(mod, "clip_grad_norm_", None) is _torch_clip_grad_norm_:
-            mod.clip_grad_norm_ = clip_grad_norm_

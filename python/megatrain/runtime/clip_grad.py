@@ -1,0 +1,113 @@
+"""``torch.nn.utils.clip_grad_norm_`` made exact for a wrapped model's parameters (installed when megatrain is imported)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from .engine import locate
+
+
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+def _engine_of(params: list):
+    refs = [locate(p) for p in params]
+    got = [r for r in refs if r is not None]
+    if not got:
+        return None
+    if len(got) != len(refs):
+        raise ValueError("megatrain: clip_grad_norm_ got parameters of a model wrapped by megatrain.wrap mixed with "
+                         "other tensors; clip them in separate calls (or give max_grad_norm to CPUAdamW)")
+    eng = got[0][0]
+    if any(r[0] is not eng for r in got):
+        raise ValueError("megatrain: clip_grad_norm_ got parameters of two different wrapped models")
+    return eng
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, exact for the parameters of a wrapped model.
+
+    Installed in place of torch's function when megatrain is imported; for anything but a
+    wrapped model's parameters it calls torch's own. For those it returns the total L2 norm of
+    their gradients (computed from the engine's per-parameter squared norms: a float32 CPU
+    scalar tensor, the same value torch would return on the unwrapped model) and records the
+    clip coefficient ``min(max_norm / (total + 1e-6), 1)``, which the next ``CPUAdamW.step()``
+    applies inside its fused update (then ``max_grad_norm`` clips the clipped gradient again,
+    exactly as torch would if both were applied; a ``max_grad_norm`` >= ``max_norm`` changes nothing).
+
+    Args:
+        parameters: the wrapped model's parameters (an iterable or a single tensor); every
+            parameter holding a gradient must be in it (the coefficient is one per step).
+        max_norm: as torch. norm_type: 2 only. error_if_nonfinite, foreach: as torch (foreach: no effect).
+
+    Raises:
+        RuntimeError: CPUAdamW was created without ``max_grad_norm`` and a gradient has arrived:
+            its updates start during backward, so no clip can apply to them (set
+            ``CPUAdamW(max_grad_norm=...)``; ``max_norm=inf``, which clips nothing, returns nan
+            with a warning instead); the total norm is not finite and ``error_if_nonfinite``.
+        ValueError: ``norm_type`` is not 2; a parameter holding a gradient is missing from ``parameters``.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    eng = _engine_of(params)
+    if eng is None:
+        return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                                      foreach=foreach)
+    opt = eng.optimizer
+    if float(norm_type) != 2.0:
+        raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model supports norm_type=2 only, got {norm_type!r}")
+    if opt is None:
+        return torch.tensor(0.0)
+    if any(u.eager_queued for u in eng.units) or (opt.max_grad_norm is None and _any_grad(eng)):
+        if math.isinf(float(max_norm)) and float(max_norm) > 0:
+            # Nothing to clip (the Trainer asks this way for a norm to log): the updates stand as they
+            # are; the norm itself was never computed.
+            if not getattr(eng, "_warned_norm_unknown", False):
+                eng._warned_norm_unknown = True
+                warnings.warn("megatrain: clip_grad_norm_(max_norm=inf) returns nan on this wrapped model: without "
+                              "CPUAdamW(max_grad_norm=...) the updates start during backward and no global norm is "
+                              "computed; pass max_grad_norm=float('inf') to CPUAdamW to get it", UserWarning,
+                              stacklevel=2)
+            return torch.tensor(float("nan"))
+        raise RuntimeError(
+            "megatrain: clip_grad_norm_ on a wrapped model needs CPUAdamW(..., max_grad_norm=...): without it each "
+            "layer's update starts during backward, before this clip. Pass max_grad_norm to CPUAdamW (the same "
+            "value clips exactly like clip_grad_norm_; then this call returns the true norm and changes nothing more), "
+            "or float('inf') to clip only here")
+    eng.wait_grads()
+    given = {id(p) for p in params}
+    sq = 0.0
+    for u in eng.units:
+        for i, e in enumerate(u.entries):
+            if u.has_grad[i]:
+                if id(e.param) not in given:
+                    raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model needs every parameter that holds a "
+                                     f"gradient; {e.name} has one and is not in the list (pass model.parameters())")
+                sq += u.grad_sq[i]
+    total = math.sqrt(sq) * opt.user_clip_scale
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    total_t = torch.tensor(total, dtype=torch.float32)
+    coef = float(torch.clamp(float(max_norm) / (total_t + 1e-6), max=1.0))
+    opt.user_clip_scale *= coef
+    return total_t
+
+
+def _any_grad(eng) -> bool:
+    return any(any(u.has_grad) or any(u.batches) for u in eng.units)
+
+
+def install_clip_grad_norm() -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` through :func:`clip_grad_norm_` (idempotent)."""
+    import torch.nn.utils.clip_grad as cg
+
+    for mod in (torch.nn.utils, cg):
+        if getattr(mod, "clip_grad_norm_", None) is _torch_clip_grad_norm_:
+            mod.clip_grad_norm_ = clip_grad_norm_
+

@@ -1,0 +1,147 @@
+"""``MemoryEstimate``: what :func:`megatrain.estimate` returns, and its table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+_SECTION_LABELS = [("compute", "compute copy"), ("master", "master (fp32)"), ("exp_avg", "exp_avg (fp32)"),
+                   ("exp_avg_sq", "exp_avg_sq (fp32)"), ("grad_accum", "grad accumulator (fp32)")]
+
+
+def _fmt(n: Optional[float]) -> str:
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+@dataclass
+class MemoryEstimate:
+    """What :func:`estimate` found. All sizes in bytes.
+
+    Exact (the numbers the allocation uses): ``host_sections``, ``store_bytes``,
+    ``accumulator_bytes``, ``staging_bytes``, ``host_bytes``, ``pinned_bytes``, the parameter
+    counts, ``slot_bytes`` and ``resident_bytes``. Estimated: ``activation_bytes`` and
+    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack
+    (~0.5-1 GiB of GPU memory), the Python process itself (~0.5-1 GiB of host memory),
+    transient buffers (one tensor while loading a non-fp32 checkpoint).
+    """
+
+    model_class: str
+    device: str
+    compute_dtype: str
+    activation_policy: str
+    num_slots: int
+    micro_batch_size: int
+    seq_len: Optional[int]
+    gradient_accumulation_steps: int
+    num_params: int
+    trainable_params: int
+    frozen_params: int
+    num_layers: int
+    host_sections: dict  # store section -> bytes (as HostStore.section_bytes)
+    store_bytes: int  # the arena: sections + their 4 KiB padding + skew gaps
+    accumulator_bytes: int  # fp32 accumulator CPUAdamW allocates outside the store (auto mode), 0 if none
+    staging_bytes: int  # gradient staging buffers (pinned on CUDA)
+    host_bytes: int  # store + accumulator + staging
+    pinned_bytes: int  # page-locked part of host_bytes (CUDA only)
+    reclaimable_bytes: int  # the in-memory model's own weights, freed while the store is filled
+    host_available_bytes: Optional[int]
+    host_limit: Optional[str]
+    host_fits: bool
+    slot_bytes: int  # num_slots x largest layer (per layer shape) in compute dtype
+    resident_bytes: int  # the resident unit (embedding, norm, LM head) and its gradients on the device
+    activation_bytes: int
+    logits_bytes: int
+    gpu_bytes: int  # slot + resident + activation + logits (device memory; host memory when device is cpu)
+    gpu_free_bytes: Optional[int]
+    gpu_fits: Optional[bool]  # None: not checked (CPU device, or no CUDA here)
+    chunked_loss: str = "auto"  # the modes asked for (as megatrain.wrap) and what they give at this batch:
+    tile_mlp: str = "auto"
+    loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
+    mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
+    reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
+    advice: List[str] = field(default_factory=list)  # what to change
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Whether it fits this machine (host budget; GPU memory when the device is CUDA)."""
+        return self.host_fits and self.gpu_fits is not False
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.host_bytes / self.num_params if self.num_params else 0.0
+
+    def reason(self) -> str:
+        """One line: why it does not fit and what to change ('' when it fits)."""
+        if self.fits:
+            return ""
+        return "; ".join(self.reasons) + (". " + "; ".join(self.advice) if self.advice else "")
+
+    def to_dict(self) -> dict:
+        import dataclasses
+
+        d = dataclasses.asdict(self)
+        d["fits"] = self.fits
+        return d
+
+    def __str__(self) -> str:
+        L = []
+        L.append(f"megatrain estimate: {self.model_class}, {_count(self.num_params)} parameters "
+                 f"({_count(self.trainable_params)} trainable, {_count(self.frozen_params)} frozen), "
+                 f"{self.num_layers} streamed layers, {self.compute_dtype} compute on {self.device}")
+        L.append("host memory (exact):")
+        for key, label in _SECTION_LABELS:
+            if key in self.host_sections:
+                L.append(f"  {label:<28}{_fmt(self.host_sections[key]):>12}")
+            elif key == "grad_accum":
+                if self.accumulator_bytes:
+                    L.append(f"  {label:<28}{_fmt(self.accumulator_bytes):>12}  (outside the store, allocated when "
+                             f"CPUAdamW has gradient_accumulation_steps={self.gradient_accumulation_steps})")
+                else:
+                    L.append(f"  {label:<28}{'none':>12}  (one backward per step)")
+        pad = self.store_bytes - sum(self.host_sections.values())
+        L.append(f"  {'store total':<28}{_fmt(self.store_bytes):>12}  (incl. {_fmt(pad)} alignment)")
+        L.append(f"  {'gradient staging':<28}{_fmt(self.staging_bytes):>12}")
+        L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; pinned "
+                 f"{_fmt(self.pinned_bytes)}")
+        if self.host_available_bytes is None:
+            L.append("  host check: skipped (MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 or no limit found)")
+        else:
+            credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
+            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
+                     + ("fits" if self.host_fits else "DOES NOT FIT"))
+        where = "GPU" if self.device.startswith("cuda") else "device (cpu: host)"
+        tokens = f"{self.micro_batch_size} x {self.seq_len} tokens" if self.seq_len else "no sequence length given"
+        L.append(f"{where} memory (slots and resident exact; activations and logits rough, {self.activation_policy}, "
+                 f"{tokens}):")
+        L.append(f"  {'layer slots':<28}{_fmt(self.slot_bytes):>12}  ({self.num_slots} per layer shape)")
+        L.append(f"  {'resident unit + grads':<28}{_fmt(self.resident_bytes):>12}")
+        L.append(f"  {'activations':<28}{'~' + _fmt(self.activation_bytes):>12}")
+        L.append(f"  {'logits + loss':<28}{'~' + _fmt(self.logits_bytes):>12}")
+        if self.seq_len:
+            loss = (f"loss over chunks of {self.loss_rows:,} rows, no full logits" if self.loss_rows
+                    else "full logits")
+            mlp = f"MLP over tiles of {self.mlp_rows:,} rows" if self.mlp_rows else "MLP untiled"
+            L.append(f"  long context: {loss} (chunked_loss={self.chunked_loss}); {mlp} (tile_mlp={self.tile_mlp})")
+        free = f"; {_fmt(self.gpu_free_bytes)} free: " + ("fits" if self.gpu_fits else "DOES NOT FIT") \
+            if self.gpu_free_bytes is not None and self.gpu_fits is not None else ""
+        L.append(f"  {'total':<28}{'~' + _fmt(self.gpu_bytes):>12}{free}")
+        for n in self.notes:
+            L.append(f"note: {n}")
+        L.append("fits this machine" if self.fits else f"does not fit: {self.reason()}")
+        return "\n".join(L)
+
