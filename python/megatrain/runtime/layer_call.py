@@ -49,14 +49,21 @@ class _StreamedLayerMixin:
             eng.checkpointing_requested(self._megatrain_unit.index, bool(value))
 
 
-_STREAMED_CLASSES: dict = {}
+_MIXED_CLASSES: dict = {}
+
+
+def mixed_class(prefix: str, mixin: type, cls: type, forward_attr: str) -> type:
+    """``<prefix><cls>``: a subclass of ``cls`` with ``mixin`` first, ``cls.forward`` kept as ``forward_attr``.
+
+    One class per ``(mixin, cls)`` pair, made once (the module swap assigns ``__class__``)."""
+    key = (mixin, cls)
+    if key not in _MIXED_CLASSES:
+        _MIXED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {forward_attr: cls.forward})
+    return _MIXED_CLASSES[key]
 
 
 def _streamed_class(cls: type) -> type:
-    if cls not in _STREAMED_CLASSES:
-        _STREAMED_CLASSES[cls] = type(f"Streamed{cls.__name__}", (_StreamedLayerMixin, cls),
-                                      {"_megatrain_orig_forward": cls.forward})
-    return _STREAMED_CLASSES[cls]
+    return mixed_class("Streamed", _StreamedLayerMixin, cls, "_megatrain_orig_forward")
 
 
 class _LayerCall:

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .layer_call import mixed_class
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
     _rows_for, _TiledMLPFunction, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for)
@@ -77,14 +78,8 @@ class _NoCtx:
         pass
 
 
-_TILED_CLASSES: dict = {}
-
-
 def _tiled_class(cls: type) -> type:
-    if cls not in _TILED_CLASSES:
-        _TILED_CLASSES[cls] = type(f"Tiled{cls.__name__}", (_TiledMixin, cls),
-                                   {"_megatrain_untiled_forward": cls.forward})
-    return _TILED_CLASSES[cls]
+    return mixed_class("Tiled", _TiledMixin, cls, "_megatrain_untiled_forward")
 
 
 def _mlp_of(layer: nn.Module) -> Optional[nn.Module]:
