@@ -225,6 +225,49 @@ TEST(Ledger, ResetOfTheWindowKeepsAQueuedUpdate) {
   EXPECT_TRUE(l.update_pending(0));
 }
 
+TEST(Ledger, AQueuedUpdateTakesOverADirectGradientAndItsWindowEndsAtTheNextGradient) {
+  sch::Ledger l({2});
+  l.begin_d2h(0, 0, true);
+  l.landed_direct(0, 0, 1.0, true);
+  EXPECT_TRUE(l.any_in_compute(0));  // untaken: a load rebuilds the weights from the masters
+  l.queue_update(0, 0);
+  EXPECT_FALSE(l.any_in_compute(0));  // the update rewrites the compute copy
+  l.start_update(0, 0);
+  l.finish_update(0, 0);
+  EXPECT_FALSE(l.any_in_compute(0));
+  EXPECT_EQ(l.get(0, 0).place, GradPlace::kDirect);
+  l.begin_d2h(0, 1, false);  // another entry's gradient leaves entry 0's update done
+  EXPECT_EQ(l.get(0, 0).update, UpdateState::kDone);
+  l.accumulated(0, 1, 1.0);
+  l.reset(0, 0);  // the window is over: done is forgotten
+  EXPECT_EQ(l.get(0, 0).update, UpdateState::kNone);
+  l.queue_update(0, 1);
+  l.start_update(0, 1);
+  l.finish_update(0, 1);
+  l.begin_d2h(0, 1, false);  // the next window's gradient: done is forgotten
+  EXPECT_EQ(l.get(0, 1).update, UpdateState::kNone);
+  l.queue_update(0, 0);
+  l.start_update(0, 0);
+  l.finish_update(0, 0);
+  l.on_device(0, 0);
+  EXPECT_EQ(l.get(0, 0).update, UpdateState::kNone);
+}
+
+TEST(Ledger, StatesReturnsEveryEntryOfAUnitInOrder) {
+  sch::Ledger l({3, 1});
+  l.begin_d2h(0, 2, true);
+  l.begin_d2h(0, 0, false);
+  l.accumulated(0, 0, 4.0);
+  const std::vector<sch::EntryState> s = l.states(0);
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[0].place, GradPlace::kAccumulated);
+  EXPECT_EQ(s[0].grad_sq, 4.0);
+  EXPECT_EQ(s[1].place, GradPlace::kNone);
+  EXPECT_EQ(s[2].place, GradPlace::kInFlightDirect);
+  EXPECT_EQ(l.states(1).size(), 1u);
+  EXPECT_THROW(l.states(2), std::out_of_range);
+}
+
 TEST(Ledger, OutOfRangeEntriesAreRefused) {
   sch::Ledger l({2, 0});
   EXPECT_EQ(l.num_units(), 2);

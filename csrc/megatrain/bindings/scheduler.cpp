@@ -157,11 +157,16 @@ void init_scheduler(py::module_& m) {
                                                                   "What a gradient task found.")
       .def(py::init<>())
       .def_property_readonly("finite", [](const sch::GradOutcome& o) { return o.finite.load(); })
-      .def_property_readonly("ran", [](const sch::GradOutcome& o) { return o.ran.load(); });
+      .def_property_readonly("ran", [](const sch::GradOutcome& o) { return o.ran.load(); })
+      .def_property_readonly("seconds", [](const sch::GradOutcome& o) { return o.seconds.load(); },
+                             "Wall time of the task's kernels in seconds (0 until it ran).");
 
   py::class_<sch::UpdateOutcome, std::shared_ptr<sch::UpdateOutcome>>(m, "UpdateOutcome",
                                                                       "What an update task did.")
-      .def_property_readonly("skipped", [](const sch::UpdateOutcome& o) { return o.skipped.load(); });
+      .def_property_readonly("skipped", [](const sch::UpdateOutcome& o) { return o.skipped.load(); })
+      .def_property_readonly("ran", [](const sch::UpdateOutcome& o) { return o.ran.load(); })
+      .def_property_readonly("seconds", [](const sch::UpdateOutcome& o) { return o.seconds.load(); },
+                             "Wall time of the update in seconds (0 until it ran).");
 
   py::class_<PyWorker, std::shared_ptr<PyWorker>>(m, "Worker", R"doc(
 The CPU worker thread (csrc/megatrain/scheduler/worker.h).
@@ -246,6 +251,37 @@ on its thread).)doc")
            "Gradient task: direct = [(entry, norms float64 tensor or None, index into norms)] landed in the "
            "compute section; staged = [(entry, accum fp32, grad bf16/fp32 staging slice, overwrite)] summed "
            "into the accumulator (Ledger.accumulated with the squared norm). Returns (TaskHandle, GradOutcome).")
+      .def("submit_move_to_accumulator",
+           [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& moved) {
+             constexpr const char* op = "Worker.submit_move_to_accumulator";
+             Keep keep;
+             std::vector<sch::StagedGrad> s;
+             std::vector<std::tuple<at::Tensor, at::Tensor>> pairs;
+             for (const auto& [entry, accum, master, compute] : moved) {
+               check_fp32_state(accum, op, "accum", accum.numel());
+               sch::StagedGrad g;
+               g.entry = entry;
+               g.accum = accum.data_ptr<float>();
+               g.grad_dtype = grad_dtype_of(compute, op, accum.numel());
+               g.grad = compute.data_ptr();
+               g.numel = accum.numel();
+               keep.tensors.push_back(accum);
+               s.push_back(g);
+               pairs.emplace_back(master, compute);
+             }
+             std::vector<sch::WeightsBack> back = weights_back_of(pairs, keep, op);
+             sch::Task t;
+             t.klass = sch::TaskClass::kGrad;
+             t.run = sch::move_to_accumulator_task(std::move(ledger), unit, std::move(s), std::move(back),
+                                                   aten_parallel_for);
+             t.keep = make_keep(std::move(keep));
+             return w.submit(std::move(t));
+           },
+           py::arg("ledger"), py::arg("unit"), py::arg("moved"),
+           "Gradient task: moved = [(entry, accum fp32, master fp32, compute slice holding the gradient)]: the "
+           "gradient is summed into the accumulator (overwrite; Ledger.moved_to_accumulator), then the compute "
+           "slice is rewritten from the master. Returns a TaskHandle.")
       .def("submit_adam",
            [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
               const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -274,7 +310,6 @@ on its thread).)doc")
                it.args.grad = grad.data_ptr();
                it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
                it.args.compute_out = compute.data_ptr();
-               TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
                it.hyper.lr = lr;
                it.hyper.beta1 = b1;
                it.hyper.beta2 = b2;
@@ -359,6 +394,7 @@ on its thread).)doc")
       .def_property_readonly("num_units", &sch::Ledger::num_units)
       .def("num_entries", &sch::Ledger::num_entries, py::arg("unit"))
       .def("get", &sch::Ledger::get, py::arg("unit"), py::arg("entry"))
+      .def("states", &sch::Ledger::states, py::arg("unit"), "Every entry's EntryState of unit, in order.")
       .def("begin_d2h", &sch::Ledger::begin_d2h, py::arg("unit"), py::arg("entry"), py::arg("direct"))
       .def("on_device", &sch::Ledger::on_device, py::arg("unit"), py::arg("entry"))
       .def("mark_eager", &sch::Ledger::mark_eager, py::arg("unit"), py::arg("entry"))

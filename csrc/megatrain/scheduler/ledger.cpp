@@ -62,6 +62,22 @@ void Ledger::illegal(int64_t unit, int64_t entry, const char* op, const EntrySta
                     update_state_name(s.update) + ")");
 }
 
+namespace {
+// A finished update belongs to a window that is over: the next gradient (or reset) starts afresh.
+void forget_done(EntryState& s) {
+  if (s.update == UpdateState::kDone) s.update = UpdateState::kNone;
+}
+}  // namespace
+
+std::vector<EntryState> Ledger::states(int64_t unit) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (unit < 0 || unit >= num_units()) {
+    throw std::out_of_range("Ledger.states: unit " + std::to_string(unit) + " out of range [0, " +
+                            std::to_string(num_units()) + ")");
+  }
+  return entries_[unit];
+}
+
 EntryState Ledger::get(int64_t unit, int64_t entry) const {
   std::lock_guard<std::mutex> lock(mu_);
   return const_cast<Ledger*>(this)->at(unit, entry, "get");
@@ -83,6 +99,7 @@ bool Ledger::begin_d2h(int64_t unit, int64_t entry, bool direct) {
   }
   s.in_flight += 1;
   s.micro_batches += 1;
+  forget_done(s);
   return overwrite;
 }
 
@@ -92,6 +109,7 @@ void Ledger::on_device(int64_t unit, int64_t entry) {
   if (s.place != GradPlace::kNone && s.place != GradPlace::kOnDevice) illegal(unit, entry, "on_device", s);
   s.place = GradPlace::kOnDevice;
   s.micro_batches += 1;
+  forget_done(s);
 }
 
 void Ledger::mark_eager(int64_t unit, int64_t entry) {
@@ -151,6 +169,7 @@ void Ledger::reset(int64_t unit, int64_t entry) {
   const UpdateState update = s.update;
   s = EntryState{};
   s.update = update;
+  forget_done(s);
 }
 
 void Ledger::move_update(int64_t unit, int64_t entry, const char* op, UpdateState from_a, UpdateState from_b,
@@ -180,7 +199,9 @@ void Ledger::finish_update(int64_t unit, int64_t entry) {
 bool Ledger::any_in_compute(int64_t unit) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const EntryState& s : entries_.at(unit)) {
-    if (s.place == GradPlace::kInFlightDirect || s.place == GradPlace::kDirect) return true;
+    if ((s.place == GradPlace::kInFlightDirect || s.place == GradPlace::kDirect) && s.update == UpdateState::kNone) {
+      return true;
+    }
   }
   return false;
 }

@@ -17,9 +17,12 @@
 //   reset (zero_grad): kNone | kDirect | kAccumulated | kOnDevice ──▶ kNone (in-flight: illegal)
 //
 // The update of an entry (UpdateState): kNone / kDone ──queue_update──▶ kQueued ──start_update──▶
-// kRunning ──finish_update──▶ kDone; kQueued ──cancel_update──▶ kNone (the worker refused it).
-// An update reads the gradient where it was when the update was queued; reset() of the window
-// does not touch the update state.
+// kRunning ──finish_update──▶ kDone; kQueued ──cancel_update──▶ kNone (the worker refused it);
+// kDone ──begin_d2h / on_device / reset──▶ kNone (that update's window is over).
+// An update reads the gradient where it was when the update was queued and takes it over: a
+// kInFlightDirect / kDirect gradient whose update is queued, running or done is no longer "in the
+// compute section" (the update rewrites the compute copy). reset() of the window leaves a queued
+// or running update as it is.
 #pragma once
 
 #include <cstdint>
@@ -110,7 +113,11 @@ class Ledger {
   void finish_update(int64_t unit, int64_t entry);  ///< kRunning -> kDone
 
   // ---- queries (one lock each)
-  /// \brief Some entry of `unit` holds (or will hold) a gradient in the compute section.
+  /// \brief Every entry of `unit`, in entry order (one lock).
+  /// \throws std::out_of_range for a bad unit.
+  std::vector<EntryState> states(int64_t unit) const;
+  /// \brief Some entry of `unit` holds (or will hold) a gradient in the compute section that no
+  /// update has taken over (kInFlightDirect / kDirect with update kNone).
   bool any_in_compute(int64_t unit) const;
   /// \brief Some entry of `unit` has an update queued or running.
   bool update_pending(int64_t unit) const;

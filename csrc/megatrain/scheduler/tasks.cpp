@@ -1,5 +1,6 @@
 #include "megatrain/scheduler/tasks.h"
 
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -7,6 +8,10 @@
 namespace megatrain {
 namespace scheduler {
 namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 void write_back(const std::vector<WeightsBack>& back) {
   for (const WeightsBack& w : back) cpu_adam::weights_from_master(w.master, w.compute, w.compute_dtype, w.numel);
@@ -19,6 +24,7 @@ std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t un
                                       std::shared_ptr<GradOutcome> outcome, cpu_adam::ParallelFor pfor) {
   return [ledger = std::move(ledger), unit, direct = std::move(direct), staged = std::move(staged),
           outcome = std::move(outcome), pfor = std::move(pfor)] {
+    const auto t0 = std::chrono::steady_clock::now();
     bool finite = true;
     for (const DirectGrad& d : direct) {
       // The device reduced the L2 norm; its square is taken here in double, as Python's float(n) ** 2.
@@ -33,6 +39,7 @@ std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t un
     }
     if (outcome) {
       outcome->finite.store(finite);
+      outcome->seconds.store(seconds_since(t0));
       outcome->ran.store(true);
     }
   };
@@ -57,6 +64,7 @@ std::function<void()> move_to_accumulator_task(std::shared_ptr<Ledger> ledger, i
 
 std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, cpu_adam::ParallelFor pfor) {
   return [ledger = std::move(ledger), task = std::move(task), pfor = std::move(pfor)] {
+    const auto t0 = std::chrono::steady_clock::now();
     for (int64_t i : task.ledger_entries) ledger->start_update(task.unit, i);
     const bool skip = task.finite_from && !task.items.empty() && !task.finite_from->finite.load();
     if (skip) {
@@ -72,6 +80,10 @@ std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, c
       write_back(task.restore);
     }
     for (int64_t i : task.ledger_entries) ledger->finish_update(task.unit, i);
+    if (task.outcome) {
+      task.outcome->seconds.store(seconds_since(t0));
+      task.outcome->ran.store(true);
+    }
   };
 }
 

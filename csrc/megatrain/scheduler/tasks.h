@@ -21,11 +21,14 @@ namespace scheduler {
 struct GradOutcome {
   std::atomic<bool> finite{true};  ///< every gradient this task landed has a finite norm
   std::atomic<bool> ran{false};
+  std::atomic<double> seconds{0.0};  ///< wall time of the task's kernels (set when it ran)
 };
 
 /// \brief What an update task did, read by the optimizer at its next sync point.
 struct UpdateOutcome {
   std::atomic<bool> skipped{false};  ///< a non-finite gradient: the update was not applied
+  std::atomic<bool> ran{false};
+  std::atomic<double> seconds{0.0};  ///< wall time of the update (set when it ran)
 };
 
 /// \brief A gradient D2H'd into pinned staging, to be summed into the fp32 accumulator.

@@ -196,11 +196,12 @@ class CPUAdamW(torch.optim.Optimizer):
         return self._steps_called
 
     def skip_unit_update(self, unit, items, step_number: int) -> None:
-        """CPU worker: ``unit``'s gradient is non-finite, its update is not applied: undo the step counts.
+        """The CPU worker skipped ``unit``'s update (a non-finite gradient): undo the step counts.
 
+        Called by the engine on the main thread at its next sync point after the update was skipped.
         ``step_number``: the ``step()`` call the update belongs to (1-based)."""
         for i, *_ in items:
-            st = self.state[self._entry[(unit.index, i)][1]]  # (no waiting: this runs inside the unit's update)
+            st = self.state[self._entry[(unit.index, i)][1]]  # (dict access: no waiting for the unit's update)
             dict.__setitem__(st, "step", dict.get(st, "step") - 1)
         names = [unit.entries[i].name for i, *_ in items]
         label = names[0] if len(names) == 1 else (os.path.commonprefix(names).rsplit(".", 1)[0] or f"unit {unit.index}")
@@ -296,7 +297,8 @@ class CPUAdamW(torch.optim.Optimizer):
         """
         if self.max_grad_norm is not None:
             return None
-        if any(p and unit.batches[i] < self.gradient_accumulation_steps for i, p in enumerate(present)):
+        batches = unit.batches
+        if any(p and batches[i] < self.gradient_accumulation_steps for i, p in enumerate(present)):
             return None
         return self._items(unit, present), 1.0
 
@@ -339,7 +341,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         eng = self.engine
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
-        got = {(u.index, i) for u in eng.units for i in range(len(u.entries)) if u.has_grad[i] or u.eager[i]}
+        views = {u.index: (u.has_grad, u.eager, u.grad_sq, u.direct) for u in eng.units}  # one ledger snapshot each
+        got = {(u.index, i) for u in eng.units for i, (h, e) in enumerate(zip(*views[u.index][:2])) if h or e}
         if not got and self._consumed:
             raise RuntimeError(
                 "megatrain.optim.CPUAdamW: step() again without a backward since the last step(): torch.optim.AdamW "
@@ -348,16 +351,16 @@ class CPUAdamW(torch.optim.Optimizer):
         if self.nonfinite == "raise" and any(u.eager_queued for u in eng.units):
             eng.flush()  # their finite checks are done: a non-finite gradient raises now, not a step late
         # Entries whose update was not queued during backward (all of them with clipping). An
-        # eagerly queued entry may still be running: its has_grad is the worker's to reset.
-        pending = [(u, [i for i in range(len(u.entries)) if not u.eager[i]]) for u in eng.units]
+        # eagerly queued entry may still be running: the ledger keeps its update apart from its gradient.
+        pending = [(u, [i for i in range(len(u.entries)) if not views[u.index][1][i]]) for u in eng.units]
         pending = [(u, idx) for u, idx in pending if idx]
         # zero_grad(set_to_none=False) left zeros where no backward wrote since: a zero-gradient update
         zeros = {k for k in self._zero if k not in got and k in self._entry}
         scale = self.user_clip_scale
         # Without clipping a device-state layer checks its own gradient before its update (as the
         # host-stored layers' eager updates do), so only the layers with a non-finite one are skipped.
-        sq = sum(u.grad_sq[i] for u, idx in pending for i in idx
-                 if u.has_grad[i] and (u.index, i) in self._entry
+        sq = sum(views[u.index][2][i] for u, idx in pending for i in idx
+                 if views[u.index][0][i] and (u.index, i) in self._entry
                  and (self.max_grad_norm is not None or u.device_state is None))
         number = self._steps_called + 1
         try:
@@ -391,8 +394,9 @@ class CPUAdamW(torch.optim.Optimizer):
         for unit, idx in sorted(pending, key=lambda ui: (ui[0].kind != "resident", ui[0].index)):
             todo = set(idx)
             z = [i for i in idx if (unit.index, i) in zeros]
-            items = self._items(unit, [(unit.has_grad[i] or i in z) and i in todo for i in range(len(unit.entries))])
-            if items or any(unit.direct[i] for i in idx):
+            has_grad, _, _, direct = views[unit.index]
+            items = self._items(unit, [(has_grad[i] or i in z) and i in todo for i in range(len(unit.entries))])
+            if items or any(direct[i] for i in idx):
                 eng.submit_update(unit, items, scale, entries=idx, zero_grads=z)
         eng.zero_grad()
         self._steps_called = number

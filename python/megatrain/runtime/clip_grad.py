@@ -82,12 +82,13 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     given = {id(p) for p in params}
     sq = 0.0
     for u in eng.units:
+        has_grad, grad_sq = u.has_grad, u.grad_sq
         for i, e in enumerate(u.entries):
-            if u.has_grad[i]:
+            if has_grad[i]:
                 if id(e.param) not in given:
                     raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model needs every parameter that holds a "
                                      f"gradient; {e.name} has one and is not in the list (pass model.parameters())")
-                sq += u.grad_sq[i]
+                sq += grad_sq[i]
     total = math.sqrt(sq) * opt.user_clip_scale
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "

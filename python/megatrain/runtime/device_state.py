@@ -39,7 +39,6 @@ store and every step of the logic is the same, so CPU parity tests cover it.
 from __future__ import annotations
 
 import math
-import threading
 from typing import List, Optional
 
 import torch
@@ -123,8 +122,7 @@ class DeviceUnit:
         self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
         if cuda:
             self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
-        self.grad_done = threading.Event()  # the last gradient task (which reads norm_row) ran
-        self.grad_done.set()
+        self.grad_task = None  # handle of the last gradient task (it reads norm_row)
 
     def fp32(self, name: str, i: int) -> torch.Tensor:
         e = self.unit.entries[i]
@@ -211,21 +209,22 @@ class DeviceState:
         """Sum ``grads`` (device tensors, one per entry or None) into the unit's fp32 device accumulator.
 
         The first gradient since the last step / ``zero_grad`` overwrites it. The squared norms of
-        the accumulated gradients go to ``unit.grad_sq`` (and ``unit.has_grad`` is set) in a task of
-        the CPU worker, ordered with the host-stored units' gradient tasks and ``zero_grad``.
+        the accumulated gradients go to the engine's ledger (``record_norm``) in a task of the CPU
+        worker, ordered with the host-stored units' gradient tasks and ``zero_grad``.
         """
         eng = self.eng
         du = unit.device_state
         idx = []
+        states = unit.grad_states()
         for i, g in enumerate(grads):
             if g is None or unit.entries[i].frozen:
                 continue
             acc = du.fp32("grad", i)
-            if unit.batches[i] == 0:
+            if states[i].micro_batches == 0:
                 acc.copy_(g.reshape(-1))
             else:
                 acc.add_(g.reshape(-1))
-            unit.batches[i] += 1
+            eng.ledger.on_device(unit.index, i)
             idx.append(i)
         unit.last_task = task_id
         if not idx:
@@ -233,29 +232,23 @@ class DeviceState:
         norms = torch.stack([torch.linalg.vector_norm(du.fp32("grad", i), dtype=torch.float64) for i in idx])
         ev = None
         if eng.cuda:
-            eng.wait_event(du.grad_done)  # the previous task read the row; almost always long done
+            eng.wait_task(du.grad_task)  # the previous task read the row; almost always long done
             row = du.norm_row[:len(idx)]
             row.copy_(norms, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(eng.compute_stream())
         else:
             row = norms
-        done = threading.Event()
-        du.grad_done = done
-        unit.grad_task_done = done
+        ledger = eng.ledger
 
         def task():
-            try:
-                if ev is not None:
-                    ev.synchronize()
-                vals = row.tolist()
-                for k, i in enumerate(idx):
-                    unit.grad_sq[i] = float(vals[k]) ** 2
-                    unit.has_grad[i] = True
-            finally:
-                done.set()
+            if ev is not None:
+                ev.synchronize()
+            vals = row.tolist()
+            for k, i in enumerate(idx):
+                ledger.record_norm(unit.index, i, float(vals[k]) ** 2)
 
-        eng.submit_grad_task(task, ready=ev)
+        du.grad_task = unit.grad_task = eng.submit_grad_task(task, ready=ev)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -277,7 +270,8 @@ class DeviceState:
         du = unit.device_state
         zero = set(zero_grads)
         if opt is not None and opt.max_grad_norm is None and items:
-            if not all(math.isfinite(unit.grad_sq[i]) for i, *_ in items if i not in zero):
+            sq = unit.grad_sq
+            if not all(math.isfinite(sq[i]) for i, *_ in items if i not in zero):
                 opt.skip_unit_update(unit, items, opt.steps_called + 1)
                 self._skipped = True
                 return

@@ -60,7 +60,8 @@ class EngineOptimizer(Protocol):
     """What the engine reads and calls on the optimizer attached to it (:meth:`Engine.attach_optimizer`).
 
     :class:`megatrain.optim.CPUAdamW` implements it. The engine calls these on the thread running
-    backward (``plan_eager``, ``raise_extra_backward``) or on the CPU worker (``skip_unit_update``).
+    backward (``plan_eager``, ``raise_extra_backward``) or at its sync points, for an update the
+    worker skipped (``skip_unit_update``).
 
     Attributes:
         gradient_accumulation_steps: backward passes per ``step()`` (1: a layer's first gradient
@@ -79,14 +80,16 @@ class EngineOptimizer(Protocol):
     def plan_eager(self, unit: Unit, present: List[bool]) -> Optional[Tuple[list, float]]:
         """``(items, scale)`` when the update of ``unit``'s entries with ``present[i]`` may start now, else None.
 
-        ``items``: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (see ``run_adam``).
+        ``items``: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (the fused AdamW's
+        arguments, see ``_C.Worker.submit_adam``).
         """
 
     def raise_extra_backward(self, same_backward: bool = False) -> None:
         """Raise the error for a gradient that arrives after its unit's update was already queued."""
 
     def skip_unit_update(self, unit: Unit, items: list, step_number: int) -> None:
-        """CPU worker: ``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number``."""
+        """``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number`` (called
+        on the main thread at the engine's next sync point after the worker skipped it)."""
 
 
 def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
@@ -301,6 +304,12 @@ class Engine(SlotPool, GradLedger, EngineStats):
             except queue.Empty:
                 self._worker.check()
 
+    def wait_task(self, task) -> None:
+        """Wait for a worker task (a ``_C.TaskHandle``, or None: nothing), re-raising a CPU worker failure."""
+        if task is not None and not task.done:
+            self._worker.wait(task)
+        self._worker.check()
+
     def wait_event(self, ev: threading.Event) -> None:
         """Wait for ``ev`` (set by a worker task), re-raising a CPU worker failure instead of hanging."""
         while not ev.wait(timeout=1.0):
@@ -312,6 +321,7 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self._worker.drain()
         with self._stats_lock:
             self._stats["adam_exposed_s"] += time.perf_counter() - t0
+        self.settle()
 
     def wait_grads(self) -> None:
         """Wait until every submitted gradient has landed (D2H done, accumulated, norms known).
@@ -324,6 +334,7 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self._worker.wait_grads()
         with self._stats_lock:  # mostly the GPU finishing backward: not CPU Adam time
             self._stats["grad_wait_s"] += time.perf_counter() - t0
+        self.settle()
 
     # ------------------------------------------------------------------ the other parts
     @property

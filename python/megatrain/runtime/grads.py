@@ -1,22 +1,21 @@
-"""The gradient ledger: where each entry's gradient is, D2H hand-over, and update submission.
+"""Gradient hand-over, accumulation and update submission, over the C++ gradient ledger.
 
-Per unit and entry (:class:`UnitGrads`, the state a :class:`~megatrain.runtime.units.Unit` carries):
-whether a gradient landed since the last step (``has_grad``, worker thread), its squared norm
-(``grad_sq``), the backward passes that delivered one (``batches``), whether its update was
-already queued during backward (``eager``), whether its gradient sits in the compute section of
-the host store (``direct``), and whether an update task of the unit is in flight
-(``update_done``). :class:`GradLedger` (mixed into :class:`~megatrain.runtime.engine.Engine`)
-moves gradients D2H (``submit_grads``), accumulates them on the CPU worker, and queues the fused
-CPU AdamW of each unit (``submit_update``, ``run_adam``).
+The state of every entry's gradient (where it is, micro-batches seen, squared norm, update state)
+is the :class:`megatrain._C.Ledger` (``csrc/megatrain/scheduler/ledger.h``), one state machine per
+entry: the thread running backward moves it when it hands a gradient to D2H, the CPU worker's
+kernel tasks (``csrc/megatrain/scheduler/tasks.h``, no GIL) when they land, accumulate and update
+it. :class:`UnitGrads` (mixed into :class:`~megatrain.runtime.units.Unit`) reads it.
+:class:`GradLedger` (mixed into :class:`~megatrain.runtime.engine.Engine`) moves gradients D2H
+(``submit_grads``), queues the accumulate and fused CPU AdamW tasks (``submit_update``) and applies
+what they report (timings, skipped updates, staging buffers back to the pool) at its sync points
+(``settle``).
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
-import time
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
@@ -25,67 +24,89 @@ from .host_memory import checked_in_python
 from .worker import _Worker
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .units import Unit
 
 _C = load_extension()
+_NONE = _C.GradPlace.none
+_IN_COMPUTE = (_C.GradPlace.in_flight_direct, _C.GradPlace.direct)
+_LANDED = (_C.GradPlace.direct, _C.GradPlace.accumulated)
+_NO_UPDATE = _C.UpdateState.none
+
+
+def in_compute(s) -> bool:
+    """A ``_C.EntryState`` whose gradient is (or will be) in the compute section, not taken by an update."""
+    return s.place in _IN_COMPUTE and s.update == _NO_UPDATE
+
+
+def landed(s) -> bool:
+    """A ``_C.EntryState`` holding a gradient of this window that the worker has landed."""
+    return s.place in _LANDED or s.norm_known
 
 
 class UnitGrads:
-    """Per-entry gradient and update state of a unit (mixed into :class:`~megatrain.runtime.units.Unit`).
+    """Per-unit views of the gradient ledger (mixed into :class:`~megatrain.runtime.units.Unit`).
+
+    Each list property is one snapshot of the unit's ledger entries (``_C.Ledger.states``), in
+    entry order; read it once per decision.
 
     Attributes:
-        has_grad: written only on the worker thread: entry i received a gradient since the last
-            step / zero_grad.
-        grad_sq: entry i's squared gradient L2 norm (worker thread).
-        batches: main thread only: backward passes that delivered entry i a gradient since the
-            last step.
-        eager: main thread only: entry i's update was already queued (eager mode; layers queue all
-            their entries at once, the resident unit each entry as its gradient arrives).
-        direct: main thread only: entry i's slice of the store's compute section holds its
-            gradient (the first of this step, D2H'd there directly) instead of its weights, until
-            the update.
-        last_task: autograd graph task of the last gradient handed over.
-        grad_task_done: set when the last gradient task ran.
-        update_done: set when no update task of the unit is in flight.
+        last_task: autograd graph task of the last gradient handed over (thread running backward).
+        grad_task: :class:`megatrain._C.TaskHandle` of the unit's last gradient task, or None.
+        update_tasks: handles of the unit's update tasks not yet waited for (main thread).
     """
 
     def _init_grad_state(self, n: int) -> None:
-        self.update_done = threading.Event()
-        self.update_done.set()
-        self.grad_task_done = threading.Event()
-        self.grad_task_done.set()
         self.last_task: Optional[int] = None
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self.has_grad: List[bool] = [False] * n
-        self.grad_sq: List[float] = [0.0] * n
-        self.batches: List[int] = [0] * n
-        self.eager: List[bool] = [False] * n
-        self.direct: List[bool] = [False] * n
+        self.grad_task = None
+        self.update_tasks: list = []
+        self._ledger = None
+
+    def bind_ledger(self, ledger) -> None:
+        """Read this unit's state from ``ledger`` (a ``_C.Ledger``; the engine binds its own)."""
+        self._ledger = ledger
+
+    def grad_states(self) -> list:
+        """``_C.EntryState`` of every entry (one snapshot)."""
+        return self._ledger.states(self.index)
+
+    @property
+    def has_grad(self) -> List[bool]:
+        """Entry i holds a landed gradient since the last step / zero_grad."""
+        return [landed(s) for s in self.grad_states()]
+
+    @property
+    def grad_sq(self) -> List[float]:
+        """Entry i's squared gradient L2 norm (0.0 where unknown)."""
+        return list(self._ledger.grad_sq(self.index))
+
+    @property
+    def batches(self) -> List[int]:
+        """Backward passes that delivered entry i a gradient since the last step / zero_grad."""
+        return [s.micro_batches for s in self.grad_states()]
+
+    @property
+    def eager(self) -> List[bool]:
+        """Entry i's update was queued during backward (this window)."""
+        return [s.eager for s in self.grad_states()]
+
+    @property
+    def direct(self) -> List[bool]:
+        """Entry i's slice of the compute section holds its gradient (no update has taken it over)."""
+        return [in_compute(s) for s in self.grad_states()]
 
     @property
     def grads_in_compute(self) -> bool:
-        return any(self.direct)
+        return self._ledger.any_in_compute(self.index)
 
     @property
     def eager_queued(self) -> bool:
         """Some entry's update was queued during backward (before ``step()``)."""
-        return any(self.eager)
+        return any(s.eager for s in self.grad_states())
 
-    def begin_update(self) -> None:
-        """Main thread: one more update task of this unit is in flight (``update_done`` cleared)."""
-        with self._lock:
-            self._in_flight += 1
-            self.update_done.clear()
-
-    def end_update(self) -> None:
-        """Worker: an update task of this unit finished; ``update_done`` is set when none is left."""
-        with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self.update_done.set()
-
+    @property
+    def update_settled(self) -> bool:
+        """Every update task of the unit queued so far ran (or was skipped after a worker failure)."""
+        return all(h.done for h in self.update_tasks)
 
 
 class GradLedger:
@@ -94,13 +115,21 @@ class GradLedger:
     def _init_grads(self, staging_buffers: int) -> None:
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(self.device)
+        assert [u.index for u in self.units] == list(range(len(self.units)))
+        self.ledger = _C.Ledger([len(u.entries) for u in self.units])
+        for u in self.units:
+            u.bind_ledger(self.ledger)
         # summed (accumulation) pass through staging; at one backward per step they go straight into
         # the compute section and the pool never costs host memory. The budget check counted it.
         self._staging_numel = max((u.numel for u in self.layers), default=0)
         self._staging_max = staging_buffers if self.layers else 0
         self._staging_made = 0
-        self._staging_lock = threading.Lock()
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
+        # What the worker's tasks report, applied by settle(): (handle, GradOutcome, pool staging buffer
+        # or None) in submission order; (handle, UpdateOutcome, optimizer, unit, items, step number).
+        self._settle_lock = threading.RLock()
+        self._grad_outcomes: list = []
+        self._update_outcomes: list = []
         # Squared-norm readback of direct gradients: one pinned row per unit, allocated once (the
         # unit's previous gradient task, which reads its row, is waited for before it is rewritten).
         n_units = len(self.units)
@@ -110,23 +139,63 @@ class GradLedger:
             with checked_in_python():
                 self._norm_rows = _C.pinned_empty(n_units * max_entries, torch.float64).view(n_units, max_entries)
 
-    def submit_grad_task(self, task: Callable[[], None], ready=None):
-        """Queue ``task`` on the CPU worker as a gradient task (FIFO, before updates; ``ready``: see ``_Worker.submit``).
-
-        Returns the task's handle."""
+    def submit_grad_task(self, task, ready=None):
+        """Queue the Python callable ``task`` on the CPU worker as a gradient task (FIFO, before updates;
+        ``ready``: see ``_Worker.submit``). Returns the task's handle."""
         return self._worker.submit(task, ready=ready)
 
+    def settle(self) -> None:
+        """Apply what finished worker tasks reported (main thread; called at every sync point).
+
+        Per finished gradient task: its kernel time to ``grad_accum_time_s`` and its pool staging
+        buffer back to the pool. Per finished update: its time to ``adam_time_s`` and, when it was
+        skipped for a non-finite gradient, the optimizer's ``skip_unit_update`` (step counts back).
+        """
+        with self._settle_lock:
+            n = 0
+            for handle, outcome, staging in self._grad_outcomes:
+                if not handle.done:
+                    break  # gradient tasks finish in submission order
+                n += 1
+                with self._stats_lock:
+                    self._stats["grad_accum_time_s"] += outcome.seconds
+                if staging is not None:
+                    self._staging.put(staging)
+            del self._grad_outcomes[:n]
+            if not self._update_outcomes:
+                return
+            left = []
+            for rec in self._update_outcomes:
+                handle, outcome, opt, unit, items, step_number = rec
+                if not handle.done:
+                    left.append(rec)
+                    continue
+                with self._stats_lock:
+                    self._stats["adam_time_s"] += outcome.seconds
+                if outcome.skipped:
+                    opt.skip_unit_update(unit, items, step_number)
+            self._update_outcomes = left
+
     def _staging_buffer(self) -> torch.Tensor:
-        """A gradient staging buffer of the bounded pool (allocated on first use; blocks while all are in flight)."""
-        with self._staging_lock:
-            if self._staging.empty() and self._staging_made < self._staging_max:
-                self._staging_made += 1
-                with checked_in_python():
-                    return self._host_buffer(self._staging_numel)
-        return self._wait_for(self._staging.get)
+        """A gradient staging buffer of the bounded pool (allocated on first use; waits while all are in flight)."""
+        while True:
+            with self._settle_lock:
+                self.settle()
+                try:
+                    return self._staging.get_nowait()
+                except queue.Empty:
+                    pass
+                if self._staging_made < self._staging_max:
+                    self._staging_made += 1
+                    with checked_in_python():
+                        return self._host_buffer(self._staging_numel)
+                holder = next((h for h, _, st in self._grad_outcomes if st is not None), None)
+            if holder is None:
+                raise RuntimeError("megatrain: no gradient staging buffer is free and none is in flight")
+            self.wait_task(holder)
 
     def submit_grads(self, unit: Unit, grads: List[Optional[torch.Tensor]], staging: Optional[torch.Tensor] = None,
-                     on_done: Optional[Callable[[], None]] = None) -> None:
+                     ) -> Optional["_C.TaskHandle"]:
         """Hand weight gradients of ``unit`` (device tensors, one per entry or None) to D2H + the worker.
 
         Called on the thread running backward, right after the gradients were produced on the
@@ -143,12 +212,19 @@ class GradLedger:
           and the worker accumulates it into the fp32 ``grad_accum`` section.
 
         The update is queued now when the optimizer plans it (no clipping, the last micro-batch).
+        The ledger records the hand-over now (``begin_d2h``); the gradient task
+        (``_C.Worker.submit_accumulate``, no GIL) lands it there.
+
+        Returns:
+            the gradient task's handle (it has read ``staging`` once done), or None for a
+            device-state layer.
 
         Raises:
             RuntimeError: no ``CPUAdamW`` was created for the model; a backward pass came after
                 this unit's update was already queued; or a second gradient before ``step()``
                 on a store without a gradient accumulator (all checked before anything changes).
         """
+        self.settle()
         opt = self.optimizer
         if opt is None:
             raise RuntimeError(
@@ -159,11 +235,12 @@ class GradLedger:
         if unit.device_state is not None:  # summed on the device, updated there in step()
             return self.device_state.submit_grads(unit, grads, task_id)
         present = [g is not None for g in grads]
-        if any(p and e for p, e in zip(present, unit.eager)):  # before anything is mutated or taken from the pool
+        states = unit.grad_states()
+        if any(p and s.eager for p, s in zip(present, states)):  # before anything is mutated or taken from the pool
             # last_task is the backward that queued the update (later gradients raise here, before it changes)
             opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
         ga_one = getattr(opt, "gradient_accumulation_steps", 1) == 1
-        direct = [p and ga_one and unit.batches[i] == 0 for i, p in enumerate(present)]
+        direct = [p and ga_one and s.micro_batches == 0 for p, s in zip(present, states)]
         if not self.has_accumulator and any(p and not d for p, d in zip(present, direct)):
             if task_id is not None and task_id == unit.last_task:
                 raise RuntimeError(
@@ -177,18 +254,17 @@ class GradLedger:
                 "grad_accumulator=True (4 more bytes of host memory per parameter)")
         if any(p and not d for p, d in zip(present, direct)):
             self.enable_accumulator()  # auto mode: allocated at the first gradient that needs summing
-        if any(unit.direct[i] and present[i] for i in range(len(present))):
+        if any(in_compute(s) and p for p, s in zip(present, states)):
             self.ensure_weights(unit)  # a second gradient: the first one moves to the fp32 accumulator
         unit.last_task = task_id
-        for i, p in enumerate(present):
-            if p:
-                unit.batches[i] += 1
+        overwrite = [self.ledger.begin_d2h(unit.index, i, direct[i]) if p else False for i, p in enumerate(present)]
         # Overlap with backward: the optimizer may plan the update of these entries now (their last
         # micro-batch).
         plan = opt.plan_eager(unit, present) if self.eager_updates else None
         if plan is not None:
             for i, p in enumerate(present):
-                unit.eager[i] = unit.eager[i] or p
+                if p:
+                    self.ledger.mark_eager(unit.index, i)
             self.invalidate([unit])
         # Squared norms of direct gradients: for clipping, and for the finite check before any update.
         need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
@@ -200,9 +276,6 @@ class GradLedger:
         elif callable(staging):  # a caller's buffer, allocated only when a gradient is staged
             staging = staging() if any(staged) else None
         compute = self.section(unit, "compute") if any(direct) else None
-        for i, d in enumerate(direct):
-            if d:
-                unit.direct[i] = True
         norms = None
         norm_idx = [i for i, d in enumerate(direct) if d]
         if need_norm:
@@ -233,7 +306,7 @@ class GradLedger:
                     if g is not None:
                         g.record_stream(self.d2h_stream)
                 if need_norm:
-                    self.wait_event(unit.grad_task_done)  # it read this row; almost always long done
+                    self.wait_task(unit.grad_task)  # it read this row; almost always long done
                     norms = self._norm_rows[unit.index, :len(norm_idx)]
                     norms.copy_(dev_norms, non_blocking=True)
                     dev_norms.record_stream(self.d2h_stream)
@@ -248,102 +321,58 @@ class GradLedger:
                 norms = dev_norms
         self._stats["d2h_bytes"] += nbytes
 
-        grad_done = threading.Event()
-        unit.grad_task_done = grad_done
-        finite = [True]  # this gradient's squared norms are all finite (set by the gradient task)
-
-        def grad_task():
-            try:
-                accumulate()
-            finally:
-                grad_done.set()
-
-        def accumulate():
-            if ev is not None:
-                ev.synchronize()
-            t0 = time.perf_counter()
-            if norms is not None:
-                for k, i in enumerate(norm_idx):
-                    unit.grad_sq[i] = float(norms[k]) ** 2
-            for i, e in enumerate(unit.entries):
-                if direct[i]:
-                    unit.has_grad[i] = True
-                elif staged[i]:
-                    acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                    sq = _C_ops().grad_accumulate_(acc, staging[e.offset:e.offset + e.numel], not unit.has_grad[i])
-                    unit.grad_sq[i] = float(sq)
-                    unit.has_grad[i] = True
-            # Read here, in this task: a later zero_grad() task may reset grad_sq before an eager update runs.
-            finite[0] = all(math.isfinite(unit.grad_sq[i]) for i, p in enumerate(present) if p)
-            with self._stats_lock:
-                self._stats["grad_accum_time_s"] += time.perf_counter() - t0
-            if own_staging:
-                self._staging.put(staging)
-            if on_done is not None:
-                on_done()
-
-        grad_handle = self._worker.submit(grad_task, ready=ev)
+        direct_grads = [(i, norms, k) for k, i in enumerate(norm_idx)]
+        staged_grads = [(i, self.entry_view(unit, i, "grad_accum").view(-1), staging[e.offset:e.offset + e.numel],
+                         overwrite[i]) for i, e in enumerate(unit.entries) if staged[i]]
+        handle, outcome = self._worker.submit_accumulate(self.ledger, unit.index, direct_grads, staged_grads, ready=ev)
+        unit.grad_task = handle
+        with self._settle_lock:
+            self._grad_outcomes.append((handle, outcome, staging if own_staging else None))
         if plan is not None:
             items, scale = plan
-            self._submit_adam(unit, items, scale, after=grad_handle, entries=[i for i, p in enumerate(present) if p],
-                              finite=(lambda: finite[0]) if getattr(opt, "nonfinite", None) is not None else None)
+            self._submit_adam(unit, items, scale, after=handle, entries=[i for i, p in enumerate(present) if p],
+                              finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None)
+        return handle
 
     def _submit_adam(self, unit: Unit, items, scale: float, after=None,
-                     entries: Optional[List[int]] = None, zero_grads=(),
-                     finite: Optional[Callable[[], bool]] = None) -> None:
-        """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; worker, by deadline).
+                     entries: Optional[List[int]] = None, zero_grads=(), finite_from=None) -> None:
+        """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; ``_C.Worker.submit_adam``, by deadline).
 
-        The unit is "in flight" from when the task is queued (``_submit_updating``) until it ran.
-        Each entry's gradient is read from the compute section (``unit.direct``) or the fp32
-        accumulator; direct entries that are not updated (not in this optimizer) get their weights
-        back. ``after``: the handle of the unit's gradient task (the update is not started before it ran).
-        ``finite``: called in the task; False skips the update (a non-finite gradient never reaches
-        the masters; the compute copy is rewritten from them and the optimizer undoes the step count).
-        Takes over (and clears) ``unit.direct`` of those entries: the compute section holds
-        weights after the update. ``zero_grads``: entries updated with an all-zero gradient
+        The ledger queues the entries' updates now; the loads of the unit wait for the task
+        (``unit.update_tasks``). Each entry's gradient is read from the compute section (a direct
+        gradient no update took over yet) or the fp32 accumulator; direct entries that are not
+        updated (not in this optimizer) get their weights back. ``after``: the handle of the
+        unit's gradient task (the update is not started before it ran). ``finite_from``: that
+        task's ``GradOutcome``; a non-finite gradient skips the update (the masters are untouched,
+        the compute copy is rewritten from them, and ``settle`` has the optimizer undo the step
+        count). ``zero_grads``: entries updated with an all-zero gradient
         (``zero_grad(set_to_none=False)`` and no backward since).
         """
         entries = list(range(len(unit.entries))) if entries is None else list(entries)
-        direct = list(unit.direct)
-        for i in entries:
-            unit.direct[i] = False
+        direct = unit.direct
         updated = {it[0] for it in items}
-        restore = [i for i in entries if direct[i] and i not in updated]
-
         zero = set(zero_grads)
+
+        def view(i, name):
+            return self.entry_view(unit, i, name).view(-1)
 
         def grad_src(i):
             if i in zero:
                 return torch.zeros(unit.entries[i].numel, dtype=torch.float32)
-            return self.entry_view(unit, i, "compute" if direct[i] else "grad_accum").view(-1)
+            return view(i, "compute" if direct[i] else "grad_accum")
 
-        step_number = getattr(self.optimizer, "steps_called", 0) + 1  # the step() this update belongs to
-
-        def task():
-            t0 = time.perf_counter()
-            try:
-                if finite is not None and items and not finite():
-                    # A non-finite gradient never reaches the masters: the unit's update is skipped.
-                    self._weights_back(unit, [i for i in entries if direct[i]])
-                    self.optimizer.skip_unit_update(unit, items, step_number)
-                else:
-                    run_adam(self, unit, items, scale, grad_src)
-                    self._weights_back(unit, restore)
-                for i in entries:
-                    unit.has_grad[i] = False
-                    unit.grad_sq[i] = 0.0
-            finally:
-                unit.end_update()
-                with self._stats_lock:
-                    self._stats["adam_time_s"] += time.perf_counter() - t0
-
-        self._submit_updating([unit], task, _Worker.UPDATE if self.overlap else _Worker.GRAD, unit.update_key,
-                              ready=after)
-
-    def _weights_back(self, unit: Unit, entries) -> None:
-        """Worker: rewrite entries' compute copy from the fp32 masters (gradients held there are dropped)."""
-        for i in entries:
-            self.entry_view(unit, i, "compute").copy_(self.entry_view(unit, i, "master"))
+        adam_items = [(i, view(i, "master"), view(i, "exp_avg"), view(i, "exp_avg_sq"), grad_src(i), view(i, "compute"),
+                       lr, b1, b2, eps, wd, step) for i, lr, b1, b2, eps, wd, step in items]
+        restore = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i] and i not in updated]
+        on_skip = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i]]
+        opt = self.optimizer
+        step_number = getattr(opt, "steps_called", 0) + 1  # the step() this update belongs to
+        klass = _Worker.UPDATE if self.overlap else _Worker.GRAD
+        handle, outcome = self._worker.submit_adam(self.ledger, unit.index, adam_items, scale, restore, entries,
+                                                   finite_from, on_skip, klass, unit.update_key, after)
+        unit.update_tasks.append(handle)
+        with self._settle_lock:
+            self._update_outcomes.append((handle, outcome, opt, unit, items, step_number))
 
     def ensure_weights(self, unit: Unit) -> None:
         """Move ``unit``'s direct gradients from the compute section to the fp32 accumulator (waits).
@@ -356,58 +385,31 @@ class GradLedger:
         if not direct:
             return
         self.enable_accumulator()
-        unit.direct = [False] * len(unit.entries)
-        done = threading.Event()
-
-        def task():
-            try:
-                for i in direct:
-                    comp = self.entry_view(unit, i, "compute").view(-1)
-                    acc = self.entry_view(unit, i, "grad_accum").view(-1)
-                    unit.grad_sq[i] = float(_C_ops().grad_accumulate_(acc, comp, True))
-                self._weights_back(unit, direct)
-            finally:
-                done.set()
-
-        self._worker.submit(task)
-        self.wait_event(done)
-        self._worker.check()
+        moved = [(i, self.entry_view(unit, i, "grad_accum").view(-1), self.entry_view(unit, i, "master").view(-1),
+                  self.entry_view(unit, i, "compute").view(-1)) for i in direct]
+        self.wait_task(self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved))
 
     def zero_grad(self) -> None:
-        """Forget accumulated gradients (the next backward overwrites the accumulators)."""
-        restore = [(u, [i for i, d in enumerate(u.direct) if d]) for u in self.units if u.grads_in_compute]
-        for u in self.units:
-            n = len(u.entries)
-            u.batches = [0] * n
-            u.eager = [False] * n
-            u.direct = [False] * n
+        """Forget accumulated gradients (the next backward overwrites the accumulators).
 
-        def task():  # gradients D2H'd into the compute section and never used: weights back
-            try:
-                for u in self.units:
-                    u.has_grad = [False] * len(u.entries)
-                    u.grad_sq = [0.0] * len(u.entries)
-                for u, idx in restore:
-                    self._weights_back(u, idx)
-            finally:
-                for u, _ in restore:
-                    u.end_update()
-        self._submit_updating([u for u, _ in restore], task)
-
-    def _submit_updating(self, units: List[Unit], task: Callable[[], None], *args, **kwargs) -> None:
-        """Queue ``task`` (which ends with ``end_update()`` of each of ``units``) as in flight for them.
-
-        ``begin_update()`` happens here, when the task is queued: if the worker refuses it (an
-        earlier failure), nothing would ever end the update and the next load would wait forever.
+        Waits for the gradient tasks in flight, resets every entry of the ledger, and queues the
+        weights back for gradients D2H'd into the compute section and never used (the loads of
+        those units wait for it).
         """
-        for u in units:
-            u.begin_update()
-        try:
-            self._worker.submit(task, *args, **kwargs)
-        except BaseException:
-            for u in units:
-                u.end_update()
-            raise
+        self._worker.wait_grads()
+        self.settle()
+        restore = []
+        for u in self.units:
+            idx = [i for i, d in enumerate(u.direct) if d]
+            for i in range(len(u.entries)):
+                self.ledger.reset(u.index, i)
+            if idx:
+                restore.append((u, idx))
+        for u, idx in restore:
+            back = [(self.entry_view(u, i, "master").view(-1), self.entry_view(u, i, "compute").view(-1)) for i in idx]
+            handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
+                                                 None)
+            u.update_tasks.append(handle)
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,
                       zero_grads=()) -> None:
@@ -421,7 +423,6 @@ class GradLedger:
             return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads)
         self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)
 
-    # ------------------------------------------------------------------ metrics
 
 def _graph_task_id() -> Optional[int]:
     """Id of the autograd graph task (backward pass) running now, or None (unknown / outside one)."""
@@ -431,27 +432,3 @@ def _graph_task_id() -> Optional[int]:
     except RuntimeError:
         return None
     return None if i < 0 else int(i)
-
-
-def _C_ops():
-    return torch.ops.megatrain
-
-
-def run_adam(eng: "Engine", unit: "Unit", items, scale: float, grad_src=None) -> None:
-    """Fused AdamW over ``unit``'s entries (worker thread).
-
-    Args:
-        items: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry to update.
-        scale: gradient multiplier (the clip coefficient; 1.0 without clipping).
-        grad_src: ``entry_index -> flat gradient`` (bf16/fp32 CPU); default: the fp32 ``grad_accum`` section.
-    """
-    ops = _C_ops()
-    for i, lr, b1, b2, eps, wd, step in items:
-        grad = grad_src(i) if grad_src is not None else eng.entry_view(unit, i, "grad_accum").view(-1)
-        ops.adamw_step_(
-            eng.entry_view(unit, i, "master").view(-1),
-            eng.entry_view(unit, i, "exp_avg").view(-1),
-            eng.entry_view(unit, i, "exp_avg_sq").view(-1),
-            grad,
-            eng.entry_view(unit, i, "compute").view(-1),
-            lr, b1, b2, eps, wd, step, scale)

@@ -61,12 +61,16 @@ class SlotPool:
 
     def wait_update(self, unit: Unit) -> None:
         """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done."""
-        if not unit.update_done.is_set():
+        pending = [h for h in unit.update_tasks if not h.done]
+        if pending:
             t0 = time.perf_counter()
-            self.wait_event(unit.update_done)
+            for h in pending:
+                self._worker.wait(h)
             with self._stats_lock:
                 self._stats["adam_exposed_s"] += time.perf_counter() - t0
+        unit.update_tasks = []
         self._worker.check()
+        self.settle()
 
     def copy_h2d(self, dst: torch.Tensor, unit: Unit, ready_event=None, free_event=None) -> None:
         """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream)."""
@@ -78,7 +82,7 @@ class SlotPool:
             # section holds gradients; stream the weights rebuilt from the fp32 masters instead
             # (a rare path: pageable memory, copied synchronously, so the temporary may die after).
             src = self.section(unit, "compute").clone()
-            for i, d in enumerate(unit.direct):
+            for i, d in enumerate(unit.direct):  # one ledger snapshot
                 if d:
                     e = unit.entries[i]
                     src[e.offset:e.offset + e.numel].copy_(self.entry_view(unit, i, "master").view(-1))

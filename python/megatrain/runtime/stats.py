@@ -63,6 +63,7 @@ class EngineStats:
         ``device_state_bytes`` (device bytes of their training state). Reading the copy times waits for the copies already issued.
         """
         self._collect_copy_times()
+        self.settle()
         with self._stats_lock:
             out = dict(self._stats)
         out.update(

@@ -51,8 +51,8 @@ class Entry:
 class Unit(UnitGrads):
     """A group of parameters streamed and updated together (one decoder layer or the resident unit).
 
-    The per-entry gradient and update state (``has_grad``, ``grad_sq``, ``batches``, ``eager``,
-    ``direct``, ``update_done``, ...) is :class:`~megatrain.runtime.grads.UnitGrads`'s.
+    The per-entry gradient and update state is the engine's ``_C.Ledger``; :class:`~megatrain.runtime.grads.UnitGrads`
+    reads it (``has_grad``, ``grad_sq``, ``batches``, ``eager``, ``direct``, ``update_settled``, ...).
     """
 
     index: int

@@ -42,7 +42,8 @@ class _Worker:
 
     A task that raises stops the worker's work: the tasks queued after it are skipped and every
     later ``submit`` / wait raises ``RuntimeError`` ("megatrain CPU worker failed: ...", sticky).
-    Python tasks take the GIL on the worker thread; waits release it.
+    The engine's gradient and update tasks are C++ kernel tasks (no GIL); Python tasks take the
+    GIL on the worker thread; waits release it.
 
     Args:
         adam_threads: intra-op threads of the kernels run on the worker (None: torch's; the
@@ -64,6 +65,24 @@ class _Worker:
         preferred only once it is done. Returns the task's :class:`megatrain._C.TaskHandle`.
         """
         return self._w.submit(task, klass, key, ready)
+
+    def submit_accumulate(self, ledger, unit: int, direct, staged, ready=None):
+        """Queue a C++ gradient task (``_C.Worker.submit_accumulate``, no GIL). Returns ``(TaskHandle, GradOutcome)``."""
+        return self._w.submit_accumulate(ledger, unit, direct, staged, ready)
+
+    def submit_move_to_accumulator(self, ledger, unit: int, moved):
+        """Queue a C++ gradient task moving direct gradients to the accumulator (``_C.Worker``). Returns its handle."""
+        return self._w.submit_move_to_accumulator(ledger, unit, moved)
+
+    def submit_adam(self, ledger, unit: int, items, grad_scale: float, restore, ledger_entries, finite_from,
+                    restore_on_skip, klass: int, key: int, ready=None):
+        """Queue a C++ update task (``_C.Worker.submit_adam``, no GIL). Returns ``(TaskHandle, UpdateOutcome)``."""
+        return self._w.submit_adam(ledger, unit, items, grad_scale, restore, ledger_entries, finite_from,
+                                   restore_on_skip, klass, key, ready)
+
+    def wait(self, task) -> None:
+        """Block until ``task`` (a handle) ran."""
+        self._w.wait(task)
 
     def wait_grads(self) -> None:
         """Block until every queued gradient task has run (updates may still be queued)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
 from typing import List, Optional
@@ -161,12 +160,10 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
             p.grad = None
             grads = [None] * len(self.resident.entries)
             grads[i] = g
-            prev = self._resident_consumed.get(i)
-            if prev is not None:
-                self.wait_event(prev)  # the worker still reads this entry's staging region from the last backward
-            done = threading.Event()
-            self.submit_grads(self.resident, grads, staging=self.resident_staging, on_done=done.set)
-            self._resident_consumed[i] = done  # only once submitted: a refused gradient leaves nothing to wait for
+            # the worker may still read this entry's staging region from the last backward
+            self.wait_task(self._resident_consumed.get(i))
+            handle = self.submit_grads(self.resident, grads, staging=self.resident_staging)
+            self._resident_consumed[i] = handle  # only once submitted: a refused gradient leaves nothing to wait for
         return hook
 
     def _hook_resident_grads(self) -> None:
