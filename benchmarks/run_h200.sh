@@ -108,6 +108,7 @@ for s in "${stages[@]}"; do
         for tree in before after; do
           dir=.; pp=; [ $tree = before ] && { dir=.before; pp=$PWD/.before/python; }
           extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
+          [ $tree = after ] && [ $clip = 0 ] && extra="--profile"  # + one profiled step: compute-stream idle time
           c=$MEGATRAIN_GIT_COMMIT; [ $tree = before ] && c=${BEFORE_COMMIT:-before}
           run ba_${tree}_clip$clip env PYTHONPATH=$pp MEGATRAIN_GIT_COMMIT=$c timeout 240 python3 $dir/benchmarks/bench_train.py \
             --systems megatrain --steps 5 --warmup 2 $extra --out docs/benchmarks/before_after_${tree}_clip$clip.json
