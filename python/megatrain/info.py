@@ -21,7 +21,6 @@ def collect() -> dict:
     info["torch_threads"] = torch.get_num_threads()
     from megatrain.runtime.host_memory import host_memory_limits
 
-    # Python's reading of the same limits: _C.memory_available() crashed on the H200 box (see host_memory.py).
     info["memory"] = host_memory_limits()
     return info
 

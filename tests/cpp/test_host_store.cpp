@@ -340,3 +340,43 @@ TEST(HostStore, LargeUnitSectionsAreStaggeredModulo256KiBAndSmallOnesBackToBack)
   EXPECT_GT(extra, 0);
   EXPECT_LT(extra, 2 * 4 * hs::HostStore::kSkewPeriodBytes);
 }
+
+TEST(HostBudget, ShortfallRulesInOrderWithTheReclaimableCredit) {
+  hs::MemoryAvailability m;
+  m.mem_available_bytes = 1000;
+  EXPECT_FALSE(hs::host_budget_shortfall(1000, 0, 0, m));
+  auto s = hs::host_budget_shortfall(1001, 0, 0, m);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->kind, "memory");
+  EXPECT_EQ(s->available_bytes, 1000);
+  EXPECT_NE(s->limit.find("MemAvailable"), std::string::npos);
+  EXPECT_FALSE(hs::host_budget_shortfall(1500, 0, 500, m));  // freed while the store is filled
+  s = hs::host_budget_shortfall(1501, 0, 500, m);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->credit_bytes, 500);
+  EXPECT_NE(s->limit.find("500 bytes"), std::string::npos) << s->limit;
+
+  m.mem_available_bytes = -1;  // unknown: the cgroup limit minus its usage applies
+  m.cgroup_limit_bytes = 10000;
+  m.cgroup_usage_bytes = 9000;
+  m.cgroup_path = "/sys/fs/cgroup/x/memory.max";
+  s = hs::host_budget_shortfall(5000, 0, 0, m);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->available_bytes, 1000);
+  EXPECT_NE(s->limit.find("/sys/fs/cgroup/x/memory.max"), std::string::npos);
+
+  m.cgroup_limit_bytes.reset();
+  m.memlock_bytes = 4096;  // the credit never counts for page-locked bytes
+  EXPECT_FALSE(hs::host_budget_shortfall(1 << 20, 0, 1 << 30, m));
+  s = hs::host_budget_shortfall(1 << 20, 8192, 1 << 30, m);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->kind, "memlock");
+  EXPECT_EQ(s->credit_bytes, 0);
+  try {
+    hs::throw_budget_error("test", 1 << 20, *s);
+    FAIL() << "expected HostMemoryError";
+  } catch (const hs::HostMemoryError& e) {
+    EXPECT_EQ(e.available_bytes(), 4096);
+    EXPECT_NE(std::string(e.what()).find("Nothing was allocated"), std::string::npos);
+  }
+}

@@ -101,6 +101,22 @@ py::dict tuning_dict(const megatrain::common::Tuning& t) {
   return d;
 }
 
+std::optional<int64_t> dict_int(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
+  return d[key].cast<int64_t>();
+}
+
+// The limits dict of memory_available() (None: no limit / unknown) as the C++ struct.
+megatrain::host_store::MemoryAvailability availability_from(const py::dict& d) {
+  megatrain::host_store::MemoryAvailability m;
+  m.mem_available_bytes = dict_int(d, "mem_available_bytes").value_or(-1);
+  m.cgroup_limit_bytes = dict_int(d, "cgroup_limit_bytes");
+  m.cgroup_usage_bytes = dict_int(d, "cgroup_usage_bytes");
+  m.memlock_bytes = dict_int(d, "memlock_bytes");
+  if (d.contains("cgroup_path") && !d["cgroup_path"].is_none()) m.cgroup_path = d["cgroup_path"].cast<std::string>();
+  return m;
+}
+
 py::object optional_int(const std::optional<int64_t>& v) {
   return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
@@ -197,10 +213,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["cgroup_limit_bytes"] = optional_int(a.cgroup_limit_bytes);
         d["cgroup_usage_bytes"] = optional_int(a.cgroup_usage_bytes);
         d["memlock_bytes"] = optional_int(a.memlock_bytes);
+        d["cgroup_path"] = a.cgroup_path.empty() ? py::object(py::none()) : py::object(py::str(a.cgroup_path));
         d["check_disabled"] = megatrain::host_store::host_memory_check_disabled();
         return d;
       },
-      "Host memory limits: MemAvailable, cgroup limit (None: unlimited), RLIMIT_MEMLOCK (None: unlimited).");
+      "Host memory limits: MemAvailable, cgroup limit (None: unlimited) and the file it was read from, "
+      "RLIMIT_MEMLOCK (None: unlimited).");
+  m.def("host_budget_shortfall",
+        [](int64_t needed_bytes, int64_t pinned_bytes, int64_t reclaimable_bytes, const py::dict& limits) -> py::object {
+          const auto s = megatrain::host_store::host_budget_shortfall(needed_bytes, pinned_bytes, reclaimable_bytes,
+                                                                      availability_from(limits));
+          if (!s) return py::none();
+          py::dict d;
+          d["available_bytes"] = s->available_bytes;
+          d["limit"] = s->limit;
+          d["kind"] = s->kind;
+          d["advice"] = s->advice;
+          d["credit_bytes"] = s->credit_bytes;
+          return d;
+        },
+        py::arg("needed_bytes"), py::arg("pinned_bytes"), py::arg("reclaimable_bytes"), py::arg("limits"),
+        "The first limit of `limits` (memory_available()'s dict) the allocation would exceed, as a dict "
+        "(available_bytes, limit, kind, advice, credit_bytes), or None. The host budget rules.");
+  m.def("check_host_budget",
+        [](int64_t needed_bytes, int64_t pinned_bytes, const std::string& what, int64_t reclaimable_bytes,
+           const py::dict& limits) {
+          const auto s = megatrain::host_store::host_budget_shortfall(needed_bytes, pinned_bytes, reclaimable_bytes,
+                                                                      availability_from(limits));
+          if (s) megatrain::host_store::throw_budget_error(what, needed_bytes, *s);
+        },
+        py::arg("needed_bytes"), py::arg("pinned_bytes"), py::arg("what"), py::arg("reclaimable_bytes"),
+        py::arg("limits"), "Raises HostMemoryError (needed_bytes, available_bytes, limit) if host_budget_shortfall finds a limit.");
 
   m.def("tuning", [] { return tuning_dict(megatrain::common::tuning()); },
         "Memory-bandwidth switches now in force: hugepages (MEGATRAIN_HUGEPAGES), store_skew "

@@ -142,31 +142,45 @@ void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit
          "Raise memory_limit_bytes, or pass -1 to check against the system limits instead.");
   }
   if (host_memory_check_disabled()) return;
-  const MemoryAvailability m = query_memory_availability();
-  if (memory_limit_bytes < 0) {
-    if (m.mem_available_bytes >= 0 && needed_bytes > m.mem_available_bytes) {
-      fail(what, needed_bytes, m.mem_available_bytes, "MemAvailable limit (/proc/meminfo)",
-           "Free host memory, train a smaller model, or disable gradient accumulation "
-           "(it adds 4 bytes/param); if this VM grows its RAM lazily, set "
-           "MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1.");
-    }
-    if (m.cgroup_limit_bytes) {
-      const int64_t remaining = *m.cgroup_limit_bytes - m.cgroup_usage_bytes.value_or(0);
-      if (needed_bytes > remaining) {
-        fail(what, needed_bytes, remaining,
-             "cgroup memory limit (" + m.cgroup_path + " = " +
-                 std::to_string(*m.cgroup_limit_bytes) + " bytes, minus current usage)",
-             "Raise the container's memory limit (e.g. docker --memory, Kubernetes "
-             "resources.limits.memory, systemd MemoryMax) or train a smaller model.");
-      }
+  MemoryAvailability m = query_memory_availability();
+  if (memory_limit_bytes >= 0) {  // the override replaces the MemAvailable / cgroup checks
+    m.mem_available_bytes = -1;
+    m.cgroup_limit_bytes.reset();
+  }
+  const auto short_fall = host_budget_shortfall(needed_bytes, will_pin ? needed_bytes : 0, 0, m);
+  if (short_fall) throw_budget_error(what, needed_bytes, *short_fall);
+}
+
+std::optional<BudgetShortfall> host_budget_shortfall(int64_t needed_bytes, int64_t pinned_bytes,
+                                                     int64_t reclaimable_bytes,
+                                                     const MemoryAvailability& m) {
+  const int64_t credit = std::max<int64_t>(0, reclaimable_bytes);
+  const std::string freed =
+      credit ? " (plus " + std::to_string(credit) + " bytes (" + human_gib(credit) +
+                   ") of the model's own weights, freed while the store is filled)"
+             : std::string();
+  if (m.mem_available_bytes >= 0 && needed_bytes > m.mem_available_bytes + credit) {
+    return BudgetShortfall{m.mem_available_bytes, "MemAvailable limit (/proc/meminfo)" + freed, "memory",
+                           "Free host memory or train a smaller model; if this VM grows its RAM lazily, set "
+                           "MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1.",
+                           credit};
+  }
+  if (m.cgroup_limit_bytes) {
+    const int64_t remaining = *m.cgroup_limit_bytes - m.cgroup_usage_bytes.value_or(0);
+    if (needed_bytes > remaining + credit) {
+      return BudgetShortfall{remaining, "cgroup memory limit (" + m.cgroup_path + ", minus current usage)" + freed,
+                             "memory", "Raise the container's memory limit or train a smaller model.", credit};
     }
   }
-  if (will_pin && m.memlock_bytes && needed_bytes > *m.memlock_bytes) {
-    fail(what, needed_bytes, *m.memlock_bytes, "locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)",
-         "Raise it (ulimit -l unlimited, docker --ulimit memlock=-1, systemd "
-         "LimitMEMLOCK=infinity) or create the store with pin=False (H2D copies then run at "
-         "pageable speed).");
+  if (pinned_bytes > 0 && m.memlock_bytes && pinned_bytes > *m.memlock_bytes) {
+    return BudgetShortfall{*m.memlock_bytes, "locked-memory limit (RLIMIT_MEMLOCK, ulimit -l)", "memlock",
+                           "Raise it (ulimit -l unlimited, docker --ulimit memlock=-1).", 0};
   }
+  return std::nullopt;
+}
+
+void throw_budget_error(const std::string& what, int64_t needed_bytes, const BudgetShortfall& short_fall) {
+  fail(what, needed_bytes, short_fall.available_bytes, short_fall.limit, short_fall.advice);
 }
 
 int64_t huge_page_bytes(const void* addr, int64_t bytes) {

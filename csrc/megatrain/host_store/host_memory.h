@@ -41,6 +41,29 @@ struct MemoryAvailability {
 /// \brief Reads /proc/meminfo, the process's cgroup (v2, then v1) and RLIMIT_MEMLOCK.
 MemoryAvailability query_memory_availability();
 
+/// \brief The first host limit an allocation would exceed (see host_budget_shortfall).
+struct BudgetShortfall {
+  int64_t available_bytes = 0;  ///< bytes available under that limit (without the credit)
+  std::string limit;            ///< its name, as the error message says it
+  std::string kind;             ///< "memory" or "memlock"
+  std::string advice;           ///< what to change
+  int64_t credit_bytes = 0;     ///< reclaimable bytes counted as available
+};
+
+/// \brief The first limit of `m` that `needed_bytes` (of which `pinned_bytes` page-locked) would
+/// exceed, or none: MemAvailable, then the cgroup limit minus its usage (both plus
+/// `reclaimable_bytes`, memory the caller frees while the allocation is filled), then
+/// RLIMIT_MEMLOCK for `pinned_bytes`. The one set of budget rules (check_host_budget and the
+/// Python side, megatrain.runtime.host_memory, use it).
+std::optional<BudgetShortfall> host_budget_shortfall(int64_t needed_bytes, int64_t pinned_bytes,
+                                                     int64_t reclaimable_bytes,
+                                                     const MemoryAvailability& m);
+
+/// \brief Throws the HostMemoryError for `short_fall`: "megatrain <what>: needs N bytes ... only A
+/// bytes are available under the <limit>. <advice> Nothing was allocated."
+[[noreturn]] void throw_budget_error(const std::string& what, int64_t needed_bytes,
+                                     const BudgetShortfall& short_fall);
+
 /// \brief True when MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 (VMs that grow RAM lazily).
 bool host_memory_check_disabled();
 
