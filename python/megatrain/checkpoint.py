@@ -253,7 +253,14 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
     except (TypeError, ValueError) as e:
         raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
     eng.sync_host()  # queued Adam updates and gradient accumulation are done; device-state layers copied
+    dp = getattr(eng, "dp", None)
+    if dp is not None:  # data parallel: the store is shared, global rank 0 writes the one checkpoint
+        return dp.on_rank0(lambda: _save(directory, eng, optimizer, lr_scheduler, extra_json), "save_checkpoint",
+                           os.path.abspath(directory))
+    return _save(directory, eng, optimizer, lr_scheduler, extra_json)
 
+
+def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
     with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
                           "a megatrain checkpoint") as tmp:
         files = {}
@@ -405,6 +412,17 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
     eng.zero_grad()  # gradients accumulated before the load belong to other weights
     eng.sync_host()  # (without the optimizer only masters are read: the moments stay as they are)
     sections = SECTIONS if optimizer is not None else ("master",)
+    dp = getattr(eng, "dp", None)
+    if dp is not None:  # data parallel: local rank 0 reads into the node's shared store, the others wait
+        dp.on_local0(lambda: _read_units(directory, m, eng, sections), "load_checkpoint")
+        eng.invalidate(eng.units)
+    else:
+        _read_units(directory, m, eng, sections)
+    _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name)
+    return state.get("extra") or {}
+
+
+def _read_units(directory: str, m: dict, eng, sections) -> None:
     for mu, u in zip(m["units"], eng.units):
         path = os.path.join(directory, mu["file"])
         with open(path, "rb") as f:
@@ -433,6 +451,9 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                 if not e.frozen:
                     eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
+
+
+def _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name) -> None:
     eng.host_written()  # device-state layers take the loaded state
     if optimizer is not None:
         for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):
@@ -457,7 +478,6 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         lr_scheduler.load_state_dict(torch.load(os.path.join(directory, SCHEDULER), weights_only=True))
     if restore_rng:
         _set_rng_state(state["rng"])
-    return state.get("extra") or {}
 
 
 # ---------------------------------------------------------------------------- HF export, streamed

@@ -193,6 +193,10 @@ def cmd_train(args) -> int:
 
     stopped_by: list = []
     try:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise UsageError("megatrain train runs one process; under torchrun (WORLD_SIZE > 1) data parallel is "
+                             "available from Python only: megatrain.wrap after torch.distributed.init_process_group "
+                             "(docs/data_parallel.md)")
         resume, base = None, None
         if args.resume is not None:
             if args.preset != "default":

@@ -301,18 +301,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostStore, std::shared_ptr<HostStore>>(m, "HostStore")
       .def(py::init([](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                        bool with_grad_accum, bool pin, int64_t memory_limit_bytes,
-                       const std::vector<std::vector<bool>>& frozen) {
+                       const std::vector<std::vector<bool>>& frozen, int shared_fd) {
              HostStoreOptions o = make_options(compute_dtype, with_grad_accum);
              auto specs = to_specs(units, frozen);
              o.pin = pin;
+             o.shared_fd = shared_fd;
              o.memory_limit_bytes = memory_limit_bytes;
              py::gil_scoped_release release;  // page-locking a large arena takes seconds
              return std::make_shared<HostStore>(std::move(specs), o);
            }),
            py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
            py::arg("pin") = false, py::arg("memory_limit_bytes") = -1,
-           py::arg("frozen") = std::vector<std::vector<bool>>{})
+           py::arg("frozen") = std::vector<std::vector<bool>>{}, py::arg("shared_fd") = -1,
+           "shared_fd: -1 (a private arena) or a file descriptor of a file of at least total_bytes "
+           "(page-rounded) mapped MAP_SHARED: processes mapping the same file share the store.")
       .def_property_readonly("num_units", &HostStore::num_units)
+      .def_property_readonly("is_shared", &HostStore::is_shared,
+                             "Whether the arena is a MAP_SHARED mapping of a file (shared_fd).")
       .def("unit_numel", &HostStore::unit_numel, py::arg("u"))
       .def("unit_state_numel", &HostStore::unit_state_numel, py::arg("u"),
            "Padded length of the unit's fp32 sections (master, exp_avg, exp_avg_sq, grad_accum).")

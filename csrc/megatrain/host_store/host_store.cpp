@@ -66,15 +66,18 @@ void* map_anonymous(int64_t bytes, bool huge_aligned) {
 // PinnedBuffer
 
 PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
-                           const std::string& what)
+                           const std::string& what, int shared_fd)
     : bytes_(bytes) {
   if (bytes < 0) throw std::invalid_argument(what + ": negative size " + std::to_string(bytes));
   mapped_ = round_up(bytes, page_size());
   const bool will_pin = pin && common::cuda_device_present();
   check_host_budget(mapped_, will_pin, memory_limit_bytes, what);
   if (mapped_ == 0) return;
-  const bool huge = common::tuning().hugepages;
-  void* p = map_anonymous(mapped_, huge && mapped_ >= kHugePageBytes);
+  const bool huge = common::tuning().hugepages && shared_fd < 0;
+  void* p = shared_fd >= 0 ? mmap(nullptr, static_cast<size_t>(mapped_), PROT_READ | PROT_WRITE,
+                                  MAP_SHARED, shared_fd, 0)
+                           : map_anonymous(mapped_, huge && mapped_ >= kHugePageBytes);
+  shared_ = shared_fd >= 0;
   if (p == MAP_FAILED) {
     const int err = errno;
     throw HostMemoryError("megatrain " + what + ": mmap of " + std::to_string(mapped_) +
@@ -86,7 +89,7 @@ PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
   // A hint only (THP mode "madvise" needs it; "never" ignores it). Huge pages: fewer page faults
   // when the arena is first touched / registered and fewer TLB misses in the Adam pass.
   // MEGATRAIN_HUGEPAGES=0 asks for 4 KiB pages even under THP "always" (A/B benchmarks).
-  if (mapped_ >= kHugePageBytes) {
+  if (mapped_ >= kHugePageBytes && !shared_) {
     hugepage_advised_ =
         madvise(p, static_cast<size_t>(mapped_), huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0 &&
         huge;
@@ -237,7 +240,7 @@ HostStore::HostStore(std::vector<UnitSpec> units, HostStoreOptions options) : op
   units_ = plan(units, options_, &total_bytes_, &total_numel_, &frozen_numel_);
   // PinnedBuffer runs the budget check before mapping anything.
   arena_ = std::make_unique<PinnedBuffer>(total_bytes_, options_.pin, options_.memory_limit_bytes,
-                                          "HostStore");
+                                          "HostStore", options_.shared_fd);
 }
 
 HostStore::~HostStore() = default;

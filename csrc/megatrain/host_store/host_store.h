@@ -28,10 +28,14 @@ class PinnedBuffer {
   /// \param[in] pin page-lock for DMA if CUDA is compiled in and a device is visible.
   /// \param[in] memory_limit_bytes budget override (see check_host_budget), -1 for system limits.
   /// \param[in] what name used in error messages.
+  /// \param[in] shared_fd -1: a private anonymous mapping; else a file descriptor of a file of at
+  ///            least `bytes` bytes (a /dev/shm file, a memfd) mapped MAP_SHARED: every process that
+  ///            maps the same file sees the same pages (one store per node for data parallel
+  ///            ranks). The caller keeps ownership of the descriptor (it may close it afterwards).
   /// \throws HostMemoryError if the budget check or the mapping fails (nothing stays allocated);
   ///         std::runtime_error if page-locking fails.
   PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes = -1,
-               const std::string& what = "pinned buffer");
+               const std::string& what = "pinned buffer", int shared_fd = -1);
   ~PinnedBuffer();
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
@@ -44,6 +48,8 @@ class PinnedBuffer {
   /// MEGATRAIN_HUGEPAGES not 0). Whether the kernel then backs it with huge pages depends on its
   /// THP mode (/sys/kernel/mm/transparent_hugepage/enabled); see huge_page_bytes().
   bool hugepage_advised() const { return hugepage_advised_; }
+  /// \brief Whether the buffer is a MAP_SHARED mapping of a caller's file (shared_fd).
+  bool is_shared() const { return shared_; }
 
   /// \brief Page-lock a buffer created with pin=false (after it was filled: registering first
   /// faults every page in while the caller's source may still occupy memory). No-op when already
@@ -62,6 +68,7 @@ class PinnedBuffer {
   int64_t mapped_ = 0;
   bool pinned_ = false;
   bool hugepage_advised_ = false;
+  bool shared_ = false;
 };
 
 /// \brief One tensor of a unit: name, shape, and whether it is frozen (compute copy only).
@@ -90,6 +97,10 @@ struct HostStoreOptions {
   /// Stagger the sections of large units (MEGATRAIN_STORE_SKEW, common/tuning.h): see
   /// HostStore::kSkewMinSectionBytes.
   bool skew_sections = common::tuning().store_skew;
+  /// -1: a private anonymous arena; else the arena is this file mapped MAP_SHARED (see
+  /// PinnedBuffer; the file must hold at least layout_required(...).total_bytes bytes, rounded up
+  /// to whole pages).
+  int shared_fd = -1;
 };
 
 /// \brief What a store of given units and options would hold, without allocating it
@@ -178,6 +189,7 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   const HostStoreOptions& options() const { return options_; }
   void* arena_data() const { return arena_ ? arena_->data() : nullptr; }
   bool hugepage_advised() const { return arena_ && arena_->hugepage_advised(); }
+  bool is_shared() const { return arena_ && arena_->is_shared(); }
 
  private:
   struct UnitLayout {

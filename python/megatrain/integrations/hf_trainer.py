@@ -171,6 +171,10 @@ class MegatrainCallback(TrainerCallback):
 
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            raise ValueError("megatrain: the HF Trainer with several processes (torchrun) is not supported: it would "
+                             "wrap the model in DistributedDataParallel; for data parallel use a training loop with "
+                             "megatrain.wrap after torch.distributed.init_process_group (docs/data_parallel.md)")
         self._engine = _engine(model)
         self._optimizer = _unwrap_optimizer(optimizer)
         if not isinstance(self._optimizer, CPUAdamW):

@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Protocol, Tuple
 import torch
 
 from .._loader import load_extension
+from . import data_parallel
 from .grads import GradLedger
 from .host_memory import check_host_budget, checked_in_python
 from .options import Options, options
@@ -148,9 +149,15 @@ class Engine(SlotPool, GradLedger, EngineStats):
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
         check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
                           "host store", reclaimable_bytes=credit)
+        # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
+        self.dp = data_parallel.detect(device)
         with checked_in_python():
-            self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
-                                      frozen=frozen)
+            if self.dp is not None:
+                self.store = self.dp.create_store(tables, compute_dtype, in_store,
+                                                  self.cuda and not self.pin_after_fill, frozen, store_bytes)
+            else:
+                self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
+                                          frozen=frozen)
         for u in units:
             state_offs = self.store.state_offsets(u.index)
             for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
@@ -166,6 +173,8 @@ class Engine(SlotPool, GradLedger, EngineStats):
         self._init_slots(num_slots)
         self._init_grads(staging_buffers)
         self._worker = _Worker(adam_threads=self.options.adam_threads)
+        if self.dp is not None:  # this rank's pieces of the shared store (runtime/data_parallel.py)
+            data_parallel.attach(self)
         self._init_stats()
         self._optimizer: Optional[EngineOptimizer] = None
         self.device_state = None  # DeviceState of the device-state layers (init_device_state)

@@ -46,11 +46,17 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
 
         # Initialise the store: master (fp32) and compute copy, from the model's weights or from
         # ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta).
+        # Data parallel: the ranks' models must agree; local rank 0 fills the node's shared store.
+        writer = self.dp is None or self.dp.fills_store
+        if self.dp is not None and source is None:
+            self.dp.check_same_weights(units)
         with torch.no_grad():
-            if source is not None:
+            if source is not None and writer:
                 source.fill(self)  # every master
             for u in self.units:
                 for i, e in enumerate(u.entries):
+                    if not writer:
+                        continue
                     if e.frozen:  # compute copy only (written by the source directly)
                         if source is None:
                             self.entry_view(u, i, "compute").copy_(e.param.detach())
@@ -66,6 +72,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
                     for e in u.entries:
                         if e.param.device.type == "cpu":
                             e.param.data = torch.empty(0, dtype=e.param.dtype)
+        if self.dp is not None:
+            self.dp.barrier("filling the shared host store")
         self.finish_fill()
         self.init_device_state(device_state_layers)
 
