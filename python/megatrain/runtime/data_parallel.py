@@ -42,7 +42,6 @@ import torch
 
 from .._loader import load_extension
 from .host_memory import checked_in_python
-from .worker import _Worker
 
 _C = load_extension()
 
@@ -448,7 +447,8 @@ class DataParallelEngine:
 
     Mixed in before the engine class (:func:`engine_class`) when ``Engine.dp`` is set; every method
     keeps the signature and contract of the one it replaces (see :mod:`.grads`, :mod:`.slots`),
-    acting on this rank's pieces of the shared store (the C++ tasks take the pieces as views).
+    acting on this rank's pieces of the shared store (the C++ tasks take the pieces as views:
+    ``task_view``, which the engine's update, move and weights-back tasks read through).
     """
 
     dp: DataParallel
@@ -476,7 +476,7 @@ class DataParallelEngine:
         return self.dp.accumulator_bytes()
 
     # --------------------------------------------------------------- piece views
-    def _piece(self, unit, i: int, name: str) -> torch.Tensor:
+    def task_view(self, unit, i: int, name: str) -> torch.Tensor:
         """This rank's piece of entry ``i`` in section ``name`` (``grad_accum``: its accumulator piece)."""
         if name == "grad_accum":
             return self.dp.accumulator(self, unit, i)
@@ -564,7 +564,7 @@ class DataParallelEngine:
                 for i in norm_idx:
                     o, n = pieces[i]
                     if n:
-                        self._piece(unit, i, "compute").copy_(out[o:o + n], non_blocking=True)
+                        self.task_view(unit, i, "compute").copy_(out[o:o + n], non_blocking=True)
                         nbytes += n * out.element_size()
                 if dev_norms is not None:
                     norms = torch.empty(dev_norms.shape, dtype=torch.float64, pin_memory=True)
@@ -579,12 +579,12 @@ class DataParallelEngine:
             for i in norm_idx:
                 o, n = pieces[i]
                 if n:
-                    self._piece(unit, i, "compute").copy_(out[o:o + n])
+                    self.task_view(unit, i, "compute").copy_(out[o:o + n])
                     nbytes += n * out.element_size()
         self._stats["d2h_bytes"] += nbytes
         dp.dirty = True
         direct_grads = [(i, norms, k) for k, i in enumerate(norm_idx)]
-        staged_grads = [(i, self._piece(unit, i, "grad_accum"), host[pieces[i][0]:pieces[i][0] + pieces[i][1]],
+        staged_grads = [(i, self.task_view(unit, i, "grad_accum"), host[pieces[i][0]:pieces[i][0] + pieces[i][1]],
                          overwrite[i]) for i in pieces if staged[i]]
         handle, outcome = self._worker.submit_accumulate(self.ledger, unit.index, direct_grads, staged_grads, ready=ev)
         unit.grad_task = handle
@@ -593,15 +593,6 @@ class DataParallelEngine:
         if self.cuda and any(staged):
             dp._in_flight.append((handle, host))
         return handle
-
-    def ensure_weights(self, unit) -> None:
-        direct = [i for i, d in enumerate(unit.direct) if d]
-        if not direct:
-            return
-        self.enable_accumulator()
-        moved = [(i, self._piece(unit, i, "grad_accum"), self._piece(unit, i, "master"), self._piece(unit, i, "compute"))
-                 for i in direct]
-        self.wait_task(self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved))
 
     def wait_grads(self) -> None:
         """Wait for this rank's gradients, then all-reduce every entry's squared norm over the node's pieces."""
@@ -620,47 +611,9 @@ class DataParallelEngine:
             k += len(row)
 
     def zero_grad(self) -> None:
-        self._worker.wait_grads()
-        self.settle()
-        restore = []
+        super().zero_grad()
         for u in self.units:
             u._dp_sq = None
-            idx = [i for i, d in enumerate(u.direct) if d]
-            for i in range(len(u.entries)):
-                self.ledger.reset(u.index, i)
-            if idx:
-                restore.append((u, idx))
-        for u, idx in restore:
-            back = [(self._piece(u, i, "master"), self._piece(u, i, "compute")) for i in idx]
-            handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
-                                                 None)
-            u.update_tasks.append(handle)
-
-    # --------------------------------------------------------------- updates
-    def _submit_adam(self, unit, items, scale: float, after=None, entries=None, zero_grads=(), finite_from=None):
-        entries = list(range(len(unit.entries))) if entries is None else list(entries)
-        direct = unit.direct
-        updated = {it[0] for it in items}
-        zero = set(zero_grads)
-
-        def grad_src(i):
-            if i in zero:
-                return torch.zeros(self.dp.piece(unit.entries[i].numel)[1], dtype=torch.float32)
-            return self._piece(unit, i, "compute" if direct[i] else "grad_accum")
-
-        pv = self._piece
-        adam_items = [(i, pv(unit, i, "master"), pv(unit, i, "exp_avg"), pv(unit, i, "exp_avg_sq"), grad_src(i),
-                       pv(unit, i, "compute"), lr, b1, b2, eps, wd, step) for i, lr, b1, b2, eps, wd, step in items]
-        restore = [(pv(unit, i, "master"), pv(unit, i, "compute")) for i in entries if direct[i] and i not in updated]
-        on_skip = [(pv(unit, i, "master"), pv(unit, i, "compute")) for i in entries if direct[i]]
-        opt = self.optimizer
-        step_number = getattr(opt, "steps_called", 0) + 1
-        klass = _Worker.UPDATE if self.overlap else _Worker.GRAD
-        handle, outcome = self._worker.submit_adam(self.ledger, unit.index, adam_items, scale, restore, entries,
-                                                   finite_from, on_skip, klass, unit.update_key, after)
-        unit.update_tasks.append(handle)
-        with self._settle_lock:
-            self._update_outcomes.append((handle, outcome, opt, unit, items, step_number))
 
     # --------------------------------------------------------------- waits
     def wait_update(self, unit) -> None:

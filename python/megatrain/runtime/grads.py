@@ -139,6 +139,13 @@ class GradLedger:
             with checked_in_python():
                 self._norm_rows = _C.pinned_empty(n_units * max_entries, torch.float64).view(n_units, max_entries)
 
+    def task_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
+        """Flat view of entry ``i`` of ``unit`` in section ``name`` that the update tasks read and write.
+
+        The whole entry here; a data parallel rank's piece of it (``runtime/data_parallel.py``).
+        """
+        return self.entry_view(unit, i, name).view(-1)
+
     def submit_grad_task(self, task, ready=None):
         """Queue the Python callable ``task`` on the CPU worker as a gradient task (FIFO, before updates;
         ``ready``: see ``_Worker.submit``). Returns the task's handle."""
@@ -354,11 +361,11 @@ class GradLedger:
         zero = set(zero_grads)
 
         def view(i, name):
-            return self.entry_view(unit, i, name).view(-1)
+            return self.task_view(unit, i, name)
 
         def grad_src(i):
             if i in zero:
-                return torch.zeros(unit.entries[i].numel, dtype=torch.float32)
+                return torch.zeros(view(i, "master").numel(), dtype=torch.float32)
             return view(i, "compute" if direct[i] else "grad_accum")
 
         adam_items = [(i, view(i, "master"), view(i, "exp_avg"), view(i, "exp_avg_sq"), grad_src(i), view(i, "compute"),
@@ -385,8 +392,8 @@ class GradLedger:
         if not direct:
             return
         self.enable_accumulator()
-        moved = [(i, self.entry_view(unit, i, "grad_accum").view(-1), self.entry_view(unit, i, "master").view(-1),
-                  self.entry_view(unit, i, "compute").view(-1)) for i in direct]
+        moved = [(i, self.task_view(unit, i, "grad_accum"), self.task_view(unit, i, "master"),
+                  self.task_view(unit, i, "compute")) for i in direct]
         self.wait_task(self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved))
 
     def zero_grad(self) -> None:
@@ -406,7 +413,7 @@ class GradLedger:
             if idx:
                 restore.append((u, idx))
         for u, idx in restore:
-            back = [(self.entry_view(u, i, "master").view(-1), self.entry_view(u, i, "compute").view(-1)) for i in idx]
+            back = [(self.task_view(u, i, "master"), self.task_view(u, i, "compute")) for i in idx]
             handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
                                                  None)
             u.update_tasks.append(handle)
