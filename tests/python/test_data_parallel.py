@@ -230,3 +230,21 @@ def test_two_gpus_match_one_gpu(tmp_path):
         assert cos > 0.9999, (n, float(cos))
     for s, ok in enumerate(res[0]["changed"]):
         assert all(ok.values()), f"step {s}: no update in {[n for n, v in ok.items() if not v][:4]}"
+
+
+def test_cli_under_torchrun_refuses_in_one_line(tmp_path, capsys, monkeypatch):
+    from parity import run_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run_cli(["train", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "torchrun" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_trainer_with_several_processes_refuses():
+    from types import SimpleNamespace
+
+    from megatrain.integrations import MegatrainCallback
+
+    with pytest.raises(ValueError, match="torchrun"):
+        MegatrainCallback().on_train_begin(SimpleNamespace(world_size=2), None, None, model=None)
