@@ -52,10 +52,15 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.get("pg_timeout", 30)))
     rank, world = dist.get_rank(), dist.get_world_size()
     pss0 = pss_bytes()
-    model = build(args)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model = megatrain.wrap(model, device=device, compute_dtype=torch.bfloat16 if cuda else torch.float32,
-                           **args.get("wrap", {}))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.get("from_pretrained"):
+        model = megatrain.from_pretrained(args["from_pretrained"], device=device, compute_dtype=dtype)
+    elif args.get("from_config"):  # initialised straight into the (shared) store
+        model = megatrain.from_config(tiny_llama_config(), seed=args.get("seed", 0), device=device,
+                                      compute_dtype=dtype)
+    else:
+        model = megatrain.wrap(build(args), device=device, compute_dtype=dtype, **args.get("wrap", {}))
     ga = args["ga"]
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=args.get("lr", 1e-3), weight_decay=0.1, eps=PARITY_EPS,
                                    max_grad_norm=args.get("max_grad_norm"), gradient_accumulation_steps=ga)

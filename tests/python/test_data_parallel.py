@@ -248,3 +248,27 @@ def test_hf_trainer_with_several_processes_refuses():
 
     with pytest.raises(ValueError, match="torchrun"):
         MegatrainCallback().on_train_begin(SimpleNamespace(world_size=2), None, None, model=None)
+
+
+def test_from_config_initialises_the_shared_store_once(tmp_path):
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=3, from_config=True, check_updates=True)
+    res = run_ranks(tmp_path, 2, args)
+    model = megatrain.from_config(tiny_llama_config(), seed=0, device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=PARITY_EPS, max_grad_norm=0.05,
+                                   gradient_accumulation_steps=2)
+    ref_losses = _train(model, opt, args, 2)
+    check_parity(res, ref_losses, megatrain.master_state_dict(model), 2)
+
+
+def test_from_pretrained_fills_the_shared_store_once(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config()).float().save_pretrained(tmp_path / "hf")
+    args = dict(ga=1, b=2, steps=3, from_pretrained=str(tmp_path / "hf"), check_updates=True)
+    (tmp_path / "run").mkdir()
+    res = run_ranks(tmp_path / "run", 2, args)
+    model = megatrain.from_pretrained(str(tmp_path / "hf"), device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=PARITY_EPS)
+    ref_losses = _train(model, opt, args, 2)
+    check_parity(res, ref_losses, megatrain.master_state_dict(model), 2)

@@ -53,6 +53,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         with torch.no_grad():
             if source is not None and writer:
                 source.fill(self)  # every master
+            elif source is not None and hasattr(getattr(source, "index", None), "close"):
+                source.index.close()  # a checkpoint reader another rank fills the shared store from
             for u in self.units:
                 for i, e in enumerate(u.entries):
                     if not writer:
