@@ -220,6 +220,10 @@ TEST(DiskTier, PrefetchThenAcquireSeesTheLastReleasedData) {
   auto v1b = random_state(tier.layout(1), 99);
   store(p, v1b);
   tier.release(1, true);
+  // Let the write-behind land: a buffer still being written is not an eviction candidate, so
+  // otherwise unit 2 could take unit 0's buffer instead and unit 1 would stay cached.
+  // (A read racing a write in flight is AcquireAfterWriteBehindWaitsForTheWriteAndSeesTheNewData.)
+  tier.flush();
   for (int64_t u : {0, 2}) {
     auto q = tier.acquire(u);
     expect_equal(q, v[u], "unit " + std::to_string(u));
