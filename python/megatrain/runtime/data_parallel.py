@@ -42,11 +42,11 @@ import torch
 
 from .._loader import load_extension
 from .host_memory import checked_in_python
+from .options import ENV, options
 
 _C = load_extension()
 
-ENV_SWITCH = "MEGATRAIN_DATA_PARALLEL"
-ENV_TIMEOUT = "MEGATRAIN_DP_TIMEOUT"
+ENV_TIMEOUT = ENV["dp_timeout_s"]  # named in the timeout's error message
 
 
 class DataParallelError(RuntimeError):
@@ -61,7 +61,7 @@ def _dist():
 
 def active() -> bool:
     """Whether a wrap now would be data parallel (an initialised process group of > 1 ranks, not switched off)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not options().data_parallel:
         return False
     dist = _dist()
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -112,7 +112,7 @@ class DataParallel:
         if device.type == "cpu" and "gloo" not in backend:
             raise ValueError(f"megatrain data parallel: the process group's backend is {backend!r} but the model "
                              "trains on the CPU; init_process_group('gloo')")
-        self.timeout_s = float(os.environ.get(ENV_TIMEOUT, "300"))
+        self.timeout_s = options().dp_timeout_s
         self.node_group = None  # None: the default group (one node)
         self.cross_group = None
         if self.nodes > 1:  # every rank creates every group, in the same order

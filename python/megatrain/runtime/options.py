@@ -22,6 +22,8 @@ ENV = {
     "adam_threads": "MEGATRAIN_ADAM_THREADS",
     "device_adam": "MEGATRAIN_DEVICE_ADAM",
     "skip_host_memory_check": "MEGATRAIN_SKIP_HOST_MEMORY_CHECK",
+    "data_parallel": "MEGATRAIN_DATA_PARALLEL",
+    "dp_timeout_s": "MEGATRAIN_DP_TIMEOUT",
 }
 
 
@@ -42,6 +44,10 @@ class Options:
             (``torch._fused_adamw_``), ``"foreach"``, or ``""`` (fused on CUDA, foreach elsewhere).
         skip_host_memory_check: ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: no host budget check
             (VMs that grow their RAM lazily report too little MemAvailable).
+        data_parallel: ``MEGATRAIN_DATA_PARALLEL=0``: a wrap inside an initialised process group of
+            more than one rank stays single-process (default 1: data parallel; docs/data_parallel.md).
+        dp_timeout_s: ``MEGATRAIN_DP_TIMEOUT`` (seconds, default 300): how long a data-parallel rank
+            waits for its peers' updates of a unit before it gives up with an error.
         overlap: benchmark "before" switch (no environment variable). False: updates run in
             submission order and ``step()`` waits for all of them, so no update overlaps the next forward.
         d2h_overlap: benchmark "before" switch. False: the compute stream waits for each unit's
@@ -55,6 +61,8 @@ class Options:
     adam_threads: Optional[int] = None
     device_adam: str = ""
     skip_host_memory_check: bool = False
+    data_parallel: bool = True
+    dp_timeout_s: float = 300.0
     overlap: bool = True
     d2h_overlap: bool = True
     eager_updates: bool = True
@@ -64,7 +72,7 @@ class Options:
         """The options the environment sets (``os.environ`` when ``environ`` is None); unset: the defaults.
 
         Raises:
-            ValueError: ``MEGATRAIN_ADAM_THREADS`` is not an integer.
+            ValueError: ``MEGATRAIN_ADAM_THREADS`` is not an integer or ``MEGATRAIN_DP_TIMEOUT`` not a number.
         """
         env = os.environ if environ is None else environ
         threads = env.get(ENV["adam_threads"], "")
@@ -74,6 +82,8 @@ class Options:
             adam_threads=max(1, int(threads)) if threads.strip() else None,
             device_adam=env.get(ENV["device_adam"], ""),
             skip_host_memory_check=env.get(ENV["skip_host_memory_check"]) == "1",
+            data_parallel=env.get(ENV["data_parallel"], "1") != "0",
+            dp_timeout_s=float(env.get(ENV["dp_timeout_s"], "") or 300.0),
         )
 
 
