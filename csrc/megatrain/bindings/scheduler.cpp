@@ -115,6 +115,23 @@ sch::Gate gate_of(const py::object& ready, Keep& keep) {
                        std::string(py::str(py::type::of(ready))));
 }
 
+/// One gradient summed into an fp32 accumulator: `grad` (bf16/fp32, CPU) into `accum` (fp32, same
+/// length); both kept alive by `keep` until the task ran.
+sch::StagedGrad staged_grad(int64_t entry, const at::Tensor& accum, const at::Tensor& grad, bool overwrite,
+                            const char* op, Keep& keep) {
+  check_fp32_state(accum, op, "accum", accum.numel());
+  sch::StagedGrad g;
+  g.entry = entry;
+  g.accum = accum.data_ptr<float>();
+  g.grad_dtype = grad_dtype_of(grad, op, accum.numel());
+  g.grad = grad.data_ptr();
+  g.numel = accum.numel();
+  g.overwrite = overwrite;
+  keep.tensors.push_back(accum);
+  keep.tensors.push_back(grad);
+  return g;
+}
+
 sch::TaskClass class_of(int klass) {
   if (klass != 0 && klass != 1) throw std::invalid_argument("Worker.submit: klass must be 0 (GRAD) or 1 (UPDATE)");
   return static_cast<sch::TaskClass>(klass);
@@ -226,17 +243,7 @@ on its thread).)doc")
              }
              std::vector<sch::StagedGrad> s;
              for (const auto& [entry, accum, grad, overwrite] : staged) {
-               check_fp32_state(accum, op, "accum", accum.numel());
-               sch::StagedGrad g;
-               g.entry = entry;
-               g.accum = accum.data_ptr<float>();
-               g.grad_dtype = grad_dtype_of(grad, op, accum.numel());
-               g.grad = grad.data_ptr();
-               g.numel = accum.numel();
-               g.overwrite = overwrite;
-               keep.tensors.push_back(accum);
-               keep.tensors.push_back(grad);
-               s.push_back(g);
+               s.push_back(staged_grad(entry, accum, grad, overwrite, op, keep));
              }
              auto outcome = std::make_shared<sch::GradOutcome>();
              sch::Task t;
@@ -259,15 +266,7 @@ on its thread).)doc")
              std::vector<sch::StagedGrad> s;
              std::vector<std::tuple<at::Tensor, at::Tensor>> pairs;
              for (const auto& [entry, accum, master, compute] : moved) {
-               check_fp32_state(accum, op, "accum", accum.numel());
-               sch::StagedGrad g;
-               g.entry = entry;
-               g.accum = accum.data_ptr<float>();
-               g.grad_dtype = grad_dtype_of(compute, op, accum.numel());
-               g.grad = compute.data_ptr();
-               g.numel = accum.numel();
-               keep.tensors.push_back(accum);
-               s.push_back(g);
+               s.push_back(staged_grad(entry, accum, compute, sch::StagedGrad{}.overwrite, op, keep));
                pairs.emplace_back(master, compute);
              }
              std::vector<sch::WeightsBack> back = weights_back_of(pairs, keep, op);
