@@ -161,3 +161,20 @@ def slow_checkpoint_writes(seconds: float) -> None:
         return out
 
     ck._write_safetensors = slow
+
+
+def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:
+    """Make ``activation_policy="auto"`` decide as if its budget were ``room(layer_bytes, input_bytes)``
+    bytes: the free device memory it reads is set to that over ``AUTO_STORE_FRACTION`` when it decides
+    (``layer_bytes``: the measured graph of one layer call; ``input_bytes``: its differentiable inputs)."""
+    import importlib
+
+    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    decide = wrap_mod.WrappedEngine._decide_auto
+
+    def limited(self, key, layer_bytes, input_bytes=0):
+        budget = room(layer_bytes, input_bytes)
+        self.free_device_bytes = lambda: int(budget / wrap_mod.AUTO_STORE_FRACTION)
+        decide(self, key, layer_bytes, input_bytes)
+
+    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", limited)

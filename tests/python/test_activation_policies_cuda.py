@@ -7,14 +7,13 @@ before its D2H copy ran, changes the result.
 """
 
 import copy
-import importlib
 
 import pytest
 import torch
 import transformers
 
 import megatrain
-from parity import assert_close_rel, make_batches, train_megatrain
+from parity import assert_close_rel, limit_auto_room, make_batches, train_megatrain
 
 pytestmark = pytest.mark.cuda
 
@@ -68,17 +67,10 @@ def test_offload_policy_matches_recompute_on_the_gpu(monkeypatch):
 
 
 def test_auto_policy_block_k_matches_recompute_on_the_gpu(monkeypatch):
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
-    decide = wrap_mod.WrappedEngine._decide_auto
-
-    def room_for_three_and_a_half_inputs(self, key, layer_bytes, input_bytes=0):
-        self.free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes, input_bytes)
-
     model = small_llama()
     ref, w0 = _train(copy.deepcopy(model), "recompute", monkeypatch, debug=False)
     w0.megatrain.close()
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_three_and_a_half_inputs)
+    limit_auto_room(monkeypatch, lambda layer_bytes, input_bytes: input_bytes * 3.5)
     got, w1 = _train(model, "auto", monkeypatch, debug=True)
     (d,) = w1.megatrain.auto_decisions.values()
     w1.megatrain.close()

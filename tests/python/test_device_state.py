@@ -14,7 +14,8 @@ import torch
 
 import megatrain
 import megatrain.checkpoint
-from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at, train_megatrain, train_reference
+from parity import (PARITY_EPS, assert_close_rel, limit_auto_room, make_batches, poison_gradient_at, train_megatrain,
+                    train_reference)
 from test_parity_cpu import NOISE_DRIVEN, tiny
 
 RTOL = 1e-6  # the device-state layers' parameters (torch's own AdamW math on the same gradients)
@@ -82,14 +83,7 @@ def test_parity_fused_device_adamw(monkeypatch):
 def test_parity_mixed_placement(monkeypatch):
     """Layer 0: state on the device + activations kept; layer 1: host store + activations kept;
     layer 2: host store + recomputed (activation_policy auto with room for two layers)."""
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
-    decide = wrap_mod.WrappedEngine._decide_auto
-
-    def room_for_two_layers(self, key, layer_bytes, *rest):
-        self.free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes, *rest)
-
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_layers)
+    limit_auto_room(monkeypatch, lambda layer_bytes, input_bytes: layer_bytes * 2.5)
     ref, got, wrapped, _ = run_pair(tiny("llama"), micro_batches=2, max_grad_norm=1.0, policy="auto",
                                     device_state_layers=1)
     check(ref, got, wrapped)

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import megatrain
-from parity import PARITY_EPS, RunResult, assert_close_rel, make_batches, train_megatrain, train_reference
+from parity import PARITY_EPS, RunResult, assert_close_rel, limit_auto_room, make_batches, train_megatrain, train_reference
 
 STEPS = 10
 RTOL = 1e-5
@@ -186,16 +186,7 @@ def test_parity_auto_policy(monkeypatch, fraction, expect_store):
 def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
     # auto keeps the graphs of as many layers as fit (layers 0 and 1 of 3 here) and recomputes the
     # rest: exact, and only the last layer runs its forward again in backward.
-    import importlib
-
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
-    decide = wrap_mod.WrappedEngine._decide_auto
-
-    def room_for_two_and_a_half_layers(self, key, layer_bytes, input_bytes=0):
-        self.free_device_bytes = lambda: int(layer_bytes * 2.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes, input_bytes)
-
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_two_and_a_half_layers)
+    limit_auto_room(monkeypatch, lambda layer_bytes, input_bytes: layer_bytes * 2.5)
     ref, got, wrapped, _ = run_pair(tiny("llama"), policy="auto", max_grad_norm=1.0)
     check(ref, got)
     (d,) = wrapped.megatrain.auto_decisions.values()
@@ -212,17 +203,11 @@ def test_parity_auto_policy_stores_the_layers_that_fit(monkeypatch):
 def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatch):
     # Long context: not even the 4 layers' inputs fit (room for 3.5), so auto keeps no graph and
     # one input of every K = 2 (checkpoint_spacing: ceil(4/2) + 1 = 3 inputs): exact.
-    import importlib
-
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
-    decide = wrap_mod.WrappedEngine._decide_auto
-
-    def room_for_three_and_a_half_inputs(self, key, layer_bytes, input_bytes=0):
+    def room_for_three_and_a_half_inputs(layer_bytes, input_bytes):
         assert 0 < input_bytes < layer_bytes
-        self.free_device_bytes = lambda: int(input_bytes * 3.5 / wrap_mod.AUTO_STORE_FRACTION)
-        decide(self, key, layer_bytes, input_bytes)
+        return input_bytes * 3.5
 
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", room_for_three_and_a_half_inputs)
+    limit_auto_room(monkeypatch, room_for_three_and_a_half_inputs)
     ref, got, wrapped, _ = run_pair(tiny("llama", num_hidden_layers=4), policy="auto", max_grad_norm=1.0, steps=4)
     check(ref, got)
     (d,) = wrapped.megatrain.auto_decisions.values()
