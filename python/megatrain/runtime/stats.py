@@ -36,15 +36,15 @@ class EngineStats:
         device), ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
         host store), ``layers``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
         ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
-        (one saved input per K layers), ``free_bytes`` (device bytes free when decided); ``None``
+        (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
+        ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
         for the other policies (``activation_policy`` says what every layer does).
         """
         k = len(self.device_state.units) if self.device_state else 0
         decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
         acts = None
         if decisions is not None:
-            acts = [{"input_shapes": [list(s) for s in key],
-                     **{n: d[n] for n in ("store_layers", "recompute_layers", "block_k", "free_bytes") if n in d}}
+            acts = [{"input_shapes": [list(s) for s in key], **{n: v for n, v in d.items() if n != "store"}}
                     for key, d in decisions.items()]
         return dict(layers=len(self.layers), device_state_layers=k,
                     device_state_bytes=self.device_state.nbytes if self.device_state else 0,

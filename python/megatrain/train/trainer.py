@@ -750,15 +750,17 @@ class Interrupted(KeyboardInterrupt):
 def _auto_decisions(engine) -> Optional[list]:
     """What ``activation_policy: auto`` chose, per layer input shape (None for other policies):
     ``policy`` (store | recompute | store K layers, recompute the rest | block:K) and the engine's numbers."""
-    if engine is None or not getattr(engine, "auto_policy", False):
+    acts = engine.placement()["activations"] if engine is not None else None
+    if acts is None:
         return None
     out = []
-    for key, d in getattr(engine, "auto_decisions", {}).items():
+    for d in acts:
         stored = d.get("store_layers")
-        policy = "store" if d.get("store") else ("recompute" if not stored else f"store {stored} layers, recompute the rest")
+        policy = ("store" if not d.get("recompute_layers") else
+                  "recompute" if not stored else f"store {stored} layers, recompute the rest")
         if d.get("block_k", 1) > 1:
             policy = f"block:{d['block_k']}"
-        out.append({"input_shapes": [list(s) for s in key], "policy": policy, **{k: v for k, v in d.items() if k != "store"}})
+        out.append({"input_shapes": d["input_shapes"], "policy": policy, **d})
     return out
 
 
