@@ -187,6 +187,26 @@ TEST(HostStore, MemoryLimitOverrideTooSmallThrowsBudgetErrorWithNothingAllocated
   EXPECT_EQ(hs::PinnedBuffer::allocation_count(), allocs);
 }
 
+TEST(HostMemory, CheckBudgetWithoutSystemLimitsChecksOnlyTheOverride) {
+  // A caller that checked with a credit of its own (the engine: the model weights it frees while
+  // filling the store) skips the system limits here; the explicit override still applies.
+  const int64_t pebibyte = int64_t{1} << 50;
+  EXPECT_NO_THROW(hs::check_host_budget(pebibyte, /*will_pin=*/true, -1, "test", /*system_limits=*/false));
+  EXPECT_THROW(hs::check_host_budget(8192, false, 4096, "test", /*system_limits=*/false), hs::HostMemoryError);
+  if (!hs::host_memory_check_disabled()) {
+    EXPECT_THROW(hs::check_host_budget(pebibyte, false, -1, "test"), hs::HostMemoryError);
+  }
+}
+
+TEST(HostStore, CheckBudgetOffStillHonoursTheMemoryLimitOverride) {
+  hs::HostStoreOptions o;
+  o.memory_limit_bytes = 4096;
+  o.check_budget = false;
+  const int64_t allocs = hs::PinnedBuffer::allocation_count();
+  EXPECT_THROW(hs::HostStore store(odd_units(), o), hs::HostMemoryError);
+  EXPECT_EQ(hs::PinnedBuffer::allocation_count(), allocs);
+}
+
 TEST(HostStore, OnePebibyteUnitThrowsBudgetErrorWithoutTouchingMemory) {
   if (hs::host_memory_check_disabled()) GTEST_SKIP() << "MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1";
   hs::HostStoreOptions o;

@@ -1,5 +1,7 @@
 """wrap() refuses a model whose host store does not fit, before touching the model."""
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -40,3 +42,32 @@ def test_cgroup_limit_is_checked(monkeypatch):
 def test_limits_read_from_this_machine():
     lim = host_memory.host_memory_limits()
     assert lim["mem_available_bytes"] is None or lim["mem_available_bytes"] > 0
+
+
+class _EnvSpy(dict):
+    """os.environ stand-in recording the names written."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.written = []
+
+    def __setitem__(self, key, value):
+        self.written.append(key)
+        super().__setitem__(key, value)
+
+
+def test_wrap_checks_the_budget_once_without_toggling_an_environment_switch(monkeypatch):
+    # The store's own C++ check is skipped by an explicit argument (the engine checked with the
+    # credit of the model's weights), not by setting MEGATRAIN_SKIP_HOST_MEMORY_CHECK around it.
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    spy = _EnvSpy(os.environ)
+    monkeypatch.setattr(os, "environ", spy)
+    calls = []
+    real = host_memory.check_host_budget
+    monkeypatch.setattr(host_memory, "check_host_budget", lambda *a, **k: calls.append(a) or real(*a, **k))
+    from megatrain.runtime import engine
+    monkeypatch.setattr(engine, "check_host_budget", host_memory.check_host_budget)
+    model = megatrain.wrap(_tiny(), device="cpu")
+    assert [k for k in spy.written if k.startswith("MEGATRAIN_")] == []
+    assert [c[2] for c in calls] == ["host store"]
+    assert model.megatrain.store.total_bytes > 0

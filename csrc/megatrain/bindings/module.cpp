@@ -280,7 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The kernel's THP mode: always | madvise | never | unknown.");
 
   m.def("pinned_empty",
-        [](int64_t numel, at::ScalarType dtype) {
+        [](int64_t numel, at::ScalarType dtype, bool check_budget) {
           if (numel < 0) {
             throw std::invalid_argument("pinned_empty: numel must be >= 0, got " + std::to_string(numel));
           }
@@ -288,33 +288,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           std::shared_ptr<PinnedBuffer> buf;
           {
             py::gil_scoped_release release;
-            buf = std::make_shared<PinnedBuffer>(numel * esize, /*pin=*/true, -1, "pinned_empty");
+            buf = std::make_shared<PinnedBuffer>(numel * esize, /*pin=*/true, -1, "pinned_empty", -1, check_budget);
           }
           return at::from_blob(
               buf->data(), {numel}, [buf](void*) mutable { buf.reset(); },
               at::TensorOptions().dtype(dtype).device(at::kCPU));
         },
-        py::arg("numel"), py::arg("dtype"),
+        py::arg("numel"), py::arg("dtype"), py::arg("check_budget") = true,
         "Page-aligned zero-filled 1-D CPU tensor, page-locked with one cudaHostRegister when CUDA "
-        "is compiled in and a device is visible; unregistered and unmapped when the tensor dies.");
+        "is compiled in and a device is visible; unregistered and unmapped when the tensor dies. "
+        "check_budget=False: the caller already counted it in its own host budget check.");
 
   py::class_<HostStore, std::shared_ptr<HostStore>>(m, "HostStore")
       .def(py::init([](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                        bool with_grad_accum, bool pin, int64_t memory_limit_bytes,
-                       const std::vector<std::vector<bool>>& frozen, int shared_fd) {
+                       const std::vector<std::vector<bool>>& frozen, int shared_fd, bool check_budget) {
              HostStoreOptions o = make_options(compute_dtype, with_grad_accum);
              auto specs = to_specs(units, frozen);
              o.pin = pin;
              o.shared_fd = shared_fd;
              o.memory_limit_bytes = memory_limit_bytes;
+             o.check_budget = check_budget;
              py::gil_scoped_release release;  // page-locking a large arena takes seconds
              return std::make_shared<HostStore>(std::move(specs), o);
            }),
            py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
            py::arg("pin") = false, py::arg("memory_limit_bytes") = -1,
            py::arg("frozen") = std::vector<std::vector<bool>>{}, py::arg("shared_fd") = -1,
+           py::arg("check_budget") = true,
            "shared_fd: -1 (a private arena) or a file descriptor of a file of at least total_bytes "
-           "(page-rounded) mapped MAP_SHARED: processes mapping the same file share the store.")
+           "(page-rounded) mapped MAP_SHARED: processes mapping the same file share the store. "
+           "check_budget=False: skip the MemAvailable / cgroup / memlock check (the caller ran it, "
+           "with a credit of its own); memory_limit_bytes is checked either way.")
       .def_property_readonly("num_units", &HostStore::num_units)
       .def_property_readonly("is_shared", &HostStore::is_shared,
                              "Whether the arena is a MAP_SHARED mapping of a file (shared_fd).")

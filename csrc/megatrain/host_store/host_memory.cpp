@@ -136,12 +136,12 @@ bool host_memory_check_disabled() {
 }
 
 void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit_bytes,
-                       const std::string& what) {
+                       const std::string& what, bool system_limits) {
   if (memory_limit_bytes >= 0 && needed_bytes > memory_limit_bytes) {
     fail(what, needed_bytes, memory_limit_bytes, "memory_limit_bytes override",
          "Raise memory_limit_bytes, or pass -1 to check against the system limits instead.");
   }
-  if (host_memory_check_disabled()) return;
+  if (!system_limits || host_memory_check_disabled()) return;
   MemoryAvailability m = query_memory_availability();
   if (memory_limit_bytes >= 0) {  // the override replaces the MemAvailable / cgroup checks
     m.mem_available_bytes = -1;

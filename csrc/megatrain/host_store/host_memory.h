@@ -73,10 +73,12 @@ bool host_memory_check_disabled();
 /// \param[in] will_pin whether they will be page-locked (then RLIMIT_MEMLOCK applies too).
 /// \param[in] memory_limit_bytes if >= 0, replaces the MemAvailable / cgroup checks.
 /// \param[in] what who allocates, for the message ("HostStore", "pinned buffer").
+/// \param[in] system_limits false: only the memory_limit_bytes override is checked (the caller
+///            checked these bytes against the system limits itself, with a credit of its own).
 /// \throws HostMemoryError naming bytes needed vs available, which limit, and what to change.
 /// The MemAvailable / cgroup / memlock checks are skipped when host_memory_check_disabled().
 void check_host_budget(int64_t needed_bytes, bool will_pin, int64_t memory_limit_bytes,
-                       const std::string& what);
+                       const std::string& what, bool system_limits = true);
 
 /// \brief Bytes of transparent huge pages backing [addr, addr + bytes): the AnonHugePages of
 /// every mapping (/proc/self/smaps) that overlaps the range, each clamped to its overlap (exact

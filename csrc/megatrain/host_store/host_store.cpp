@@ -66,12 +66,12 @@ void* map_anonymous(int64_t bytes, bool huge_aligned) {
 // PinnedBuffer
 
 PinnedBuffer::PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes,
-                           const std::string& what, int shared_fd)
+                           const std::string& what, int shared_fd, bool check_budget)
     : bytes_(bytes) {
   if (bytes < 0) throw std::invalid_argument(what + ": negative size " + std::to_string(bytes));
   mapped_ = round_up(bytes, page_size());
   const bool will_pin = pin && common::cuda_device_present();
-  check_host_budget(mapped_, will_pin, memory_limit_bytes, what);
+  check_host_budget(mapped_, will_pin, memory_limit_bytes, what, check_budget);
   if (mapped_ == 0) return;
   const bool huge = common::tuning().hugepages && shared_fd < 0;
   void* p = shared_fd >= 0 ? mmap(nullptr, static_cast<size_t>(mapped_), PROT_READ | PROT_WRITE,
@@ -240,7 +240,7 @@ HostStore::HostStore(std::vector<UnitSpec> units, HostStoreOptions options) : op
   units_ = plan(units, options_, &total_bytes_, &total_numel_, &frozen_numel_);
   // PinnedBuffer runs the budget check before mapping anything.
   arena_ = std::make_unique<PinnedBuffer>(total_bytes_, options_.pin, options_.memory_limit_bytes,
-                                          "HostStore", options_.shared_fd);
+                                          "HostStore", options_.shared_fd, options_.check_budget);
 }
 
 HostStore::~HostStore() = default;

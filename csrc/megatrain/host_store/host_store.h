@@ -32,10 +32,13 @@ class PinnedBuffer {
   ///            least `bytes` bytes (a /dev/shm file, a memfd) mapped MAP_SHARED: every process that
   ///            maps the same file sees the same pages (one store per node for data parallel
   ///            ranks). The caller keeps ownership of the descriptor (it may close it afterwards).
+  /// \param[in] check_budget false: skip the MemAvailable / cgroup / memlock check (the caller
+  ///            counted these bytes in its own check_host_budget, with a credit this buffer does
+  ///            not know of); the memory_limit_bytes override is checked either way.
   /// \throws HostMemoryError if the budget check or the mapping fails (nothing stays allocated);
   ///         std::runtime_error if page-locking fails.
   PinnedBuffer(int64_t bytes, bool pin, int64_t memory_limit_bytes = -1,
-               const std::string& what = "pinned buffer", int shared_fd = -1);
+               const std::string& what = "pinned buffer", int shared_fd = -1, bool check_budget = true);
   ~PinnedBuffer();
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
@@ -94,6 +97,9 @@ struct HostStoreOptions {
   bool with_grad_accum = false;  ///< add the fp32 gradient accumulator section
   bool pin = false;              ///< page-lock the whole arena (one registration)
   int64_t memory_limit_bytes = -1;  ///< budget override; -1: MemAvailable / cgroup / memlock
+  /// false: skip the MemAvailable / cgroup / memlock check (the caller already ran it for the
+  /// arena, e.g. with the credit of the model weights it frees while filling the store).
+  bool check_budget = true;
   /// Stagger the sections of large units (MEGATRAIN_STORE_SKEW, common/tuning.h): see
   /// HostStore::kSkewMinSectionBytes.
   bool skew_sections = common::tuning().store_skew;

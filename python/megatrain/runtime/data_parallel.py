@@ -41,7 +41,6 @@ from typing import List, Optional
 import torch
 
 from .._loader import load_extension
-from .host_memory import checked_in_python
 from .options import ENV, options
 
 _C = load_extension()
@@ -230,8 +229,9 @@ class DataParallel:
         page = mmap.PAGESIZE
         fd = self._share(max(page, -(-int(total_bytes) // page) * page), "megatrain host store")
         try:
-            with checked_in_python():
-                store = _C.HostStore(tables, compute_dtype, with_grad_accum, pin, frozen=frozen, shared_fd=fd)
+            # the engine checked the budget (with its credit) before any rank got here
+            store = _C.HostStore(tables, compute_dtype, with_grad_accum, pin, frozen=frozen, shared_fd=fd,
+                                 check_budget=False)
         finally:
             os.close(fd)
         self.barrier("mapping the shared host store")  # local rank 0's descriptor was open until every rank mapped
@@ -317,8 +317,7 @@ class DataParallel:
             free = self._pinned.get((numel, dtype))
             if free:
                 return free.pop()
-        with checked_in_python():
-            return _C.pinned_empty(numel, dtype)
+        return _C.pinned_empty(numel, dtype, check_budget=False)  # staging: counted in the store's check
 
     def give_back(self, buf: torch.Tensor) -> None:
         with self._pinned_lock:

@@ -46,11 +46,12 @@ import torch
 from .._loader import load_extension
 from . import data_parallel
 from .grads import GradLedger
-from .host_memory import check_host_budget, checked_in_python
+from .host_memory import check_host_budget
 from .options import Options, options
 from .slots import SlotPool
 from .stats import EngineStats
 from .units import Unit, plan_host_memory, unit_tables
+from .updates import UpdateQueue
 from .worker import _Worker
 
 _C = load_extension()
@@ -102,7 +103,7 @@ def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
     return getattr(param, "_megatrain", None)
 
 
-class Engine(SlotPool, GradLedger, EngineStats):
+class Engine(SlotPool, GradLedger, UpdateQueue, EngineStats):
     """Streams units between a ``HostStore`` and a compute device (see module docstring).
 
     Args:
@@ -151,13 +152,13 @@ class Engine(SlotPool, GradLedger, EngineStats):
                           "host store", reclaimable_bytes=credit)
         # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
         self.dp = data_parallel.detect(device)
-        with checked_in_python():
-            if self.dp is not None:
-                self.store = self.dp.create_store(tables, compute_dtype, in_store,
-                                                  self.cuda and not self.pin_after_fill, frozen, store_bytes)
-            else:
-                self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
-                                          frozen=frozen)
+        # checked above, with the credit of the model's own weights: the store's own check is skipped
+        if self.dp is not None:
+            self.store = self.dp.create_store(tables, compute_dtype, in_store,
+                                              self.cuda and not self.pin_after_fill, frozen, store_bytes)
+        else:
+            self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
+                                      frozen=frozen, check_budget=False)
         for u in units:
             state_offs = self.store.state_offsets(u.index)
             for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
@@ -281,8 +282,8 @@ class Engine(SlotPool, GradLedger, EngineStats):
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:
-            with checked_in_python():  # bounded staging, counted in the store's budget check
-                return _C.pinned_empty(numel, self.compute_dtype)
+            # bounded staging, counted in the store's budget check
+            return _C.pinned_empty(numel, self.compute_dtype, check_budget=False)
         return torch.empty(numel, dtype=self.compute_dtype)
 
     def section(self, unit: Unit, name: str) -> torch.Tensor:

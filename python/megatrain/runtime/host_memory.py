@@ -3,20 +3,17 @@ limits of this process, with the credit of memory freed while the store is fille
 
 The limits are read by the C++ side (``_C.memory_available``) and the rules are the C++
 ``host_budget_shortfall``; the C++ allocations (``HostStore``, ``pinned_empty``) run the same
-check themselves, which the engine skips (``checked_in_python``) where it has already checked with
-a credit they do not know of (the model's own weights, freed layer by layer during the fill).
+check themselves unless told that the caller already did (``check_budget=False``): the engine
+checks the store and its staging pool once, here, with a credit they do not know of (the model's
+own weights, freed layer by layer during the fill), and constructs them with ``check_budget=False``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Optional
 
 from .._loader import load_extension
-from .options import ENV, options
-
-_ENV = ENV["skip_host_memory_check"]
+from .options import options
 
 
 def host_memory_limits() -> dict:
@@ -75,16 +72,3 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimab
     load_extension().check_host_budget(int(needed_bytes), int(pinned_bytes), what, int(reclaimable_bytes),
                                        host_memory_limits())
 
-
-@contextlib.contextmanager
-def checked_in_python():
-    """Within this block the C++ allocations skip their own (already done) budget check."""
-    old = os.environ.get(_ENV)
-    os.environ[_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(_ENV, None)
-        else:
-            os.environ[_ENV] = old
