@@ -43,6 +43,8 @@ from typing import List, Optional
 
 import torch
 
+from .grads import grad_norms
+
 # device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
 # memory free when the model is wrapped; the rest is left for activations (activation_policy
 # "auto" measures what is left), logits and fragmentation.
@@ -229,7 +231,7 @@ class DeviceState:
         unit.last_task = task_id
         if not idx:
             return
-        norms = torch.stack([torch.linalg.vector_norm(du.fp32("grad", i), dtype=torch.float64) for i in idx])
+        norms = grad_norms([du.fp32("grad", i) for i in idx], eng.fused_grad_norms)
         ev = None
         if eng.cuda:
             eng.wait_task(du.grad_task)  # the previous task read the row; almost always long done

@@ -171,6 +171,7 @@ class Engine(SlotPool, GradLedger, UpdateQueue, EngineStats):
         self.overlap = self.options.overlap
         self.d2h_overlap = self.options.d2h_overlap
         self.eager_updates = self.options.eager_updates
+        self.fused_grad_norms = self.options.fused_grad_norms
         self._init_slots(num_slots)
         self._init_grads(staging_buffers)
         self._worker = _Worker(adam_threads=self.options.adam_threads)

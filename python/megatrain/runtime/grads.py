@@ -41,6 +41,22 @@ def landed(s) -> bool:
     return s.place in _LANDED or s.norm_known
 
 
+def grad_norms(tensors: List[torch.Tensor], fused: bool = True) -> torch.Tensor:
+    """L2 norms of ``tensors`` (any shapes and float dtypes, one device), reduced in float64.
+
+    On a CUDA device with ``fused``: one ``torch._foreach_norm`` launch for all of them (the
+    engine's ``fused_grad_norms``, ``Options.fused_grad_norms``); otherwise one
+    ``torch.linalg.vector_norm`` per tensor (always on the CPU, so CPU results stay bit-identical).
+    The two may differ in the last bits (another summation order).
+
+    Returns:
+        float64 tensor of shape ``(len(tensors),)`` on the tensors' device, enqueued on the current stream.
+    """
+    if fused and tensors and tensors[0].is_cuda:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
+
+
 class UnitGrads:
     """Per-unit views of the gradient ledger (mixed into :class:`~megatrain.runtime.units.Unit`).
 
@@ -283,7 +299,7 @@ class GradLedger:
         norm_idx = [i for i, d in enumerate(direct) if d]
         if need_norm:
             with torch.no_grad():
-                dev_norms = torch.stack([torch.linalg.vector_norm(grads[i], dtype=torch.float64) for i in norm_idx])
+                dev_norms = grad_norms([grads[i] for i in norm_idx], self.fused_grad_norms)
         ev = None
         nbytes = 0
 

@@ -54,6 +54,9 @@ class Options:
             gradient D2H before the next layer's backward, so copies never run under compute.
         eager_updates: benchmark "before" switch. False: no update starts during backward; all
             are queued by ``step()`` (as with clipping), so CPU Adam overlaps only the next forward.
+        fused_grad_norms: benchmark "before" switch. True: the squared norms of a layer's gradients
+            on a CUDA device are one ``torch._foreach_norm`` launch; False: one
+            ``torch.linalg.vector_norm`` launch per tensor. The CPU path is per tensor either way.
     """
 
     pin_after_fill: bool = True
@@ -66,6 +69,7 @@ class Options:
     overlap: bool = True
     d2h_overlap: bool = True
     eager_updates: bool = True
+    fused_grad_norms: bool = True
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Options":
