@@ -156,11 +156,19 @@ def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path
     (["--chunked-loss", "false", "--tile-mlp", "4096"],
      "long context: full logits (chunked_loss=false); MLP over tiles of 4,096 rows (tile_mlp=4096)"),
 ])
-def test_dry_run_at_512k_tokens_says_how_the_loss_and_mlp_are_split(tmp_path, capsys, flags, expect):
+def test_dry_run_at_512k_tokens_says_how_the_loss_and_mlp_are_split(tmp_path, capsys, monkeypatch, flags, expect):
+    """The dry run prints how the loss and the MLP are split; on the CPU device the 8 x 524288 tokens'
+    activations (~60 GiB) live in host memory too, so a 24 GiB host refuses the run, saying what to lower."""
+    from megatrain.runtime import host_memory
+
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(
+        mem_available_bytes=24 << 30, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
+        cgroup_path=None))
     out = tmp_path / "out"
     code, stdout, err = _run_main(["train", "--dry-run", "--out", str(out), "--seq-len", "524288", "--set",
                                    "model.max_position_embeddings=524288", "--device", "cpu", *flags], capsys)
-    assert code == 0, err
+    assert code != 0 and "of host memory for the CPU device's slots and activations" in err, err
+    assert "lower micro_batch_size or seq_len" in err and "\n" not in err.strip(), err
     assert "8 x 524288 tokens" in stdout and expect in stdout, stdout
     if not flags:
         assert "(chunked_loss=auto); MLP over tiles of" in stdout and "(tile_mlp=auto)" in stdout

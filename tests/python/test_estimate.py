@@ -202,5 +202,24 @@ def test_estimate_auto_policy_spaces_checkpoints_when_the_inputs_do_not_fit(monk
         mem_available_bytes=free, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
         cgroup_path=None))
     est = megatrain.estimate(cfg, device="cpu", seq_len=4096, activation_policy="auto")
-    k = checkpoint_spacing(16, layer_in, 0.6 * free)
+    k = checkpoint_spacing(16, layer_in, 0.6 * (free - est.host_bytes))  # the CPU device's memory beside the store
     assert k > 1 and est.activation_policy == f"auto (block:{k})"
+
+
+def test_on_the_cpu_device_activations_and_the_store_share_host_memory(monkeypatch):
+    """On the CPU device the activations live in host memory beside the store: an estimate whose store
+    fits but whose store plus activations do not is refused with what to lower (it once said "fits")."""
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    short = megatrain.estimate(cfg, device="cpu", seq_len=64)
+    long = megatrain.estimate(cfg, device="cpu", seq_len=1 << 19)
+    limit = short.host_bytes + (long.gpu_bytes + short.gpu_bytes) // 2  # room for the short run only
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(limit))
+    short = megatrain.estimate(cfg, device="cpu", seq_len=64)
+    long = megatrain.estimate(cfg, device="cpu", seq_len=1 << 19)
+    assert short.fits and short.gpu_fits and short.gpu_free_bytes == limit - short.host_bytes
+    assert long.host_fits and long.gpu_fits is False and not long.fits
+    line = long.reason()
+    assert "\n" not in line and "of host memory for the CPU device's slots and activations" in line
+    assert "lower micro_batch_size or seq_len" in line and "DOES NOT FIT" in str(long)

@@ -257,14 +257,16 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     free = None
     if cuda and torch.cuda.is_available():
         free = int(torch.cuda.mem_get_info(device)[0])
-    elif not cuda:
-        free = limits["mem_available_bytes"]
+    elif not cuda and limits["mem_available_bytes"] is not None:  # the CPU device's memory is the host's:
+        free = max(0, limits["mem_available_bytes"] - host)           # what the host store leaves
     tokens = micro_batch_size * seq_len if seq_len else 0
     loss_rows, mlp_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss, tile_mlp)
     act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free, mlp_rows)
     logits = _logits_bytes(config, tokens, elem, loss_rows)
     gpu = slot_bytes + resident_bytes + act + logits
-    gpu_fits = (gpu <= free) if (cuda and free is not None) else None
+    # CPU device: checked for a training run (seq_len given), against what the host store leaves
+    checked = cuda or (tokens > 0 and not options().skip_host_memory_check)
+    gpu_fits = (gpu <= free) if free is not None and checked else None
 
     total = int(layout["total_numel"])
     frozen = int(layout["frozen_numel"])
@@ -278,7 +280,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         accumulator_bytes=accum, staging_bytes=staging, host_bytes=host, pinned_bytes=pinned,
         reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name, host_fits=short is None,
         slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
-        gpu_bytes=gpu, gpu_free_bytes=free if cuda else None, gpu_fits=gpu_fits,
+        gpu_bytes=gpu, gpu_free_bytes=free if gpu_fits is not None else None, gpu_fits=gpu_fits,
         chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows)
     if cuda and not torch.cuda.is_available():
         est.notes.append("CUDA is not available here: GPU memory not checked")
@@ -308,7 +310,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             if host and have > 0:
                 est.advice.append(f"or a smaller model (about {_count(int(total * have / host))} parameters fit)")
     if gpu_fits is False:
-        est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory but {_fmt(free)} are free")
+        est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory but {_fmt(free)} are free" if cuda else
+                           f"needs ~{_fmt(gpu)} of host memory for the CPU device's slots and activations, but "
+                           f"{_fmt(free)} are left beside the {_fmt(host)} of the host store")
         if act + logits > slot_bytes + resident_bytes:
             tip = "lower micro_batch_size or seq_len"
             if chosen == "store" or chosen.startswith("block:"):

@@ -67,7 +67,7 @@ class MemoryEstimate:
     logits_bytes: int
     gpu_bytes: int  # slot + resident + activation + logits (device memory; host memory when device is cpu)
     gpu_free_bytes: Optional[int]
-    gpu_fits: Optional[bool]  # None: not checked (CPU device, or no CUDA here)
+    gpu_fits: Optional[bool]  # None: not checked (no CUDA here, or the host check is skipped)
     chunked_loss: str = "auto"  # the modes asked for (as megatrain.wrap) and what they give at this batch:
     tile_mlp: str = "auto"
     loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
@@ -124,7 +124,7 @@ class MemoryEstimate:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
             L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
                      + ("fits" if self.host_fits else "DOES NOT FIT"))
-        where = "GPU" if self.device.startswith("cuda") else "device (cpu: host)"
+        where = "GPU" if self.device.startswith("cuda") else "device (cpu: host memory beside the store)"
         tokens = f"{self.micro_batch_size} x {self.seq_len} tokens" if self.seq_len else "no sequence length given"
         L.append(f"{where} memory (slots and resident exact; activations and logits rough, {self.activation_policy}, "
                  f"{tokens}):")
