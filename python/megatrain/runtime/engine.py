@@ -175,7 +175,7 @@ class Engine(SlotPool, GradLedger, UpdateQueue, EngineStats):
         self._init_slots(num_slots)
         self._init_grads(staging_buffers)
         self._worker = _Worker(adam_threads=self.options.adam_threads)
-        if self.dp is not None:  # this rank's pieces of the shared store (runtime/data_parallel.py)
+        if self.dp is not None:  # this rank's pieces of the shared store (runtime/data_parallel/)
             data_parallel.attach(self)
         self._init_stats()
         self._optimizer: Optional[EngineOptimizer] = None

@@ -155,7 +155,7 @@ class GradLedger:
     def task_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
         """Flat view of entry ``i`` of ``unit`` in section ``name`` that the update tasks read and write.
 
-        The whole entry here; a data parallel rank's piece of it (``runtime/data_parallel.py``).
+        The whole entry here; a data parallel rank's piece of it (``runtime/data_parallel/``).
         """
         return self.entry_view(unit, i, name).view(-1)
 
