@@ -240,7 +240,7 @@ def _device_sync(device):
 
 # megatrain variant options that are fields of megatrain.runtime.options.Options (the "before" of a ratio)
 VARIANT_OPTIONS = {"overlap": "overlap", "d2h": "d2h_overlap", "eager": "eager_updates", "threads": "adam_threads",
-                   "fusednorm": "fused_grad_norms"}
+                   "fusednorm": "fused_grad_norms", "cslots": "cpp_slots"}
 
 
 def megatrain_variant(name: str) -> dict:
@@ -249,7 +249,8 @@ def megatrain_variant(name: str) -> dict:
     ``d2h`` (0: ``Options.d2h_overlap=False``, the compute stream waits for each layer's gradient D2H),
     ``eager`` (0: ``Options.eager_updates=False``, no update starts during backward: all wait for step()),
     ``threads`` (``Options.adam_threads``: CPU threads of the fused Adam), ``fusednorm`` (0:
-    ``Options.fused_grad_norms=False``, one norm launch per gradient tensor instead of one per layer), ``acc`` (0:
+    ``Options.fused_grad_norms=False``, one norm launch per gradient tensor instead of one per layer), ``cslots``
+    (0: ``Options.cpp_slots=False``, the slot pool and the H2D / D2H copies in Python on torch streams), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
     ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit).
@@ -263,7 +264,7 @@ def megatrain_variant(name: str) -> dict:
         k, sep, v = kv.partition("=")
         if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, acc=0|1, "
+                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, acc=0|1, "
                              "devstate=K|auto")
         if k == "devstate" and v != "auto" and not v.isdigit():
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count or 'auto'")
@@ -291,7 +292,7 @@ def run_megatrain(spec):
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
                     grad_accumulator=accumulator, device_state_layers=devstate,
                     overlap=mo.overlap, d2h_overlap=mo.d2h_overlap, eager_updates=mo.eager_updates,
-                    fused_grad_norms=mo.fused_grad_norms, adam_threads=mo.adam_threads or "torch default",
+                    fused_grad_norms=mo.fused_grad_norms, cpp_slots=mo.cpp_slots, adam_threads=mo.adam_threads or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=clip, grad_accum=ga, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"], spec["device"])

@@ -49,7 +49,7 @@ def test_megatrain_variant_options_parse_and_bad_ones_are_refused():
         bench_train.megatrain_variant("megatrain:prefetch=2")
     with pytest.raises(ValueError, match="bad megatrain variant option"):
         bench_train.megatrain_variant("megatrain:slots")
-    assert bench_train.megatrain_variant("megatrain:fusednorm=0") == {"fusednorm": "0"}
+    assert bench_train.megatrain_variant("megatrain:fusednorm=0,cslots=0") == {"fusednorm": "0", "cslots": "0"}
     assert bench_train.megatrain_variant("megatrain:devstate=14") == {"devstate": "14"}
     assert bench_train.megatrain_variant("megatrain:devstate=auto") == {"devstate": "auto"}
     with pytest.raises(ValueError, match="devstate is a layer count"):

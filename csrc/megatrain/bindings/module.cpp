@@ -30,6 +30,7 @@ namespace megatrain {
 namespace bindings {
 void init_scheduler(py::module_& m);  // scheduler.cpp
 void init_disk_tier(py::module_& m);  // disk_tier.cpp
+void init_streams(py::module_& m);    // streams.cpp
 }  // namespace bindings
 }  // namespace megatrain
 using megatrain::common::CpuIsa;
@@ -192,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   megatrain::bindings::init_scheduler(m);
   megatrain::bindings::init_disk_tier(m);
+  megatrain::bindings::init_streams(m);
 
   m.def("build_info", &build_info,
         "Versions and options this extension was built with, plus the CPU ISA chosen now.");

@@ -23,10 +23,11 @@ copies (the "CPU backend"), so every path is exercised by CPU tests.
 * this module: construction (budget check, store), host-store views and the fp32 accumulator,
   device-state layers, ``sync_host`` / ``host_written``, waiting for the worker (``flush``,
   ``wait_grads``, ``wait_event``);
-* :mod:`.slots` (:class:`~.slots.SlotPool`): ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``,
-  ``wait_update``, ``bind`` / ``unbind``;
-* :mod:`.grads` (:class:`~.grads.GradLedger`): ``submit_grads`` (D2H + accumulation),
-  ``submit_update``, ``ensure_weights``, ``zero_grad``;
+* :mod:`.slots` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): ``acquire`` /
+  ``prefetch`` / ``release``, ``copy_h2d``, ``wait_update``, ``bind`` / ``unbind``, ``drop_slots``;
+* :mod:`.grads` (:class:`~.grads.GradLedger`): ``submit_grads`` (hand-over + accumulation), ``settle``;
+* :mod:`.grad_copies` (:class:`~.grad_copies.GradCopies`): ``copy_grads_d2h`` (the gradient D2H);
+* :mod:`.updates` (:class:`~.updates.UpdateQueue`): ``submit_update``, ``ensure_weights``, ``zero_grad``;
 * :mod:`.stats` (:class:`~.stats.EngineStats`): ``stats()``.
 
 The units and entries it streams are :mod:`.units`'s; the CPU thread is :mod:`.worker`'s.
@@ -45,6 +46,7 @@ import torch
 
 from .._loader import load_extension
 from . import data_parallel
+from .grad_copies import GradCopies
 from .grads import GradLedger
 from .host_memory import check_host_budget
 from .options import Options, options
@@ -103,7 +105,7 @@ def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
     return getattr(param, "_megatrain", None)
 
 
-class Engine(SlotPool, GradLedger, UpdateQueue, EngineStats):
+class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
     """Streams units between a ``HostStore`` and a compute device (see module docstring).
 
     Args:
@@ -247,7 +249,7 @@ class Engine(SlotPool, GradLedger, UpdateQueue, EngineStats):
         self.device_state = ds.DeviceState(self, chosen)
         for template in list(self.slots):  # slots of a layer shape no streamed layer uses any more
             if all(u.device_state is not None for u in self.layers if u.template == template):
-                self.slots[template] = []
+                self.drop_slots(template)
         return layers
 
     def free_device_bytes(self) -> int:

@@ -295,50 +295,12 @@ class GradLedger:
         elif callable(staging):  # a caller's buffer, allocated only when a gradient is staged
             staging = staging() if any(staged) else None
         compute = self.section(unit, "compute") if any(direct) else None
-        norms = None
         norm_idx = [i for i, d in enumerate(direct) if d]
         if need_norm:
             with torch.no_grad():
                 dev_norms = grad_norms([grads[i] for i in norm_idx], self.fused_grad_norms)
-        ev = None
-        nbytes = 0
-
-        def copies(non_blocking: bool):
-            n = 0
-            for i, (e, g) in enumerate(zip(unit.entries, grads)):
-                if g is not None:
-                    dst = compute if direct[i] else staging
-                    dst[e.offset:e.offset + e.numel].copy_(g.reshape(-1), non_blocking=non_blocking)
-                    n += g.numel() * g.element_size()
-            return n
-
-        if self.cuda:
-            backward_done = torch.cuda.Event()
-            backward_done.record(self.compute_stream())
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(backward_done)
-                if self.debug:
-                    torch.cuda._sleep(2_000_000)
-                end = self._timed("d2h", self.d2h_stream)
-                nbytes = copies(True)
-                for g in grads:
-                    if g is not None:
-                        g.record_stream(self.d2h_stream)
-                if need_norm:
-                    self.wait_task(unit.grad_task)  # it read this row; almost always long done
-                    norms = self._norm_rows[unit.index, :len(norm_idx)]
-                    norms.copy_(dev_norms, non_blocking=True)
-                    dev_norms.record_stream(self.d2h_stream)
-                end.record(self.d2h_stream)
-                ev = torch.cuda.Event()
-                ev.record(self.d2h_stream)
-            if not self.d2h_overlap:
-                self.compute_stream().wait_event(ev)
-        else:
-            nbytes = copies(False)
-            if need_norm:
-                norms = dev_norms
-        self._stats["d2h_bytes"] += nbytes
+        norms, ev = self.copy_grads_d2h(unit, grads, direct, compute, staging, norm_idx,
+                                        dev_norms if need_norm else None)
 
         direct_grads = [(i, norms, k) for k, i in enumerate(norm_idx)]
         staged_grads = [(i, self.entry_view(unit, i, "grad_accum").view(-1), staging[e.offset:e.offset + e.numel],

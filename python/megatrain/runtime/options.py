@@ -57,6 +57,9 @@ class Options:
         fused_grad_norms: benchmark "before" switch. True: the squared norms of a layer's gradients
             on a CUDA device are one ``torch._foreach_norm`` launch; False: one
             ``torch.linalg.vector_norm`` launch per tensor. The CPU path is per tensor either way.
+        cpp_slots: benchmark "before" switch. True: the slot pool, its H2D copies and events, and
+            the gradient D2H copies are the C++ scheduler's (``megatrain._C.SlotPool``,
+            ``_C.copy_to_host``); False: the same in Python on torch streams and events.
     """
 
     pin_after_fill: bool = True
@@ -70,6 +73,7 @@ class Options:
     d2h_overlap: bool = True
     eager_updates: bool = True
     fused_grad_norms: bool = True
+    cpp_slots: bool = True
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Options":

@@ -6,6 +6,10 @@ import threading
 
 import torch
 
+from .._loader import load_extension
+
+_C = load_extension()
+
 
 class EngineStats:
     """Cumulative counters of an :class:`~megatrain.runtime.engine.Engine` (``stats()``)."""
@@ -28,6 +32,15 @@ class EngineStats:
             self._collect_copy_times()
         self._timed_copies.append((kind, start, end))
         return end
+
+    def _copy_timing(self, kind: str):
+        """``(start, end)``: two timing ``_C.CudaEvent`` for a copy the C++ side records (CUDA only)."""
+        start = _C.CudaEvent(True, self._device_index)
+        end = _C.CudaEvent(True, self._device_index)
+        if len(self._timed_copies) > 4096:
+            self._collect_copy_times()
+        self._timed_copies.append((kind, start, end))
+        return start, end
 
     def placement(self) -> dict:
         """Where the decoder layers' training state and activations live (what the planner chose).
