@@ -252,11 +252,13 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"megatrain.save_checkpoint: extra must be JSON-serialisable: {e}") from None
-    eng.sync_host()  # queued Adam updates and gradient accumulation are done; device-state layers copied
     dp = getattr(eng, "dp", None)
-    if dp is not None:  # data parallel: the store is shared, global rank 0 writes the one checkpoint
-        return dp.on_rank0(lambda: _save(directory, eng, optimizer, lr_scheduler, extra_json), "save_checkpoint",
-                           os.path.abspath(directory))
+    if dp is not None:  # data parallel: every rank calls it at the same point; global rank 0 writes the one checkpoint
+        with dp.collective("megatrain.save_checkpoint", os.path.abspath(directory)):
+            eng.sync_host()  # this rank's updates; rank 0's also waits for every peer's
+            return dp.on_rank0(lambda: _save(directory, eng, optimizer, lr_scheduler, extra_json), "save_checkpoint",
+                               os.path.abspath(directory))
+    eng.sync_host()  # queued Adam updates and gradient accumulation are done; device-state layers copied
     return _save(directory, eng, optimizer, lr_scheduler, extra_json)
 
 
@@ -409,15 +411,21 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
                                   f"({len(saved)} groups, {[len(n) for n in saved]} params)")
         by_name = {_param_name(p): p for g in optimizer.param_groups for p in g["params"]}
 
+    dp = getattr(eng, "dp", None)
+    if dp is not None:  # data parallel: every rank calls it at the same point; local rank 0 reads into the node's store
+        what = f"{os.path.abspath(directory)} optimizer={optimizer is not None} scheduler={lr_scheduler is not None}"
+        with dp.collective("megatrain.load_checkpoint", what):
+            eng.zero_grad()
+            eng.sync_host()
+            sections = SECTIONS if optimizer is not None else ("master",)
+            dp.on_local0(lambda: _read_units(directory, m, eng, sections), "load_checkpoint")
+            eng.invalidate(eng.units)
+            _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name)
+        return state.get("extra") or {}
     eng.zero_grad()  # gradients accumulated before the load belong to other weights
     eng.sync_host()  # (without the optimizer only masters are read: the moments stay as they are)
     sections = SECTIONS if optimizer is not None else ("master",)
-    dp = getattr(eng, "dp", None)
-    if dp is not None:  # data parallel: local rank 0 reads into the node's shared store, the others wait
-        dp.on_local0(lambda: _read_units(directory, m, eng, sections), "load_checkpoint")
-        eng.invalidate(eng.units)
-    else:
-        _read_units(directory, m, eng, sections)
+    _read_units(directory, m, eng, sections)
     _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name)
     return state.get("extra") or {}
 

@@ -70,7 +70,22 @@ def main():
     batches = make_batches(cfg_vocab(model), args["steps"], ga, b * world, args.get("seq", 8), seed=args.get("data_seed", 1))
     losses, changed = [], []
     prev = megatrain.master_state_dict(model) if args.get("check_updates") else None
+    loaded = None
     for step, micro in enumerate(batches):
+        if args.get("stop_at") == [step, rank]:
+            print(f"DIVERGES {time.time()}", flush=True)
+            break  # a rank that stops early (it still saves at the end with save_end)
+        spec = args.get("load_sd")
+        if spec and step == spec["step"] and rank in spec["ranks"]:
+            sd = torch.load(spec["path"], weights_only=True)
+            print(f"DIVERGES {time.time()}", flush=True)
+            if "model" in spec.get("what", ["model", "optimizer"]):
+                model.load_state_dict(sd["model"])
+            if "optimizer" in spec.get("what", ["model", "optimizer"]):
+                opt.load_state_dict(sd["optimizer"])
+            loaded = dict(params=megatrain.master_state_dict(model), optimizer=clone(opt.state_dict()))
+            if prev is not None:
+                prev = megatrain.master_state_dict(model)
         total = 0.0
         for x in micro:
             x = x[rank * b:(rank + 1) * b].to(device)
@@ -98,14 +113,27 @@ def main():
             prev = cur
         if args.get("save_at") == step:
             megatrain.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
-    res = dict(losses=losses, changed=changed, pss0=pss0, pss=pss_bytes(), time=time.time())
+    res = dict(losses=losses, changed=changed, pss0=pss0, pss=pss_bytes(), time=time.time(), loaded=loaded)
     if rank == 0 or args.get("all_params"):
         res["params"] = megatrain.master_state_dict(model)
-    if args.get("save_end"):
+    if args.get("save_end") is True or rank in (args.get("save_end") or ()):
         megatrain.save_checkpoint(os.path.join(out_dir, "ckpt_end"), model, opt)
+    elif args.get("save_end"):
+        print(f"DIVERGES {time.time()}", flush=True)  # a rank that does not save at the end (the others do)
     dist.barrier()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def clone(obj):
+    """A deep copy of a state dict whose tensors may be views of the host store."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone(v) for v in obj)
+    return obj
 
 
 def cfg_vocab(model):

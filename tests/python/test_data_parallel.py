@@ -137,7 +137,11 @@ def _train(model, opt, args, world):
     batches = make_batches(model.config.vocab_size, args["steps"], args["ga"], args["b"] * world, 8,
                            seed=args.get("data_seed", 1))
     losses = []
-    for micro in batches:
+    for step, micro in enumerate(batches):
+        if args.get("load_sd") and step == args["load_sd"]["step"]:
+            sd = torch.load(args["load_sd"]["path"], weights_only=True)
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optimizer"])
         total = 0.0
         for x in micro:
             loss = model(input_ids=x, labels=x).loss / args["ga"]
@@ -186,32 +190,127 @@ def test_shared_store_is_counted_once(tmp_path):
     assert g2 <= 1.1 * g1
 
 
-def test_a_rank_that_dies_ends_the_job_and_the_checkpoint_loads(tmp_path):
-    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=6, save_at=1, die_at=[3, 1])
-    procs = launch(tmp_path, 2, args)
-    t_first, t_last = None, None
-    deadline = time.monotonic() + 150
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if t_first is None and any(p.poll() is not None for p in procs):
-            t_first = time.monotonic()
+def wait_exits(procs, limit=150):
+    """Wait for every process (killing them after ``limit`` s); returns (outputs, exit time of each, monotonic)."""
+    ends = [None] * len(procs)
+    deadline = time.monotonic() + limit
+    while any(e is None for e in ends) and time.monotonic() < deadline:
+        for k, p in enumerate(procs):
+            if ends[k] is None and p.poll() is not None:
+                ends[k] = time.time()
         time.sleep(0.05)
-    t_last = time.monotonic()
-    if t_first is None:
-        t_first = t_last
     outs = []
-    for p in procs:
+    for k, p in enumerate(procs):
         if p.poll() is None:
             p.kill()
         outs.append(p.communicate()[0])
+    return outs, [e if e is not None else float("inf") for e in ends]
+
+
+def diverged_at(out: str) -> float:
+    """The time a rank printed when it left the common path (dp_rank.py's ``DIVERGES <time>``)."""
+    return float(next(line for line in out.splitlines() if line.startswith("DIVERGES")).split()[1])
+
+
+def test_a_rank_that_dies_ends_the_job_and_the_checkpoint_loads(tmp_path):
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=6, save_at=1, die_at=[3, 1])
+    procs = launch(tmp_path, 2, args)
+    outs, ends = wait_exits(procs)
     assert procs[1].returncode == 17, outs[1][-2000:]
     assert procs[0].returncode not in (0, None), outs[0][-2000:]
-    print(f"rank 0 exited {t_last - t_first:.2f} s after rank 1 died:", outs[0].strip().splitlines()[-1][:400])
-    assert t_last - t_first < 60
-    assert "megatrain data parallel" in outs[0] and "died" in outs[0], outs[0][-2000:]
+    print(f"rank 0 exited {ends[0] - ends[1]:.2f} s after rank 1 died:", outs[0].strip().splitlines()[-1][:400])
+    assert ends[0] - ends[1] < 60
+    assert "megatrain data parallel" in outs[0] and "exited" in outs[0], outs[0][-2000:]
     model, opt = _one_rank(args)
     megatrain.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
     megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert all(float(opt.state[p]["step"]) == 2 for g in opt.param_groups for p in g["params"])
+
+
+def _state_to_load(tmp_path, args) -> str:
+    """A file with a 1-process model's and optimizer's state dicts after 2 steps on other data."""
+    from dp_rank import clone
+
+    model, opt = _one_rank(args)
+    _train(model, opt, dict(args, steps=2, data_seed=7), 2)
+    path = str(tmp_path / "state.pt")
+    torch.save({"model": clone(model.state_dict()), "optimizer": clone(opt.state_dict())}, path)
+    return path
+
+
+def test_every_rank_loading_state_dicts_matches_one_rank(tmp_path):
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=5, check_updates=True)
+    path = _state_to_load(tmp_path, args)
+    args["load_sd"] = dict(step=2, ranks=[0, 1], path=path)
+    res = run_ranks(tmp_path, 2, args)
+    sd = torch.load(path, weights_only=True)
+    for r in res:  # right after the load: the state dicts bit for bit, on every rank (what one process holds)
+        for n, t in sd["model"].items():
+            assert torch.equal(r["loaded"]["params"][n], t), n
+        got = r["loaded"]["optimizer"]
+        assert got["param_groups"] == sd["optimizer"]["param_groups"]
+        for pid, st in sd["optimizer"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got["state"][pid][k], st[k]), (pid, k)
+    model, opt = _one_rank(args)
+    ref_losses = _train(model, opt, args, 2)  # the same load at the same step, one process x the global batch
+    check_parity(res, ref_losses, megatrain.master_state_dict(model), 2)
+
+
+def _diverging_run(tmp_path, args, clear=(0, 1), env_extra=None):
+    """Both ranks exit non-zero within 60 s of the divergence, the ranks in ``clear`` with a one-line data
+    parallel error; returns each rank's last error line."""
+    procs = launch(tmp_path, 2, dict(args, pg_timeout=600), env_extra=env_extra)  # the group's timeout: no help
+    outs, ends = wait_exits(procs, limit=90)
+    t0 = min(diverged_at(o) for o in outs if "DIVERGES" in o)
+    lines = []
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode not in (0, None), f"rank {r} exited with {p.returncode}:\n{out[-3000:]}"
+        last = [ln for ln in out.strip().splitlines() if "Error" in ln][-1]
+        print(f"rank {r} exited {ends[r] - t0:.2f} s after the divergence: {last[:300]}")
+        assert ends[r] - t0 < 60
+        if r in clear:
+            assert "DataParallelError" in last and "every rank must make this call" in last, out[-3000:]
+        lines.append(last)
+    return lines
+
+
+@pytest.mark.parametrize("what", [["model"], ["optimizer"]])
+def test_a_state_dict_loaded_on_one_rank_only_stops_every_rank(tmp_path, what):
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=4, save_at=1)
+    path = _state_to_load(tmp_path, args)
+    args["load_sd"] = dict(step=2, ranks=[0], path=path, what=what)
+    lines = _diverging_run(tmp_path, args)
+    call = "model.load_state_dict" if what == ["model"] else "optimizer.load_state_dict"
+    assert all(f"rank 0 called {call} after 2 optimizer steps, but rank 1 went on training" in ln for ln in lines)
+    model, opt = _one_rank(args)  # the checkpoint of step 1 is intact
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+
+
+def test_a_rank_that_stops_early_ends_the_job_and_the_checkpoint_stays(tmp_path):
+    # rank 1 stops after 3 steps and saves; rank 0 trains on: neither waits for the other
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=6, save_at=1, stop_at=[3, 1], save_end=True)
+    lines = _diverging_run(tmp_path, args)
+    assert all("rank 1 called megatrain.save_checkpoint after 3 optimizer steps, but rank 0 went on training" in ln
+               for ln in lines)
+    assert not (tmp_path / "ckpt_end").exists()
+    model, opt = _one_rank(args)
+    megatrain.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert all(float(opt.state[p]["step"]) == 2 for g in opt.param_groups for p in g["params"])
+
+
+def test_a_rank_that_never_makes_the_call_ends_the_job_after_the_timeout(tmp_path):
+    # rank 0 saves at the end; rank 1 does not (it waits in its own dist.barrier()): rank 0 gives up after
+    # MEGATRAIN_DP_TIMEOUT, and rank 1's barrier fails when rank 0 exits
+    args = dict(ga=2, max_grad_norm=0.05, b=2, steps=2, save_at=0, save_end=[0])
+    lines = _diverging_run(tmp_path, args, clear=(0,), env_extra={"MEGATRAIN_DP_TIMEOUT": "6"})
+    assert "rank 0 called megatrain.save_checkpoint after 2 optimizer steps, but rank 1 did not make it within " \
+           "MEGATRAIN_DP_TIMEOUT=6 s" in lines[0]
+    assert not (tmp_path / "ckpt_end").exists()
+    model, opt = _one_rank(args)
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert all(float(opt.state[p]["step"]) == 1 for g in opt.param_groups for p in g["params"])
 
 
 @pytest.mark.cuda

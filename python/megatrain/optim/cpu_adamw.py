@@ -424,9 +424,23 @@ class CPUAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load a state dict produced by ``state_dict()`` (same parameter order) into the host store.
 
+        Data parallel: a collective call (every rank calls it with the same ``state_dict``, at the
+        same point; :mod:`megatrain.runtime.data_parallel.calls`): each node's local rank 0 writes
+        ``exp_avg`` / ``exp_avg_sq`` into the shared store, every rank sets its step counts and groups.
+
         Raises:
             ValueError: if the groups or state shapes do not match this optimizer's parameters.
         """
+        dp = getattr(self.engine, "dp", None)
+        if dp is None:
+            return self._load_state_dict(state_dict, write_moments=True)
+        from ..runtime.data_parallel.calls import fingerprint
+
+        with dp.collective("optimizer.load_state_dict", fingerprint(state_dict)):
+            self._load_state_dict(state_dict, write_moments=False)  # checks and per-rank state (same on every rank)
+            dp.on_local0(lambda: self._load_state_dict(state_dict, write_moments=True), "optimizer.load_state_dict")
+
+    def _load_state_dict(self, state_dict, write_moments: bool) -> None:
         self.engine.sync_host()
         groups = state_dict["param_groups"]
         for g in groups:
@@ -450,8 +464,9 @@ class CPUAdamW(torch.optim.Optimizer):
             st = state_dict["state"].get(pid)
             if st is None:
                 continue
-            self.state[p]["exp_avg"].copy_(st["exp_avg"])
-            self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+            if write_moments:
+                self.state[p]["exp_avg"].copy_(st["exp_avg"])
+                self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
             self.state[p]["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu").clone()
         for g, sg in zip(self.param_groups, groups):
             for k, v in sg.items():

@@ -97,19 +97,43 @@ def install(eng, model: nn.Module) -> None:
         if mod is None:
             continue
         mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items))
-        mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items))
+        mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
         mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, items))
     model.register_load_state_dict_post_hook(lambda m, incompatible: eng.load_resident())
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` into the fp32 master weights (checks run before any write)."""
-        loading.strict = bool(strict)
+    def load(module, state_dict, strict, assign, mode="write"):
+        loading.strict = bool(strict) if mode == "write" else None
+        loading.mode = mode
         try:
-            return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+            return nn.Module.load_state_dict(module, state_dict, strict=strict, assign=assign)
         finally:
             loading.strict = None
+            loading.mode = None
             _restore_placeholders(eng, [(mod, attr, u, i) for u in eng.units for i, e in enumerate(u.entries)
                                         for mod, attr in e.owners])
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` into the fp32 master weights (checks run before any write).
+
+        Data parallel: a collective call (every rank calls it with the same ``state_dict``, at the
+        same point; see :mod:`megatrain.runtime.data_parallel.calls`): each node's local rank 0
+        writes the node's shared store, every rank loads its own buffers and reloads its device copies.
+        """
+        dp = getattr(eng, "dp", None)
+        if dp is None:
+            return load(self, state_dict, strict, assign)
+        from .data_parallel.calls import fingerprint
+
+        with dp.collective("model.load_state_dict", f"{fingerprint(dict(state_dict))} strict={bool(strict)} "
+                                                    f"assign={bool(assign)}"):
+            eng.sync_host()
+            out = dp.on_local0(lambda: load(self, state_dict, strict, assign), "model.load_state_dict")
+            if not dp.fills_store:  # the store is written: this rank's buffers, and its device copies anew
+                params = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+                load(self, {k: v for k, v in state_dict.items() if k not in params}, False, False, mode="buffers")
+                eng.invalidate(eng.units)
+                eng.load_resident()
+            return out
 
     object.__setattr__(model, "load_state_dict", types.MethodType(load_state_dict, model))
     _install_cast_guard(eng, model)
@@ -232,6 +256,13 @@ def _make_load_check_hook(eng, loading):
     def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         if prefix != "":
             return
+        mode = getattr(loading, "mode", None)
+        if mode == "buffers":
+            return  # data parallel: the store's writer checked this very state dict
+        if mode is None and getattr(eng, "dp", None) is not None:
+            raise RuntimeError("megatrain data parallel: load_state_dict on a part of a wrapped model (or through "
+                               "nn.Module.load_state_dict) would write the shared host store from this rank alone; "
+                               "call model.load_state_dict(...) on the wrapped model itself, on every rank")
         if local_metadata.get("assign_to_params_buffers", False):
             raise ValueError("megatrain: load_state_dict(assign=True) cannot replace the parameters of a model wrapped by "
                              "megatrain.wrap (its weights live in the host store); use assign=False: the values are "
@@ -265,8 +296,10 @@ def _make_load_check_hook(eng, loading):
     return hook
 
 
-def _make_load_pre_hook(masters, items):
+def _make_load_pre_hook(masters, items, loading):
     def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        if getattr(loading, "mode", None) == "buffers":
+            return  # data parallel, not the store's writer: the parameters stay as they are
         # torch's own _load_from_state_dict then copies each value straight into its master.
         for attr, u, i in items:
             module._parameters[attr] = masters.get(u, i)

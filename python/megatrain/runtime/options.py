@@ -46,8 +46,10 @@ class Options:
             (VMs that grow their RAM lazily report too little MemAvailable).
         data_parallel: ``MEGATRAIN_DATA_PARALLEL=0``: a wrap inside an initialised process group of
             more than one rank stays single-process (default 1: data parallel; docs/data_parallel.md).
-        dp_timeout_s: ``MEGATRAIN_DP_TIMEOUT`` (seconds, default 300): how long a data-parallel rank
-            waits for its peers' updates of a unit before it gives up with an error.
+        dp_timeout_s: ``MEGATRAIN_DP_TIMEOUT`` (seconds, default 50, so that a stuck job ends within a
+            minute): how long a data-parallel rank waits for a live peer, for its update of a unit or
+            for it to make the same collective call (``save_checkpoint``, ``load_state_dict``, ...),
+            before it gives up with an error (a dead or diverged peer is seen at once).
         overlap: benchmark "before" switch (no environment variable). False: updates run in
             submission order and ``step()`` waits for all of them, so no update overlaps the next forward.
         d2h_overlap: benchmark "before" switch. False: the compute stream waits for each unit's
@@ -68,7 +70,7 @@ class Options:
     device_adam: str = ""
     skip_host_memory_check: bool = False
     data_parallel: bool = True
-    dp_timeout_s: float = 300.0
+    dp_timeout_s: float = 50.0
     overlap: bool = True
     d2h_overlap: bool = True
     eager_updates: bool = True
@@ -91,7 +93,7 @@ class Options:
             device_adam=env.get(ENV["device_adam"], ""),
             skip_host_memory_check=env.get(ENV["skip_host_memory_check"]) == "1",
             data_parallel=env.get(ENV["data_parallel"], "1") != "0",
-            dp_timeout_s=float(env.get(ENV["dp_timeout_s"], "") or 300.0),
+            dp_timeout_s=float(env.get(ENV["dp_timeout_s"], "") or 50.0),
         )
 
 

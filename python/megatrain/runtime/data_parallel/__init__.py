@@ -24,7 +24,7 @@ backend) and initialise the default process group before ``megatrain.wrap`` / ``
   bumps the rank's counter of the unit in a small shared control block once the task ran. A load
   of a unit waits until every local rank's counter reached its own count (polling, with a
   liveness check of the peers' processes and a timeout, ``MEGATRAIN_DP_TIMEOUT`` seconds, default
-  300), so a dead peer never hangs anyone.
+  50), so a dead peer never hangs anyone.
 
 Not supported with data parallel (refused): ``device_state_layers`` > 0. Updates never start
 during backward (as with clipping): each layer's update is queued by ``step()``.

@@ -7,6 +7,7 @@ CPU worker a counter of update tasks per unit (:class:`_CountingWorker`).
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -72,6 +73,8 @@ def attach(eng) -> None:
     for u in eng.units:
         u.__class__ = unit_class(type(u))
     eng._worker = _CountingWorker(eng._worker, eng.dp)
+    ref = weakref.ref(eng)
+    eng.dp.steps = lambda: getattr(getattr(ref(), "optimizer", None), "steps_called", None)  # for error messages
 
 
 class DataParallelEngine:

@@ -9,11 +9,12 @@ import torch
 
 from ..options import options
 from .buffers import PieceBuffers
+from .calls import CollectiveCalls
 from .errors import DataParallelError, _dist
 from .node import SharedNode
 
 
-class DataParallel(SharedNode, PieceBuffers):
+class DataParallel(CollectiveCalls, SharedNode, PieceBuffers):
     """Ranks, pieces, collectives and the shared control block of a data parallel engine.
 
     Args:
@@ -60,6 +61,7 @@ class DataParallel(SharedNode, PieceBuffers):
         self.dirty = False  # a gradient was handed over since the last norm all-reduce
         self._ctl = None
         self._init_buffers()
+        self._init_calls()
 
     # ------------------------------------------------------------------ pieces
     def piece(self, numel: int):
@@ -74,12 +76,6 @@ class DataParallel(SharedNode, PieceBuffers):
         return self.local_rank == 0
 
     # ------------------------------------------------------------------ collectives
-    def _fail(self, what: str, err: BaseException) -> DataParallelError:
-        return DataParallelError(
-            f"megatrain data parallel (rank {self.rank} of {self.world}): {what} failed ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); another rank probably died or timed out. The job "
-            "cannot continue: restart it from the last checkpoint")
-
     def barrier(self, what: str = "barrier") -> None:
         dist = _dist()
         try:
@@ -106,33 +102,32 @@ class DataParallel(SharedNode, PieceBuffers):
         """
         dist = _dist()
         out = torch.empty(mat.shape[1], dtype=mat.dtype, device=mat.device)
-        try:
+        with self.gradient_collective("the gradient reduce-scatter"):
             dist.reduce_scatter(out, list(mat.unbind(0)), group=self.node_group)
             if self.cross_group is not None:
                 dist.all_reduce(out, group=self.cross_group)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail("the gradient reduce-scatter", e) from e
         return out
 
     def all_reduce_node(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Sum ``t`` over the ranks of this node (in place; moved to the device for NCCL)."""
         dist = _dist()
         dev = t.to(self.device)
-        try:
+        with self.gradient_collective(what):
             dist.all_reduce(dev, group=self.node_group)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(what, e) from e
         return dev.cpu()
 
     # ------------------------------------------------------------------ one rank acts, all agree
-    def _agree(self, err: Optional[BaseException], what: str) -> None:
+    def _agree(self, err: Optional[BaseException], what: str, result=None):
+        """Every rank's outcome of one step of a collective call: raise the first error on every rank, else
+        return the results (a list, one per rank)."""
         msg = None if err is None else f"{type(err).__name__}: {err}"
-        outcomes = self.all_gather_object(msg, what)
+        outcomes = self.all_gather_object((msg, result), what)
         if err is not None:
             raise err
-        for r, m in enumerate(outcomes):
+        for r, (m, _) in enumerate(outcomes):
             if m is not None:
                 raise DataParallelError(f"megatrain data parallel: {what} failed on rank {r}: {m}")
+        return [res for _, res in outcomes]
 
     def on_rank0(self, fn, what: str, others_result=None):
         """Run ``fn`` on global rank 0 while the others wait; its error is raised on every rank; collective."""
@@ -145,15 +140,19 @@ class DataParallel(SharedNode, PieceBuffers):
         self._agree(err, f"megatrain.{what}")
         return out
 
-    def on_local0(self, fn, what: str) -> None:
-        """Run ``fn`` on each node's local rank 0 (it writes the node's shared store); collective."""
-        err = None
+    def on_local0(self, fn, what: str):
+        """Run ``fn`` on each node's local rank 0 (it writes the node's shared store); collective.
+
+        Returns ``fn``'s result on every rank of the node (it must pickle). Its error is raised on every rank.
+        """
+        err, out = None, None
         if self.fills_store:
             try:
-                fn()
+                out = fn()
             except Exception as e:  # noqa: BLE001
                 err = e
-        self._agree(err, f"megatrain.{what}")
+        results = self._agree(err, f"megatrain.{what}", out)
+        return results[self.node * self.local_world]
 
     # ------------------------------------------------------------------ wrap
     def check_same_weights(self, units) -> None:

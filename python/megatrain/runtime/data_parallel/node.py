@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..._loader import load_extension
+from .calls import MSG_BYTES
 from .errors import ENV_TIMEOUT, DataParallelError, _alive
 
 _C = load_extension()
@@ -65,19 +66,26 @@ class SharedNode:
         return store
 
     def init_control(self, n_units: int) -> None:
-        """The shared control block: per local rank its pid and one update counter per unit; collective."""
-        n = self.local_world * (1 + n_units)
+        """The shared control block; collective.
+
+        Per local rank one row of int64: its pid, its state word (:mod:`.calls`), one update
+        counter per unit, and room for the fatal error message it posts (``MSG_BYTES``).
+        """
+        width = 2 + n_units + MSG_BYTES // 8
+        n = self.local_world * width
         fd = self._share(8 * n, "megatrain control block")
         try:
             self._ctl_map = mmap.mmap(fd, 8 * n)
         finally:
             os.close(fd)
-        ctl = torch.frombuffer(self._ctl_map, dtype=torch.int64).view(self.local_world, 1 + n_units)
-        self._ctl = ctl
+        ctl = torch.frombuffer(self._ctl_map, dtype=torch.int64).view(self.local_world, width)
         self.pids = ctl[:, 0]
-        self.counters = ctl[:, 1:]
+        self.states = ctl[:, 1]
+        self.counters = ctl[:, 2:2 + n_units]
+        self.messages = ctl[:, 2 + n_units:]
         self.pids[self.local_rank] = os.getpid()
         self.gen = [0] * n_units
+        self._ctl = ctl
         self.barrier("starting data parallel")
 
     def bump(self, unit_index: int) -> None:
