@@ -7,7 +7,7 @@
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
-#                                               sched_ab (SCHED_CLIPS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
+#                                               sched_ab (SCHED_CLIPS, SCHED_SYSTEMS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -129,7 +129,7 @@ PY
       for clip in ${SCHED_CLIPS:-0 1.0}; do
         extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
         run sched_ab_clip$clip timeout ${SCHED_TIMEOUT:-590} python3 benchmarks/bench_train.py \
-          --systems megatrain megatrain:cslots=0 megatrain:cslots=0,fusednorm=0 --steps 3 --warmup 1 --profile $extra \
+          --systems ${SCHED_SYSTEMS:-megatrain megatrain:cslots=0 megatrain:cslots=0,fusednorm=0} --steps 3 --warmup 1 --profile $extra \
           --out docs/benchmarks/train_3b_sched_ab_clip$clip.json
       done ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
