@@ -106,8 +106,14 @@ class GradCopies:
                 norms.copy_(dev_norms, non_blocking=True)
                 dev_norms.record_stream(self.d2h_stream)
             end.record(self.d2h_stream)
-            ev = torch.cuda.Event()
-            ev.record(self.d2h_stream)
+        return self.d2h_done_torch(), nbytes
+
+    def d2h_done_torch(self) -> "torch.cuda.Event":
+        """The torch path's copy-done event, recorded on the D2H stream after the copies enqueued so far
+        (call outside ``torch.cuda.stream(d2h_stream)``); the compute stream waits for it unless
+        ``d2h_overlap``."""
+        ev = torch.cuda.Event()
+        ev.record(self.d2h_stream)
         if not self.d2h_overlap:
             self.compute_stream().wait_event(ev)
-        return ev, nbytes
+        return ev

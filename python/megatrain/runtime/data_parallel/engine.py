@@ -126,7 +126,7 @@ class DataParallelEngine:
         opt = self.optimizer
         if opt is None:
             return super().submit_grads(unit, grads, staging)  # raises: no CPUAdamW
-        from ..grads import _graph_task_id, in_compute
+        from ..grads import _graph_task_id, grad_norms, in_compute
 
         dp = self.dp
         dp.reclaim()
@@ -180,9 +180,8 @@ class DataParallelEngine:
             off += c
         norm_idx = [i for i in pieces if direct[i]]
         with torch.no_grad():
-            dev_norms = (torch.stack([torch.linalg.vector_norm(out[pieces[i][0]:pieces[i][0] + pieces[i][1]],
-                                                               dtype=torch.float64) for i in norm_idx])
-                         if norm_idx else None)
+            dev_norms = (grad_norms([out[pieces[i][0]:pieces[i][0] + pieces[i][1]] for i in norm_idx],
+                                    self.fused_grad_norms) if norm_idx else None)
         ev = None
         host = out
         norms = dev_norms
@@ -206,10 +205,7 @@ class DataParallelEngine:
                     norms.copy_(dev_norms, non_blocking=True)
                     dev_norms.record_stream(self.d2h_stream)
                 out.record_stream(self.d2h_stream)
-                ev = torch.cuda.Event()
-                ev.record(self.d2h_stream)
-            if not self.d2h_overlap:
-                self.compute_stream().wait_event(ev)
+            ev = self.d2h_done_torch()
         else:
             for i in norm_idx:
                 o, n = pieces[i]
