@@ -189,14 +189,13 @@ def _sigterm_as_interrupt():
 
 
 def cmd_train(args) -> int:
+    from megatrain.runtime.data_parallel import DataParallelError
     from megatrain.train.config import UsageError, build_config, to_yaml
+    from megatrain.train.distributed import Ranks
 
     stopped_by: list = []
+    ranks = Ranks.from_env()  # under torchrun: data parallel over its ranks (megatrain/train/distributed.py)
     try:
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            raise UsageError("megatrain train runs one process; under torchrun (WORLD_SIZE > 1) data parallel is "
-                             "available from Python only: megatrain.wrap after torch.distributed.init_process_group "
-                             "(docs/data_parallel.md)")
         resume, base = None, None
         if args.resume is not None:
             if args.preset != "default":
@@ -216,7 +215,8 @@ def cmd_train(args) -> int:
 
         if args.dry_run:
             return _dry_run(cfg, resume)
-        plan = trainer.prepare(cfg, resume=resume)
+        ranks.init(ranks.device_for(trainer.resolve_device(cfg.runtime.device)))
+        plan = ranks.agree(lambda: trainer.prepare(cfg, resume=resume, ranks=ranks))  # before any rank writes
         with _sigterm_as_interrupt() as stopped_by:
             summary = trainer.run(cfg, plan)
     except UsageError as exc:
@@ -242,9 +242,15 @@ def cmd_train(args) -> int:
         else:
             sys.stderr.write(f"megatrain: {how}; metrics so far are in the output directory, no model was saved\n")
         return 143 if sigterm else 130
+    except DataParallelError as exc:  # another rank failed or died: this one stops too (its message says why)
+        sys.stderr.write(f"megatrain: error: {_line(exc)}\n")
+        return 1
+    finally:
+        ranks.close()
     from megatrain.train.metrics import summary_table
 
-    print(summary_table(trainer.summary_rows(summary)))
+    if ranks.main:
+        print(summary_table(trainer.summary_rows(summary)))
     return 0
 
 

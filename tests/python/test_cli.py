@@ -268,3 +268,46 @@ def test_trains_a_local_model_directory_and_its_tokenizer(tmp_path, tiny_model_d
     )
     saved = json.loads((out / "model" / "config.json").read_text())
     assert saved["hidden_size"] == 32 and saved["max_position_embeddings"] == 64
+
+
+def test_torchrun_two_ranks_match_one_process_with_the_global_batch(tmp_path, capsys):
+    """``torchrun --nproc-per-node 2 -m megatrain train`` (gloo): each rank trains on its rows of every global
+    micro-batch; losses, eval losses and the saved model match 1 process with twice the micro-batch."""
+    from safetensors.torch import load_file
+
+    from parity import assert_close_rel
+
+    common = ["train", "--steps", "4", "--gradient-accumulation-steps", "2", "--log-every", "1", "--eval-every", "2",
+              "--set", "train.max_grad_norm=1.0", "--set", "train.save_every=2", "--device", "cpu", *TINY,
+              "--seq-len", "64", "--set", "eval.batches=2"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PY, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               MEGATRAIN_ADAM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "megatrain", *common, "--micro-batch-size", "1", "--out", str(tmp_path / "two")],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("eval loss: initial -> final") == 1  # rank 0 prints the summary
+    code, _, err = run_cli([*common, "--micro-batch-size", "2", "--out", str(tmp_path / "one")], capsys)
+    assert code == 0, err
+
+    def records(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    two, one = records("two"), records("one")
+    assert [(r["kind"], r["step"]) for r in two] == [(r["kind"], r["step"]) for r in one]
+    worst = 0.0
+    for a, b in zip(two, one):
+        key = "loss" if a["kind"] == "train" else "eval_loss"
+        worst = max(worst, abs(a[key] - b[key]) / abs(b[key]))
+        assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a, b)
+        if a["kind"] == "train":
+            assert a["tokens"] == b["tokens"]
+    got, want = (load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("two", "one"))
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert_close_rel(got[name], t, 1e-5, name)
+    diff = max(float((got[n] - t).abs().max()) for n, t in want.items())
+    print(f"megatrain train, 2 ranks vs 1: max loss rel diff {worst:.2e}, max |param diff| {diff:.2e}")
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["checkpoints"][-1].endswith("step-00000004")
+    megatrain.checkpoint.verify_checkpoint(summary["checkpoints"][-1])

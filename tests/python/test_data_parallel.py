@@ -331,22 +331,26 @@ def test_two_gpus_match_one_gpu(tmp_path):
         assert all(ok.values()), f"step {s}: no update in {[n for n, v in ok.items() if not v][:4]}"
 
 
-def test_cli_under_torchrun_refuses_in_one_line(tmp_path, capsys, monkeypatch):
+def test_cli_under_torchrun_without_data_parallel_refuses_in_one_line(tmp_path, capsys, monkeypatch):
     from parity import run_cli
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    code, _, err = run_cli(["train", "--out", str(tmp_path / "out")], capsys)
-    assert code == 2 and "torchrun" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("MEGATRAIN_DATA_PARALLEL", "0")
+    code, _, err = run_cli(["train", "--out", str(tmp_path / "out"), "--device", "cpu"], capsys)
+    assert code == 2 and "MEGATRAIN_DATA_PARALLEL=0 under torchrun" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 
-def test_hf_trainer_with_several_processes_refuses():
+def test_hf_trainer_under_torchrun_needs_megatrain_trainer_and_a_data_parallel_model():
     from types import SimpleNamespace
 
     from megatrain.integrations import MegatrainCallback
 
-    with pytest.raises(ValueError, match="torchrun"):
-        MegatrainCallback().on_train_begin(SimpleNamespace(world_size=2), None, None, model=None)
+    with pytest.raises(ValueError, match="under torchrun use megatrain.integrations.MegatrainTrainer"):
+        MegatrainCallback().on_init_end(SimpleNamespace(world_size=2), None, None)
+    model, _ = _one_rank(dict(ga=1))  # wrapped without a process group: each rank would train its own copy
+    with pytest.raises(ValueError, match="wrapped outside their process group"):
+        MegatrainCallback().on_train_begin(SimpleNamespace(world_size=2), None, None, model=model)
 
 
 def test_from_config_initialises_the_shared_store_once(tmp_path):

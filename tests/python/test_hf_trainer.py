@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+import megatrain
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install accelerate)")
 
@@ -103,6 +105,16 @@ def _worker(argv):
                 p.add_(0.5)
         tr, rec, _ = _megatrain_trainer(out, model=model, save_strategy="steps", save_steps=5)
         tr.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5"))
+    elif mode == "dp":  # under torchrun: N processes x 1 row per micro-batch
+        from megatrain.integrations import MegatrainTrainer
+
+        args = _args(out, per_device_train_batch_size=1, save_strategy="steps", save_steps=5)
+        assert args.device.type == "cpu"  # sets up torch.distributed (accelerate's state) before megatrain.wrap
+        model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+        rec = _LossRecorder(model)
+        tr = MegatrainTrainer(model=model, args=args, train_dataset=_dataset())
+        tr.train()
+        dump = dump.replace(".pt", f"{args.process_index}.pt")
     else:
         raise SystemExit(mode)
     torch.save({"losses": rec.losses, "params": megatrain.master_state_dict(tr.model)}, dump)
@@ -309,6 +321,35 @@ def _run(*args):
     e = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=600, env=e)
     assert p.returncode == 0, f"worker {args[0]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+
+
+def test_trainer_under_torchrun_matches_one_process_with_the_global_batch(tmp_path):
+    from parity import assert_close_rel
+
+    e = dict(os.environ, OMP_NUM_THREADS="1", MEGATRAIN_ADAM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HERE, "dp",
+           str(tmp_path / "dp"), str(tmp_path / "dp.pt")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e)
+    assert p.returncode == 0, f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    ranks = [torch.load(str(tmp_path / f"dp{r}.pt")) for r in range(2)]
+    one, rec, _ = _megatrain_trainer(str(tmp_path / "one"))  # 1 process x 2 rows: the same global batches
+    one.train()
+    assert len(rec.losses) == 2 * STEPS and all(len(r["losses"]) == 2 * STEPS for r in ranks)
+    # each rank's loss is its rows' share of the global token mean (the Trainer's num_items_in_batch)
+    worst = 0.0
+    for k, ref in enumerate(rec.losses):
+        got = sum(r["losses"][k] for r in ranks)
+        worst = max(worst, abs(got - ref) / abs(ref))
+        assert abs(got - ref) <= 1e-5 * abs(ref), (k, got, ref)
+    params = megatrain.master_state_dict(one.model)
+    for n, t in params.items():
+        assert_close_rel(ranks[0]["params"][n], t, 1e-5, n)
+        assert torch.equal(ranks[0]["params"][n], ranks[1]["params"][n]), n  # one shared store
+    diff = max(float((ranks[0]["params"][n] - t).abs().max()) for n, t in params.items())
+    print(f"Trainer, 2 processes vs 1: max loss rel diff {worst:.2e}, max |param diff| {diff:.2e}")
+    ck = tmp_path / "dp" / "checkpoint-5"
+    megatrain.checkpoint.verify_checkpoint(str(ck / "megatrain"))  # written once, by rank 0
+    assert (ck / "model.safetensors").is_file() and (ck / "trainer_state.json").is_file()
 
 
 def test_trainer_resume_in_fresh_process_is_bit_exact(tmp_path):

@@ -32,6 +32,7 @@ wrapped model's ``save_pretrained``, ``optimizer.pt`` from ``CPUAdamW.state_dict
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Optional
 
@@ -64,6 +65,25 @@ def _device_placed(opt) -> bool:
             return True
         opt = getattr(opt, "optimizer", None)
     return False
+
+
+_building = threading.local()  # set while MegatrainTrainer.__init__ runs the Trainer's (its callbacks' on_init_end)
+
+
+def _check_data_parallel(engine, args) -> None:
+    """Under torchrun the model must be megatrain data parallel over the Trainer's processes.
+
+    Raises:
+        ValueError: the Trainer runs several processes but the model was wrapped outside their
+            process group (each rank would train its own copy on its share of the data).
+    """
+    world = int(getattr(args, "world_size", 1) or 1)
+    dp = getattr(engine, "dp", None)
+    if world > 1 and (dp is None or dp.world != world):
+        raise ValueError(f"megatrain: the Trainer runs {world} processes but the model was wrapped outside their "
+                         "process group (each would train its own copy): initialise torch.distributed first "
+                         "(TrainingArguments(...).device does, or torch.distributed.init_process_group), then "
+                         "megatrain.wrap (docs/data_parallel.md)")
 
 
 def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUAdamW:
@@ -170,12 +190,15 @@ class MegatrainCallback(TrainerCallback):
             logs.pop("grad_norm", None)
 
     # -- TrainerCallback
+    def on_init_end(self, args, state, control, **kwargs):
+        if int(getattr(args, "world_size", 1) or 1) > 1 and not getattr(_building, "megatrain_trainer", False):
+            raise ValueError("megatrain: under torchrun use megatrain.integrations.MegatrainTrainer: a plain Trainer "
+                             "wraps the model in DistributedDataParallel, which megatrain's data parallel replaces "
+                             "(docs/data_parallel.md)")
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if int(getattr(args, "world_size", 1) or 1) > 1:
-            raise ValueError("megatrain: the HF Trainer with several processes (torchrun) is not supported: it would "
-                             "wrap the model in DistributedDataParallel; for data parallel use a training loop with "
-                             "megatrain.wrap after torch.distributed.init_process_group (docs/data_parallel.md)")
         self._engine = _engine(model)
+        _check_data_parallel(self._engine, args)
         self._optimizer = _unwrap_optimizer(optimizer)
         if not isinstance(self._optimizer, CPUAdamW):
             raise TypeError("megatrain: the Trainer's optimizer is not megatrain.optim.CPUAdamW; use "
@@ -253,8 +276,13 @@ class MegatrainTrainer(Trainer):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _engine(self.model)
+        _building.megatrain_trainer = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            _building.megatrain_trainer = False
+        eng = _engine(self.model)
+        _check_data_parallel(eng, self.args)
         self.megatrain_callback = next((cb for cb in self.callback_handler.callbacks
                                         if isinstance(cb, MegatrainCallback)), None)
         if self.megatrain_callback is None:
@@ -265,6 +293,17 @@ class MegatrainTrainer(Trainer):
         # device; megatrain keeps both in host memory and streams. Inputs are still moved by the
         # Trainer's _prepare_inputs.
         self.accelerator.device_placement = False
+        if getattr(eng, "dp", None) is not None:
+            # Data parallel: megatrain reduce-scatters the gradients itself; the model is prepared as
+            # for evaluation (no DistributedDataParallel around it). The data loaders are still sharded.
+            prepare, model = self.accelerator.prepare_model, self.model
+
+            def prepare_model(m, device_placement=None, evaluation_mode=False):
+                if m is model:
+                    return prepare(m, device_placement=False, evaluation_mode=True)
+                return prepare(m, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+            self.accelerator.prepare_model = prepare_model
 
     # -- optimizer / clipping
     def create_optimizer(self, model=None):
@@ -298,16 +337,24 @@ class MegatrainTrainer(Trainer):
     # -- saving
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
+        dp = getattr(_engine(self.model), "dp", None)
+        if dp is not None:  # every rank: the writer (should_save) writes while the others wait, errors on all
+            with dp.collective("MegatrainTrainer.save_model", os.path.abspath(output_dir)):
+                on = dp.on_local0 if self.args.save_on_each_node else dp.on_rank0
+                on(lambda: self._write_model(output_dir), "MegatrainTrainer.save_model")
             return
+        if self.args.should_save:
+            self._write_model(output_dir)
+
+    def _write_model(self, output_dir: str) -> None:
         save_pretrained_streamed(self.model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self.args.should_save:
-            return
+        if not self.args.should_save and getattr(_engine(self.model), "dp", None) is None:
+            return  # data parallel: save_checkpoint is called on every rank (rank 0 writes)
         save_checkpoint(os.path.join(output_dir, MEGATRAIN_CKPT_DIR), self.model, _unwrap_optimizer(self.optimizer),
                         self.lr_scheduler, extra={"global_step": self.state.global_step})
 

@@ -32,6 +32,7 @@ from megatrain.checkpoint import existing_ancestor
 from megatrain.train.config import Config, UsageError, to_yaml, wrap_rows_mode
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
+from megatrain.train.distributed import Ranks
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -48,6 +49,7 @@ class Plan:
     out_dir: str
     resume: Optional["ResumePoint"] = None  # continue this checkpoint's run (``--resume``)
     estimate: object = None  # megatrain.MemoryEstimate of the run (what --dry-run prints)
+    ranks: Optional[Ranks] = None  # under torchrun: this process's rank (None: one process)
 
 
 def resolve_device(spec: str):
@@ -281,13 +283,16 @@ def default_out_dir() -> str:
     return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool = False) -> Plan:
+def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool = False,
+            ranks: Optional[Ranks] = None) -> Plan:
     """Checks the user's input, estimates the run's memory and loads the data; writes nothing.
 
     Args:
         resume: continue this checkpoint (:func:`find_resume_point`); the output directory may then
             be the run directory holding it. The data must be the checkpointed run's.
         dry_run: refuse also when the rough GPU estimate does not fit (``--dry-run``).
+        ranks: under torchrun, this process's rank (:mod:`megatrain.train.distributed`); every rank
+            runs ``prepare`` (through :meth:`Ranks.agree`) before any writes.
 
     Raises:
         UsageError: anything the user must fix, with a one-line message.
@@ -320,7 +325,7 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
-    device = resolve_device(cfg.runtime.device)
+    device = (ranks or Ranks()).device_for(resolve_device(cfg.runtime.device))
     compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
     if cfg.model.path is not None and has_safetensors(cfg.model.path):
         check_checkpoint(cfg.model.path, model_config)
@@ -353,6 +358,7 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
         out_dir=out_dir,
         resume=resume,
         estimate=estimate,
+        ranks=ranks,
     )
 
 
@@ -515,25 +521,31 @@ def param_groups(model, weight_decay: float) -> list:
     return groups
 
 
-def evaluate(model, batches, device) -> float:
+def evaluate(model, batches, device, ranks: Optional[Ranks] = None) -> float:
     """Mean next-token cross-entropy over ``batches`` (token-weighted), under no_grad.
 
     Args:
         batches: int64 tensors [B, S] (CPU); labels = inputs.
+        ranks: under torchrun each rank evaluates its rows of every batch (:meth:`Ranks.shard`); the sums
+            are combined, so the result is the mean over the whole batches.
     """
     import torch
 
+    ranks = ranks or Ranks()
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for x in batches:
+        for x in map(ranks.shard, batches):
+            if not len(x):
+                continue
             x = x.to(device)
             loss = model(input_ids=x, labels=x).loss
             n = x.shape[0] * (x.shape[1] - 1)
             total += float(loss.float().item()) * n
             count += n
     model.train(was_training)
+    total, count = ranks.sum([total, count])
     return total / count
 
 
@@ -791,7 +803,8 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
     plan = plan or prepare(cfg)
     t, d = cfg.train, plan.data
     device = plan.device
-    say = echo or (lambda s: _echo(s, None))
+    ranks = plan.ranks or Ranks()
+    say = (echo or (lambda s: _echo(s, None))) if ranks.main else (lambda s: None)
     stop = stop or StopRequest()
     resume = plan.resume
 
@@ -836,34 +849,38 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         start_step = int(extra["step"])
         ms.update(extra.get("metrics") or {})
 
-    # Everything is checked; only now does anything get written.
+    # Everything is checked; only now does anything get written (by global rank 0 under torchrun).
     out_dir = plan.out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    if resume is None:  # a new run in a reused (log.overwrite) directory: nothing of the old run is mixed in
-        for name in (CHECKPOINTS, "tensorboard"):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+    if ranks.main:
+        os.makedirs(out_dir, exist_ok=True)
+        if resume is None:  # a new run in a reused (log.overwrite) directory: nothing of the old run is mixed in
+            for name in (CHECKPOINTS, "tensorboard"):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
 
-    tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * d.seq_len
-    rows_per_step = t.micro_batch_size * t.gradient_accumulation_steps
-    eval_bs = cfg.eval.batch_size or t.micro_batch_size
+    # Under torchrun a global micro-batch has world x micro_batch_size rows; this rank trains on its share.
+    tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * d.seq_len * ranks.world
+    rows_per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks.world
+    eval_bs = (cfg.eval.batch_size or t.micro_batch_size) * ranks.world  # rows per eval batch, all ranks
     eval_batches = d.eval_batches(eval_bs, cfg.eval.batches)
-    batches = d.train_batches(t.micro_batch_size, t.seed, start_row=ms["rows_consumed"])
+    batches = d.train_batches(t.micro_batch_size * ranks.world, t.seed, start_row=ms["rows_consumed"])
     fingerprint = d.fingerprint()
 
     say(
         f"megatrain train: {params['total'] / 1e6:.2f}M params ({model.config.model_type}, "
         f"{model.config.num_hidden_layers} layers) on {device} in {str(plan.compute_dtype).replace('torch.', '')}, "
         f"{d.num_documents} documents ({d.num_eval_documents} held out) -> {len(d.train)} train / "
-        f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tokens_per_step} tokens/step; out {out_dir}"
+        f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tokens_per_step} tokens/step"
+        + (f" over {ranks.world} ranks" if ranks.world > 1 else "") + f"; out {out_dir}"
         + (f"; resumed at step {start_step} from {resume.path}" if resume is not None else "")
     )
     if device.type == "cuda" and params["total"] < 100e6:
         say("megatrain train: a model this small fits in GPU memory; `megatrain train --preset 1b` streams a 1B "
             "model's layers from host memory (about 2 minutes on an H200)")
 
-    sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
+    sink = (metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
+            if ranks.main else _NullSink())
     stats = metrics_mod.StatsWindow(engine)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -886,19 +903,20 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "metrics": state,
         }
         path = megatrain.save_checkpoint(checkpoint_path(out_dir, at_step), model, optimizer, scheduler, extra=extra)
-        _prune_checkpoints(out_dir, at_step, t.keep_last)
+        if ranks.main:
+            _prune_checkpoints(out_dir, at_step, t.keep_last)
         saved.update(step=at_step, path=path)
         return path
 
     try:
         if resume is None:
-            loss0 = evaluate(model, eval_batches, device)
+            loss0 = evaluate(model, eval_batches, device, ranks)
             evals.append({"step": 0, "eval_loss": loss0})
             sink.write({"step": 0, "eval_loss": loss0}, prefix="eval")
             say(f"step 0 | eval loss {loss0:.4f}")
         else:
             sink.write({"step": start_step, "checkpoint": resume.path}, prefix="resume")
-        if cfg.log.progress:
+        if cfg.log.progress and ranks.main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -910,7 +928,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             for step in range(start_step + 1, t.steps + 1):
                 step_loss = 0.0
                 for _ in range(t.gradient_accumulation_steps):
-                    x = next(batches).to(device, non_blocking=True)
+                    x = ranks.shard(next(batches)).to(device, non_blocking=True)
                     loss = model(input_ids=x, labels=x).loss / t.gradient_accumulation_steps
                     loss.backward()
                     step_loss += loss.detach().float()
@@ -919,7 +937,9 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
                 optimizer.zero_grad(set_to_none=True)
                 ms["rows_consumed"] += rows_per_step
                 done_step = step
-                last_loss = float(step_loss)  # syncs: the step's work is done when this returns
+                # syncs: the step's work is done when this returns. Under torchrun: the mean over the
+                # ranks, and a signal any rank got stops every rank after this step.
+                last_loss, stopping = _step_outcome(ranks, step_loss, stop.signum)
                 if not math.isfinite(last_loss):
                     if t.nonfinite == "raise":
                         raise FloatingPointError(f"loss is {last_loss} at step {step}; lower train.lr (or set "
@@ -974,7 +994,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
 
                 if step % cfg.eval.every == 0 or step == t.steps:
                     eval_start = time.perf_counter()
-                    ev = evaluate(model, eval_batches, device)
+                    ev = evaluate(model, eval_batches, device, ranks)
                     evals.append({"step": step, "eval_loss": ev})
                     sink.write({"step": step, "eval_loss": ev}, prefix="eval")
                     say(f"step {step} | eval loss {ev:.4f}")
@@ -983,20 +1003,21 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
                         stats.reset()
 
                 periodic = t.save_every and (step % t.save_every == 0 or step == t.steps)
-                if periodic or stop.signum is not None:
+                if periodic or stopping is not None:
                     save_start = time.perf_counter()
                     path = save(step, save_start - window_start)
                     window_start += time.perf_counter() - save_start  # nor is saving
                     if periodic:
                         say(f"step {step} | checkpoint {path}")
-                if stop.signum is not None:
-                    raise Interrupted(stop.signum, step, saved["path"])
+                if stopping is not None:
+                    raise Interrupted(stopping, step, saved["path"])
             stop.deferred = False
         bar.close()
         bar = _NullBar()
         model_dir = None
         if cfg.log.save_model:
-            model_dir = save_model(model, d.tokenizer, out_dir, plan)
+            model_dir = ranks.on_main(lambda: save_model(model, d.tokenizer, out_dir, plan),
+                                      others=os.path.abspath(os.path.join(out_dir, "model")))
         status = "completed"
         first, steady = ms["first_window"], ms["steady"]
         tok_tot, time_tot, count = (steady[0], steady[1], ms["windows"] - 1) if ms["windows"] > 1 else (
@@ -1026,6 +1047,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "recompute_flops_per_token": flops.recompute,
             "params": params,
             "device": str(device),
+            "world_size": ranks.world,
             "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
             "activation_policy": cfg.runtime.activation_policy,
             "auto_decisions": _auto_decisions(engine),
@@ -1060,8 +1082,29 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             }
             if summary["checkpoint"]:
                 summary["resume_command"] = f"megatrain train --resume {out_dir}"
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=metrics_mod._json_default)
+        if ranks.main:
+            with open(os.path.join(out_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2, default=metrics_mod._json_default)
+
+
+def _step_outcome(ranks: Ranks, step_loss, signum: Optional[int]):
+    """``(loss, signal to stop on)`` of a step: under torchrun the mean loss over the ranks and the signal
+    any rank got (so every rank saves and stops after the same step), else this process's."""
+    if ranks.world == 1:
+        return float(step_loss), signum
+    loss, sigint, sigterm = ranks.sum([float(step_loss), float(signum == signal.SIGINT),
+                                       float(signum is not None and signum != signal.SIGINT)])
+    return loss / ranks.world, (signal.SIGTERM if sigterm else signal.SIGINT if sigint else None)
+
+
+class _NullSink:
+    """The metrics sink of ranks other than 0 under torchrun (rank 0 writes the metrics)."""
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def summary_rows(summary: dict) -> list:
