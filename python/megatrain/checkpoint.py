@@ -11,7 +11,9 @@ A checkpoint is a directory::
 
 Unit files are standard safetensors files (``safetensors.safe_open`` reads them), written here
 straight from the host store's memory (no staging copy: extra host memory is a few KiB, not a
-unit) and read back straight into it (``readinto`` on the store's views). The directory is built
+unit) and read back straight into it (``readinto`` on the store's views). A layer whose fp32
+state is in the disk tier (``wrap(offload_dir=...)``) is written from, and read into, the tier's
+RAM buffer of that unit (acquired for the file, released after it): no extra RAM either. The directory is built
 under a temporary name next to the destination and swapped into place only once complete
 (:func:`megatrain.atomic.atomic_directory`), so a crash mid-save leaves the previous checkpoint
 intact. Loading first verifies every file's size
@@ -91,9 +93,31 @@ class _HashingWriter:
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
 
+class _Deferred:
+    """An fp32 tensor of a unit whose state is in the disk tier: viewed (``get()``) only when its bytes
+    are written, inside the engine's ``state_window``, so a file is written from one unit's buffer
+    at a time instead of from a copy of every disk unit."""
+
+    dtype = torch.float32
+
+    def __init__(self, shape, get):
+        self.shape = torch.Size(shape)
+        self.get = get
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _entry_tensor(eng, u, i, sec):
+    """``eng.entry_view(u, i, sec)``, deferred for a disk unit's fp32 sections (see :class:`_Deferred`)."""
+    if u.disk is not None and sec != "compute":
+        return _Deferred(u.entries[i].shape, lambda: eng.entry_view(u, i, sec))
+    return eng.entry_view(u, i, sec)
+
+
 def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None,
                        dtype: torch.dtype = torch.float32) -> dict:
-    """Write ``[(key, contiguous CPU fp32 tensor)]`` as a safetensors file of ``dtype``.
+    """Write ``[(key, contiguous CPU fp32 tensor or _Deferred)]`` as a safetensors file of ``dtype``.
 
     fp32 is written without copying the data; bf16 converts one tensor at a time (extra memory:
     the largest tensor). Returns ``{"sha256": ..., "bytes": ...}`` of the file.
@@ -118,6 +142,7 @@ def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None
         w.write(struct.pack("<Q", len(hb)))
         w.write(hb)
         for _, t in tensors:
+            t = t.get() if isinstance(t, _Deferred) else t
             data = t if dtype == torch.float32 else t.to(dtype).contiguous()  # held while its bytes are written
             w.write(_buffer(data))
         return w.close()
@@ -243,6 +268,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "engine") else optimizer
         if getattr(optimizer, "engine", None) is not eng:
             raise ValueError("megatrain.save_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
+    eng.check_failed()  # a failed CPU worker or disk tier: its error, not a checkpoint of partial state
     if any(u.eager_queued for u in eng.units):
         # Without clipping the layers' updates start during backward: a checkpoint now would hold
         # some units after this step's update and the others before it.
@@ -263,8 +289,9 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
 
 
 def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
+    # A unit whose state is on disk is written from the tier's buffer (acquired, written, released).
     with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
-                          "a megatrain checkpoint") as tmp:
+                          "a megatrain checkpoint") as tmp, eng.state_window(write=False):
         files = {}
         units = []
         for u in eng.units:
@@ -431,6 +458,11 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
 
 
 def _read_units(directory: str, m: dict, eng, sections) -> None:
+    with eng.state_window(write=True):  # a unit on disk: read into the tier's buffer, written back
+        _read_units_into(directory, m, eng, sections)
+
+
+def _read_units_into(directory: str, m: dict, eng, sections) -> None:
     for mu, u in zip(m["units"], eng.units):
         path = os.path.join(directory, mu["file"])
         with open(path, "rb") as f:
@@ -525,7 +557,7 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
     eng.sync_host()
     os.makedirs(out_dir, exist_ok=True)
     # frozen entries (no master): their compute copy
-    tensors = [(e.name, eng.entry_view(u, i, "compute" if e.frozen else "master"))
+    tensors = [(e.name, _entry_tensor(eng, u, i, "compute" if e.frozen else "master"))
                for u in eng.units for i, e in enumerate(u.entries)]
     persistent = []
     for mname, mod in model.named_modules():
@@ -534,8 +566,9 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
                 persistent.append((f"{mname}.{bname}" if mname else bname, b.detach().to("cpu", torch.float32)
                                    .contiguous()))
     tmp = os.path.join(out_dir, ".model.safetensors.tmp")
-    _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt", "producer": EXPORT_PRODUCER},
-                       dtype=dtype)
+    with eng.state_window(write=False):  # the disk units' masters: one unit's buffer at a time
+        _write_safetensors(tmp, tensors + persistent, metadata={"format": "pt", "producer": EXPORT_PRODUCER},
+                           dtype=dtype)
     os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
     cfg = getattr(model, "config", None)
     if cfg is not None:

@@ -43,6 +43,8 @@ FLAG_KEYS = {
     "activation_policy": ("runtime", "activation_policy"),
     "chunked_loss": ("runtime", "chunked_loss"),
     "tile_mlp": ("runtime", "tile_mlp"),
+    "offload_dir": ("runtime", "offload_dir"),
+    "host_memory_limit": ("runtime", "host_memory_limit"),
     "eval_every": ("eval", "every"),
     "log_every": ("log", "every"),
 }
@@ -116,6 +118,10 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--chunked-loss", help="auto | true | false | N rows: LM head + loss over row chunks, no full "
                     "logits (runtime.chunked_loss)")
     tr.add_argument("--tile-mlp", help="auto | true | false | N rows: each layer's MLP over row tiles (runtime.tile_mlp)")
+    tr.add_argument("--offload-dir", help="directory on a local disk for the fp32 state of the layers that do not fit "
+                    "in host memory (runtime.offload_dir; docs/disk_tier.md)")
+    tr.add_argument("--host-memory-limit", help="host bytes megatrain may use, e.g. 120GiB; the rest of the fp32 state "
+                    "goes to --offload-dir (runtime.host_memory_limit)")
     tr.add_argument("--eval-every", help="steps between held-out evaluations (eval.every)")
     tr.add_argument("--log-every", help="steps between log lines (log.every)")
     tr.add_argument(

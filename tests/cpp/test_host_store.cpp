@@ -400,3 +400,43 @@ TEST(HostBudget, ShortfallRulesInOrderWithTheReclaimableCredit) {
     EXPECT_NE(std::string(e.what()).find("Nothing was allocated"), std::string::npos);
   }
 }
+
+TEST(HostStore, OffloadedUnitsKeepTheirComputeSectionAndStateLayoutButNoFp32Bytes) {
+  // Unit 1 (large: its sections would be skewed) keeps its fp32 state in the disk tier.
+  std::vector<hs::UnitSpec> units = {{{"a", {33, 17}}, {"b", {5}, true}},
+                                     {{"a", {2048, 2048}}, {"b", {9}, true}, {"c", {7}}},
+                                     {{"e", {101, 3}}}};
+  for (bool accum : {false, true}) {
+    hs::HostStoreOptions all, off;
+    all.with_grad_accum = off.with_grad_accum = accum;
+    off.state_offloaded = {false, true, false};
+    const hs::StoreLayout La = hs::HostStore::layout_required(units, all);
+    const hs::StoreLayout Lo = hs::HostStore::layout_required(units, off);
+    hs::HostStore full(units, all), store(units, off);
+    EXPECT_EQ(Lo.total_bytes, store.total_bytes());
+    EXPECT_EQ(Lo.unit_state_numel, La.unit_state_numel) << "the layout that lives on disk is still described";
+    EXPECT_EQ(Lo.unit_numel, La.unit_numel);
+    EXPECT_TRUE(store.state_offloaded(1));
+    EXPECT_FALSE(store.state_offloaded(0));
+    const int64_t state1 = round_up(full.unit_state_numel(1) * 4, 4096);
+    EXPECT_EQ(La.section_bytes[static_cast<int>(hs::Section::kMaster)] - state1,
+              Lo.section_bytes[static_cast<int>(hs::Section::kMaster)]);
+    EXPECT_LE(Lo.total_bytes, La.total_bytes - (accum ? 4 : 3) * state1);
+    for (int64_t u = 0; u < 3; ++u) {
+      const auto& e0 = full.entries(u);
+      const auto& e1 = store.entries(u);
+      for (size_t i = 0; i < e0.size(); ++i) {
+        EXPECT_EQ(e0[i].offset, e1[i].offset);
+        EXPECT_EQ(e0[i].state_offset, e1[i].state_offset);
+      }
+    }
+    EXPECT_EQ(store.unit_section_bytes(1, hs::Section::kMaster), 0);
+    EXPECT_NE(store.section_data(1, hs::Section::kCompute), nullptr);
+    EXPECT_THROW(store.section_data(1, hs::Section::kMaster), std::invalid_argument);
+    EXPECT_THROW(store.section_data(1, hs::Section::kExpAvgSq), std::invalid_argument);
+    EXPECT_NO_THROW(store.section_data(2, hs::Section::kMaster));
+  }
+  hs::HostStoreOptions bad;
+  bad.state_offloaded = {true};
+  EXPECT_THROW(hs::HostStore::layout_required(units, bad), std::invalid_argument);
+}

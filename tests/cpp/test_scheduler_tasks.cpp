@@ -6,8 +6,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <string>
 #include <memory>
 #include <functional>
 #include <random>
@@ -217,4 +221,208 @@ TEST(SchedulerTasks, MoveToAccumulatorSumsTheDirectGradientAndRestoresTheWeights
   EXPECT_EQ(ledger->get(0, 0).place, sch::GradPlace::kAccumulated);
   EXPECT_NEAR(ledger->get(0, 0).grad_sq, sq, 1e-9 * sq);
   EXPECT_THROW(sch::move_to_accumulator_task(ledger, 0, {s}, {}), std::invalid_argument);
+}
+
+namespace {
+
+// A disk tier of one unit with master / exp_avg / exp_avg_sq of `n` floats (and a second tier
+// with the accumulator), under a fresh directory removed afterwards.
+struct TierFixture {
+  std::filesystem::path dir;
+  std::shared_ptr<megatrain::disk_tier::DiskTier> state, accum;
+  explicit TierFixture(int64_t n, std::function<int(megatrain::disk_tier::IoOp, int64_t, int64_t, int64_t)> fault = {}) {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base ? base : "/tmp") + "/megatrain_tasks_XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (::mkdtemp(buf.data()) == nullptr) std::abort();
+    dir = buf.data();
+    const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
+    megatrain::disk_tier::DiskTierOptions o;
+    o.io_threads = 2;
+    o.chunk_bytes = 64 << 10;  // several chunks per unit
+    o.fault_hook = std::move(fault);
+    state = std::make_shared<megatrain::disk_tier::DiskTier>((dir / "state").string(),
+                                                             std::vector<megatrain::disk_tier::UnitLayout>{
+                                                                 {{bytes, bytes, bytes}}},
+                                                             o);
+    accum = std::make_shared<megatrain::disk_tier::DiskTier>((dir / "accum").string(),
+                                                             std::vector<megatrain::disk_tier::UnitLayout>{{{bytes}}}, o);
+  }
+  ~TierFixture() {
+    state.reset();
+    accum.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  sch::TierState tier() const { return sch::TierState{state, 0, accum, 0}; }
+  // Copies `values` (one vector per section) into unit 0 of `t` and writes it to the file.
+  static void put(megatrain::disk_tier::DiskTier& t, const std::vector<std::vector<float>>& values) {
+    auto p = t.acquire(0);
+    for (size_t s = 0; s < values.size(); ++s) std::memcpy(p[s], values[s].data(), values[s].size() * sizeof(float));
+    t.release(0, true);
+    t.flush();
+    t.drop_cached();  // the task must read the file
+  }
+  static std::vector<std::vector<float>> get(megatrain::disk_tier::DiskTier& t, int64_t n) {
+    t.flush();
+    t.drop_cached();
+    auto p = t.acquire(0);
+    std::vector<std::vector<float>> out;
+    for (void* s : p) {
+      const float* f = static_cast<const float*>(s);
+      out.emplace_back(f, f + n);
+    }
+    t.release(0, false);
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST(SchedulerTasks, AdamOnTheDiskTierGivesTheBitsOfTheHostStorePath) {
+  // Two entries at element offsets 0 and kOff of the unit's fp32 sections; the second one's
+  // gradient is the accumulator on disk, the first one's a direct bf16 gradient.
+  constexpr int64_t kE = ca::kChunkNumel + 33, kOff = 64 * ((kE + 63) / 64), kTotal = kOff + kE;
+  const auto master0 = randn(kTotal, 11), m0 = randn(kTotal, 12, 0.01f), v0 = randn(kTotal, 13, 0.01f);
+  std::vector<float> v0abs(v0);
+  for (float& x : v0abs) x = std::abs(x);
+  const auto direct = to_bf16(randn(kE, 14, 0.1f));
+  const auto accum0 = randn(kTotal, 15, 0.1f);
+  ca::AdamHyper h;
+  h.lr = 1e-3;
+  h.beta1 = 0.9;
+  h.beta2 = 0.95;
+  h.eps = 1e-6;
+  h.weight_decay = 0.1;
+  h.step = 4;
+  // The host path: raw pointers.
+  std::vector<float> master(master0), m(m0), v(v0abs), acc(accum0);
+  std::vector<uint16_t> out_host(kTotal, 0), out_tier(kTotal, 0);
+  auto ledger = std::make_shared<sch::Ledger>(std::vector<int64_t>{2});
+  for (int64_t i : {0, 1}) ledger->queue_update(0, i);
+  sch::AdamTask host;
+  ca::AdamArgs a0{master.data(), m.data(), v.data(), direct.data(), ca::GradDtype::kBFloat16, out_host.data(),
+                  ca::OutDtype::kBFloat16};
+  ca::AdamArgs a1{master.data() + kOff, m.data() + kOff, v.data() + kOff, acc.data() + kOff, ca::GradDtype::kFloat32,
+                  out_host.data() + kOff, ca::OutDtype::kBFloat16};
+  host.items = {{0, a0, h, kE}, {1, a1, h, kE}};
+  host.grad_scale = 0.25f;
+  host.ledger_entries = {0, 1};
+  sch::adam_task(ledger, host, two_threads)();
+  // The tier path: the same task by element offsets.
+  TierFixture tf(kTotal);
+  TierFixture::put(*tf.state, {master0, m0, v0abs});
+  TierFixture::put(*tf.accum, {accum0});
+  for (int64_t i : {0, 1}) ledger->queue_update(0, i);
+  sch::AdamTask tier;
+  sch::AdamItem t0{0, {}, h, kE};
+  t0.args.grad = direct.data();
+  t0.args.grad_dtype = ca::GradDtype::kBFloat16;
+  t0.args.compute_out = out_tier.data();
+  t0.args.out_dtype = ca::OutDtype::kBFloat16;
+  t0.tier_offset = 0;
+  sch::AdamItem t1{1, {}, h, kE};
+  t1.args.compute_out = out_tier.data() + kOff;
+  t1.args.out_dtype = ca::OutDtype::kBFloat16;
+  t1.tier_offset = kOff;
+  t1.grad_from_tier = true;
+  tier.items = {t0, t1};
+  tier.grad_scale = 0.25f;
+  tier.ledger_entries = {0, 1};
+  tier.tier = tf.tier();
+  sch::adam_task(ledger, tier, two_threads)();
+  EXPECT_EQ(tf.state->unit_state(0), "writing") << "released dirty: written behind";
+  const auto got = TierFixture::get(*tf.state, kTotal);
+  EXPECT_EQ(0, std::memcmp(got[0].data(), master.data(), sizeof(float) * kTotal));
+  EXPECT_EQ(0, std::memcmp(got[1].data(), m.data(), sizeof(float) * kTotal));
+  EXPECT_EQ(0, std::memcmp(got[2].data(), v.data(), sizeof(float) * kTotal));
+  EXPECT_EQ(0, std::memcmp(out_tier.data(), out_host.data(), sizeof(uint16_t) * kTotal));
+  EXPECT_NE(0, std::memcmp(got[0].data(), master0.data(), sizeof(float) * kTotal));
+  EXPECT_EQ(tf.accum->unit_state(0), "cached") << "the accumulator is read, not written";
+  EXPECT_EQ(ledger->get(0, 1).update, sch::UpdateState::kDone);
+}
+
+TEST(SchedulerTasks, AccumulateIntoTheDiskTierSumsLikeTheHostPathAndWritesBehind) {
+  constexpr int64_t kE = 3000;
+  const auto g1 = to_bf16(randn(kE, 21)), g2 = to_bf16(randn(kE, 22));
+  std::vector<float> want(kE);
+  auto ledger = std::make_shared<sch::Ledger>(std::vector<int64_t>{1});
+  TierFixture tf(kE);
+  double want_sq = 0, got_sq = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    const auto& g = pass == 0 ? g1 : g2;
+    want_sq = ca::grad_accumulate_tensor(want.data(), g.data(), ca::GradDtype::kBFloat16, pass == 0, kE);
+    sch::StagedGrad s;
+    s.grad = g.data();
+    s.numel = kE;
+    s.overwrite = ledger->begin_d2h(0, 0, false);
+    s.tier_offset = 0;
+    auto outcome = std::make_shared<sch::GradOutcome>();
+    sch::accumulate_task(ledger, 0, {}, {s}, outcome, {}, sch::TierState{nullptr, -1, tf.accum, 0})();
+    got_sq = ledger->get(0, 0).grad_sq;
+    EXPECT_TRUE(outcome->finite.load());
+  }
+  EXPECT_EQ(got_sq, want_sq);
+  const auto got = TierFixture::get(*tf.accum, kE);
+  EXPECT_EQ(0, std::memcmp(got[0].data(), want.data(), sizeof(float) * kE));
+}
+
+TEST(SchedulerTasks, ASkippedUpdateOnTheDiskTierRestoresFromTheMastersOnDiskAndWritesNothing) {
+  constexpr int64_t kE = 500;
+  const auto master0 = randn(kE, 31);
+  std::vector<uint16_t> compute(kE, 0x1234);  // a direct gradient sits there
+  TierFixture tf(kE);
+  TierFixture::put(*tf.state, {master0, std::vector<float>(kE, 0.0f), std::vector<float>(kE, 0.0f)});
+  const auto writes0 = tf.state->stats().unit_writes;
+  auto ledger = std::make_shared<sch::Ledger>(std::vector<int64_t>{1});
+  ledger->queue_update(0, 0);
+  auto bad = std::make_shared<sch::GradOutcome>();
+  bad->finite = false;
+  sch::AdamTask t;
+  sch::AdamItem it{0, {}, ca::AdamHyper{}, kE};
+  it.args.grad = compute.data();
+  it.args.grad_dtype = ca::GradDtype::kBFloat16;
+  it.args.compute_out = compute.data();
+  it.args.out_dtype = ca::OutDtype::kBFloat16;
+  it.tier_offset = 0;
+  t.items = {it};
+  t.ledger_entries = {0};
+  t.finite_from = bad;
+  sch::WeightsBack back{nullptr, compute.data(), ca::OutDtype::kBFloat16, kE};
+  back.tier_offset = 0;
+  t.restore_on_skip = {back};
+  t.outcome = std::make_shared<sch::UpdateOutcome>();
+  t.tier = sch::TierState{tf.state, 0, nullptr, -1};
+  sch::adam_task(ledger, t)();
+  EXPECT_TRUE(t.outcome->skipped.load());
+  EXPECT_EQ(compute, to_bf16(master0));
+  EXPECT_EQ(tf.state->unit_state(0), "cached") << "released clean";
+  EXPECT_EQ(tf.state->stats().unit_writes, writes0);
+}
+
+TEST(SchedulerTasks, AnIoErrorOfTheTierFailsTheTaskWithTheTiersMessage) {
+  constexpr int64_t kE = 256;
+  std::atomic<bool> broken{false};
+  TierFixture tf(kE, [&](megatrain::disk_tier::IoOp op, int64_t, int64_t, int64_t) {
+    return broken.load() && op == megatrain::disk_tier::IoOp::kRead ? EIO : 0;
+  });
+  TierFixture::put(*tf.state, {randn(kE, 41), randn(kE, 42), randn(kE, 43)});
+  broken = true;
+  auto ledger = std::make_shared<sch::Ledger>(std::vector<int64_t>{1});
+  std::vector<uint16_t> compute(kE, 0);
+  sch::AdamTask t;
+  sch::WeightsBack back{nullptr, compute.data(), ca::OutDtype::kBFloat16, kE};
+  back.tier_offset = 0;
+  t.restore = {back};
+  t.tier = sch::TierState{tf.state, 0, nullptr, -1};
+  try {
+    sch::adam_task(ledger, t)();
+    FAIL() << "expected DiskTierError";
+  } catch (const megatrain::disk_tier::DiskTierError& e) {
+    EXPECT_EQ(e.errno_value(), EIO);
+    EXPECT_NE(std::string(e.what()).find("restart from the last checkpoint"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(compute, std::vector<uint16_t>(kE, 0)) << "nothing written from a failed read";
+  EXPECT_THROW(sch::weights_back_task({back}), std::invalid_argument);
 }

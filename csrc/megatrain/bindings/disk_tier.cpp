@@ -2,6 +2,7 @@
 // DiskTierError (an OSError) and DiskSpaceError (a DiskTierError with needed/free bytes).
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -106,6 +107,13 @@ py::dict stats_dict(const dtn::DiskTierStats& s) {
 namespace megatrain {
 namespace bindings {
 
+std::shared_ptr<dtn::DiskTier> disk_tier_of(const py::object& tier) {
+  if (tier.is_none()) return nullptr;
+  auto py_tier = tier.cast<std::shared_ptr<PyDiskTier>>();  // TypeError for anything else
+  // Aliasing: the task holding it keeps the Python-side object (and its buffers) alive.
+  return std::shared_ptr<dtn::DiskTier>(py_tier, &py_tier->tier());
+}
+
 void init_disk_tier(py::module_& m) {
   static PyObject* tier_error = PyErr_NewException("megatrain._C.DiskTierError", PyExc_OSError, nullptr);
   static PyObject* space_error = PyErr_NewException("megatrain._C.DiskSpaceError", tier_error, nullptr);
@@ -138,8 +146,7 @@ void init_disk_tier(py::module_& m) {
       "docs/disk_tier.md and csrc/megatrain/disk_tier/disk_tier.h.")
       .def(py::init([](const std::string& dir, const std::vector<std::vector<int64_t>>& units, int64_t num_buffers,
                        int64_t io_threads, int64_t chunk_bytes, bool direct_io, bool preallocate,
-                       const std::string& stale, int64_t memory_limit_bytes,
-                       std::optional<std::tuple<std::string, int64_t, int>> fault) {
+                       const std::string& stale, int64_t memory_limit_bytes, py::object fault) {
              dtn::DiskTierOptions o;
              o.num_buffers = num_buffers;
              o.io_threads = io_threads;
@@ -154,14 +161,23 @@ void init_disk_tier(py::module_& m) {
              } else {
                throw std::invalid_argument("DiskTier: stale must be 'remove' or 'refuse', got '" + stale + "'");
              }
-             if (fault) {
-               const auto [op_name, unit, err] = *fault;
+             if (!fault.is_none()) {
+               const auto spec = fault.cast<std::vector<py::object>>();
+               if (spec.size() != 3 && spec.size() != 4) {
+                 throw std::invalid_argument("DiskTier: _fault must be (op, unit, errno) or (op, unit, errno, after)");
+               }
+               const auto op_name = spec[0].cast<std::string>();
+               const auto unit = spec[1].cast<int64_t>();
+               const auto err = spec[2].cast<int>();
+               const int64_t after = spec.size() == 4 ? spec[3].cast<int64_t>() : 0;
                if (op_name != "read" && op_name != "write") {
                  throw std::invalid_argument("DiskTier: _fault op must be 'read' or 'write', got '" + op_name + "'");
                }
                const dtn::IoOp op = op_name == "read" ? dtn::IoOp::kRead : dtn::IoOp::kWrite;
-               o.fault_hook = [op, unit = unit, err = err](dtn::IoOp o2, int64_t u, int64_t, int64_t) {
-                 return o2 == op && (unit < 0 || u == unit) ? err : 0;
+               auto seen = std::make_shared<std::atomic<int64_t>>(0);
+               o.fault_hook = [op, unit, err, after, seen](dtn::IoOp o2, int64_t u, int64_t, int64_t) {
+                 if (o2 != op || (unit >= 0 && u != unit)) return 0;
+                 return seen->fetch_add(1) >= after ? err : 0;  // the first `after` such chunks succeed
                };
              }
              std::unique_ptr<dtn::DiskTier> tier;
@@ -179,7 +195,8 @@ void init_disk_tier(py::module_& m) {
            "unit's file bytes), io_threads, chunk_bytes (per pread/pwrite, rounded to 4 KiB), "
            "direct_io (try O_DIRECT), preallocate (fallocate at creation), stale ('remove' or "
            "'refuse' files of a dead run), memory_limit_bytes (host budget override for the pool), "
-           "_fault (tests: (op 'read'|'write', unit or -1, errno) injected into every such chunk). "
+           "_fault (tests: (op 'read'|'write', unit or -1, errno[, after]) injected into every such chunk "
+           "after the first `after` of them). "
            "Raises DiskSpaceError (needed vs free, nothing created), MemoryError (the pool), "
            "DiskTierError, ValueError.")
       .def("prefetch", [](PyDiskTier& t, int64_t u) { t.tier().prefetch(u); }, py::arg("unit"),
@@ -208,6 +225,8 @@ void init_disk_tier(py::module_& m) {
            "Tensors from section_tensor(unit, ...) must not be used afterwards.")
       .def("flush", [](PyDiskTier& t) { t.tier().flush(); }, py::call_guard<py::gil_scoped_release>(),
            "Wait for every issued write, then fdatasync the files written since the last flush.")
+      .def("check", [](PyDiskTier& t) { t.tier().check(); },
+           "Raise the sticky DiskTierError if an I/O failed (a write behind included); never blocks.")
       .def("drop_cached", [](PyDiskTier& t) { t.tier().drop_cached(); }, py::call_guard<py::gil_scoped_release>(),
            "Detach every clean cached buffer: the next acquire of those units reads the file.")
       .def("section_tensor", &PyDiskTier::section_tensor, py::arg("unit"), py::arg("section"),

@@ -25,6 +25,12 @@ using megatrain::bindings::aten_parallel_for;
 using megatrain::bindings::grad_dtype_of;
 using megatrain::bindings::out_dtype_of;
 
+namespace megatrain {
+namespace bindings {
+std::shared_ptr<megatrain::disk_tier::DiskTier> disk_tier_of(const py::object& tier);  // disk_tier.cpp
+}  // namespace bindings
+}  // namespace megatrain
+
 namespace {
 
 // What a task keeps alive until the main thread releases it (under the GIL): the Python
@@ -151,6 +157,46 @@ std::vector<sch::WeightsBack> weights_back_of(const std::vector<std::tuple<at::T
   return out;
 }
 
+// The disk tier units of a task (state: master / exp_avg / exp_avg_sq, accum: the accumulator);
+// the Python tier objects are kept with the task.
+sch::TierState tier_state_of(const py::object& state_tier, int64_t state_unit, const py::object& accum_tier,
+                             int64_t accum_unit, Keep& keep) {
+  sch::TierState t;
+  t.state = megatrain::bindings::disk_tier_of(state_tier);
+  t.state_unit = state_unit;
+  t.accum = megatrain::bindings::disk_tier_of(accum_tier);
+  t.accum_unit = accum_unit;
+  if (t.state) keep.objects.push_back(state_tier);
+  if (t.accum) keep.objects.push_back(accum_tier);
+  return t;
+}
+
+// (tier offset, compute) pairs -> WeightsBack from the master on disk, compute kept.
+std::vector<sch::WeightsBack> weights_back_tier_of(const std::vector<std::tuple<int64_t, at::Tensor>>& pairs,
+                                                   Keep& keep, const char* op) {
+  std::vector<sch::WeightsBack> out;
+  for (const auto& [offset, compute] : pairs) {
+    TORCH_CHECK_VALUE(offset >= 0, op, ": a tier offset must be >= 0, got ", offset);
+    const ca::OutDtype dt = out_dtype_of(compute, op, "compute", compute.numel());
+    sch::WeightsBack w{nullptr, compute.data_ptr(), dt, compute.numel()};
+    w.tier_offset = offset;
+    out.push_back(w);
+    keep.tensors.push_back(compute);
+  }
+  return out;
+}
+
+ca::AdamHyper hyper_of(double lr, double b1, double b2, double eps, double wd, int64_t step) {
+  ca::AdamHyper h;
+  h.lr = lr;
+  h.beta1 = b1;
+  h.beta2 = b2;
+  h.eps = eps;
+  h.weight_decay = wd;
+  h.step = step;
+  return h;
+}
+
 std::string describe_python_error(py::error_already_set& e) {
   // As Python's f"{err!r}": RuntimeError('simulated accumulate failure').
   return std::string(py::repr(e.value()));
@@ -224,7 +270,9 @@ on its thread).)doc")
       .def("submit_accumulate",
            [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
               const std::vector<std::tuple<int64_t, std::optional<at::Tensor>, int64_t>>& direct,
-              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, bool>>& staged, py::object ready) {
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, bool>>& staged, py::object ready,
+              const std::vector<std::tuple<int64_t, int64_t, at::Tensor, bool>>& staged_tier, py::object accum_tier,
+              int64_t accum_unit) {
              constexpr const char* op = "Worker.submit_accumulate";
              Keep keep;
              std::vector<sch::DirectGrad> d;
@@ -245,22 +293,43 @@ on its thread).)doc")
              for (const auto& [entry, accum, grad, overwrite] : staged) {
                s.push_back(staged_grad(entry, accum, grad, overwrite, op, keep));
              }
+             for (const auto& [entry, offset, grad, overwrite] : staged_tier) {
+               TORCH_CHECK_VALUE(offset >= 0, op, ": a tier offset must be >= 0, got ", offset);
+               sch::StagedGrad g;
+               g.entry = entry;
+               g.grad_dtype = grad_dtype_of(grad, op, grad.numel());
+               g.grad = grad.data_ptr();
+               g.numel = grad.numel();
+               g.overwrite = overwrite;
+               g.tier_offset = offset;
+               keep.tensors.push_back(grad);
+               s.push_back(g);
+             }
+             TORCH_CHECK_VALUE(staged_tier.empty() || !accum_tier.is_none(), op,
+                               ": staged_tier needs accum_tier (the accumulator's disk tier)");
+             sch::TierState tier = tier_state_of(py::none(), -1, accum_tier, accum_unit, keep);
              auto outcome = std::make_shared<sch::GradOutcome>();
              sch::Task t;
              t.klass = sch::TaskClass::kGrad;
              t.gate = gate_of(ready, keep);
              t.run = sch::accumulate_task(std::move(ledger), unit, std::move(d), std::move(s), outcome,
-                                          aten_parallel_for);
+                                          aten_parallel_for, std::move(tier));
              t.keep = make_keep(std::move(keep));
              return std::make_tuple(w.submit(std::move(t)), outcome);
            },
            py::arg("ledger"), py::arg("unit"), py::arg("direct"), py::arg("staged"), py::arg("ready") = py::none(),
+           py::arg("staged_tier") = std::vector<std::tuple<int64_t, int64_t, at::Tensor, bool>>{},
+           py::arg("accum_tier") = py::none(), py::arg("accum_unit") = -1,
            "Gradient task: direct = [(entry, norms float64 tensor or None, index into norms)] landed in the "
            "compute section; staged = [(entry, accum fp32, grad bf16/fp32 staging slice, overwrite)] summed "
-           "into the accumulator (Ledger.accumulated with the squared norm). Returns (TaskHandle, GradOutcome).")
+           "into the accumulator (Ledger.accumulated with the squared norm); staged_tier = [(entry, element "
+           "offset, grad, overwrite)] summed into unit accum_unit of the DiskTier accum_tier (acquired by the "
+           "task, released dirty). Returns (TaskHandle, GradOutcome).")
       .def("submit_move_to_accumulator",
            [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
-              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& moved) {
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& moved,
+              const std::vector<std::tuple<int64_t, int64_t, at::Tensor>>& moved_tier, py::object state_tier,
+              int64_t state_unit, py::object accum_tier, int64_t accum_unit) {
              constexpr const char* op = "Worker.submit_move_to_accumulator";
              Keep keep;
              std::vector<sch::StagedGrad> s;
@@ -270,17 +339,37 @@ on its thread).)doc")
                pairs.emplace_back(master, compute);
              }
              std::vector<sch::WeightsBack> back = weights_back_of(pairs, keep, op);
+             std::vector<std::tuple<int64_t, at::Tensor>> tier_pairs;
+             for (const auto& [entry, offset, compute] : moved_tier) {
+               sch::StagedGrad g;
+               g.entry = entry;
+               g.grad_dtype = grad_dtype_of(compute, op, compute.numel());
+               g.grad = compute.data_ptr();
+               g.numel = compute.numel();
+               g.tier_offset = offset;
+               s.push_back(g);
+               tier_pairs.emplace_back(offset, compute);
+             }
+             for (auto& w : weights_back_tier_of(tier_pairs, keep, op)) back.push_back(w);
+             TORCH_CHECK_VALUE(moved_tier.empty() || (!state_tier.is_none() && !accum_tier.is_none()), op,
+                               ": moved_tier needs state_tier and accum_tier");
+             sch::TierState tier = tier_state_of(state_tier, state_unit, accum_tier, accum_unit, keep);
              sch::Task t;
              t.klass = sch::TaskClass::kGrad;
              t.run = sch::move_to_accumulator_task(std::move(ledger), unit, std::move(s), std::move(back),
-                                                   aten_parallel_for);
+                                                   aten_parallel_for, std::move(tier));
              t.keep = make_keep(std::move(keep));
              return w.submit(std::move(t));
            },
            py::arg("ledger"), py::arg("unit"), py::arg("moved"),
+           py::arg("moved_tier") = std::vector<std::tuple<int64_t, int64_t, at::Tensor>>{},
+           py::arg("state_tier") = py::none(), py::arg("state_unit") = -1, py::arg("accum_tier") = py::none(),
+           py::arg("accum_unit") = -1,
            "Gradient task: moved = [(entry, accum fp32, master fp32, compute slice holding the gradient)]: the "
            "gradient is summed into the accumulator (overwrite; Ledger.moved_to_accumulator), then the compute "
-           "slice is rewritten from the master. Returns a TaskHandle.")
+           "slice is rewritten from the master. moved_tier = [(entry, element offset, compute slice)]: the "
+           "same with the accumulator and the master on disk (DiskTiers accum_tier / state_tier). Returns a "
+           "TaskHandle.")
       .def("submit_adam",
            [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
               const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -288,7 +377,12 @@ on its thread).)doc")
               double grad_scale, const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore,
               const std::vector<int64_t>& ledger_entries, std::shared_ptr<sch::GradOutcome> finite_from,
               const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore_on_skip, int klass, int64_t key,
-              py::object ready) {
+              py::object ready,
+              const std::vector<std::tuple<int64_t, int64_t, std::optional<at::Tensor>, at::Tensor, double, double,
+                                           double, double, double, int64_t>>& tier_items,
+              const std::vector<std::tuple<int64_t, at::Tensor>>& restore_tier,
+              const std::vector<std::tuple<int64_t, at::Tensor>>& restore_on_skip_tier, py::object state_tier,
+              int64_t state_unit, py::object accum_tier, int64_t accum_unit) {
              constexpr const char* op = "Worker.submit_adam";
              Keep keep;
              sch::AdamTask task;
@@ -309,17 +403,37 @@ on its thread).)doc")
                it.args.grad = grad.data_ptr();
                it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
                it.args.compute_out = compute.data_ptr();
-               it.hyper.lr = lr;
-               it.hyper.beta1 = b1;
-               it.hyper.beta2 = b2;
-               it.hyper.eps = eps;
-               it.hyper.weight_decay = wd;
-               it.hyper.step = step;
+               it.hyper = hyper_of(lr, b1, b2, eps, wd, step);
                for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, &grad, &compute}) keep.tensors.push_back(*t);
+               task.items.push_back(it);
+             }
+             for (const auto& [entry, offset, grad, compute, lr, b1, b2, eps, wd, step] : tier_items) {
+               TORCH_CHECK_VALUE(offset >= 0, op, ": a tier offset must be >= 0, got ", offset);
+               const int64_t n = compute.numel();
+               sch::AdamItem it;
+               it.entry = entry;
+               it.numel = n;
+               it.tier_offset = offset;
+               it.grad_from_tier = !grad.has_value();
+               if (grad.has_value()) {
+                 it.args.grad_dtype = grad_dtype_of(*grad, op, n);
+                 it.args.grad = grad->data_ptr();
+                 keep.tensors.push_back(*grad);
+               }
+               it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
+               it.args.compute_out = compute.data_ptr();
+               it.hyper = hyper_of(lr, b1, b2, eps, wd, step);
+               keep.tensors.push_back(compute);
                task.items.push_back(it);
              }
              task.restore = weights_back_of(restore, keep, op);
              task.restore_on_skip = weights_back_of(restore_on_skip, keep, op);
+             for (auto& w : weights_back_tier_of(restore_tier, keep, op)) task.restore.push_back(w);
+             for (auto& w : weights_back_tier_of(restore_on_skip_tier, keep, op)) task.restore_on_skip.push_back(w);
+             TORCH_CHECK_VALUE((tier_items.empty() && restore_tier.empty() && restore_on_skip_tier.empty()) ||
+                                   !state_tier.is_none(),
+                               op, ": tier_items / restore_tier need state_tier (the unit's DiskTier)");
+             task.tier = tier_state_of(state_tier, state_unit, accum_tier, accum_unit, keep);
              task.ledger_entries = ledger_entries;
              task.finite_from = std::move(finite_from);
              auto outcome = std::make_shared<sch::UpdateOutcome>();
@@ -343,10 +457,20 @@ on its thread).)doc")
            py::arg("ledger_entries") = std::vector<int64_t>{}, py::arg("finite_from") = nullptr,
            py::arg("restore_on_skip") = std::vector<std::tuple<at::Tensor, at::Tensor>>{}, py::arg("klass") = 1,
            py::arg("key") = 0, py::arg("ready") = py::none(),
+           py::arg("tier_items") = std::vector<std::tuple<int64_t, int64_t, std::optional<at::Tensor>, at::Tensor,
+                                                          double, double, double, double, double, int64_t>>{},
+           py::arg("restore_tier") = std::vector<std::tuple<int64_t, at::Tensor>>{},
+           py::arg("restore_on_skip_tier") = std::vector<std::tuple<int64_t, at::Tensor>>{},
+           py::arg("state_tier") = py::none(), py::arg("state_unit") = -1, py::arg("accum_tier") = py::none(),
+           py::arg("accum_unit") = -1,
            "Update task: items = [(entry, master, exp_avg, exp_avg_sq, grad, compute, lr, beta1, beta2, eps, "
            "weight_decay, step)] (adamw_step_'s arguments) with grad_scale; then restore = [(master, compute)]. "
            "finite_from: a GradOutcome; non-finite skips the update and writes restore_on_skip instead. "
-           "Queues ledger_entries' updates in the ledger. Returns (TaskHandle, UpdateOutcome).")
+           "Queues ledger_entries' updates in the ledger. A unit whose fp32 state is on disk: tier_items = "
+           "[(entry, element offset, grad (None: the accumulator on disk), compute, lr, ...)], restore_tier / "
+           "restore_on_skip_tier = [(element offset of the master, compute)]; unit state_unit of the DiskTier "
+           "state_tier (and accum_unit of accum_tier) is acquired by the task and released dirty after an "
+           "update. Returns (TaskHandle, UpdateOutcome).")
       .def("wait_grads", [](PyWorker& w) { w.blocking([&] { w.get().wait_grads(check_signals); }); },
            "Block until every queued gradient task ran (GIL released).")
       .def("drain", [](PyWorker& w) { w.blocking([&] { w.get().drain(check_signals); }); },

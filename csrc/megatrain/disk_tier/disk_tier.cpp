@@ -647,6 +647,11 @@ void DiskTier::flush() {
   stats_.flush_seconds += now_seconds() - t0;
 }
 
+void DiskTier::check() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_failed_locked();
+}
+
 void DiskTier::drop_cached() {
   std::unique_lock<std::mutex> lk(mu_);
   state_cv_.wait(lk, [&] {

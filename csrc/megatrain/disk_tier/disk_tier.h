@@ -179,6 +179,9 @@ class DiskTier {
   /// \brief Blocks until every issued write is done, then fdatasync()s the files written since
   /// the last flush. \throws DiskTierError (sticky failure).
   void flush();
+  /// \brief Throws the sticky DiskTierError if an I/O of the tier failed (a write behind included);
+  /// does not block.
+  void check() const;
   /// \brief Detaches every cached (clean, not acquired) buffer, so the next acquire of those
   /// units reads the file (benchmarks; tests of the read path). Waits for in-flight I/O first.
   void drop_cached();

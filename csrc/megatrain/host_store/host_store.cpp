@@ -158,6 +158,10 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
                                                    const HostStoreOptions& options,
                                                    int64_t* total_bytes, int64_t* total_numel,
                                                    int64_t* frozen_numel) {
+  if (!options.state_offloaded.empty() && options.state_offloaded.size() != units.size()) {
+    throw std::invalid_argument("host store: state_offloaded has " + std::to_string(options.state_offloaded.size()) +
+                                " flags for " + std::to_string(units.size()) + " units");
+  }
   std::vector<UnitLayout> layouts;
   layouts.reserve(units.size());
   int64_t cursor = 0;
@@ -186,11 +190,14 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
     L.state_numel = state_off;
     L.base_bytes = cursor;
     int64_t rel = 0;
-    const bool skew = options.skew_sections && checked_mul(L.state_numel, 4) >= kSkewMinSectionBytes;
+    L.state_offloaded = !options.state_offloaded.empty() && options.state_offloaded[u];
+    const bool skew = options.skew_sections && !L.state_offloaded &&
+                      checked_mul(L.state_numel, 4) >= kSkewMinSectionBytes;
     for (int s = 0; s < kNumSections; ++s) {
       const Section sec = static_cast<Section>(s);
       int64_t bytes = 0;
-      if (sec != Section::kGradAccum || options.with_grad_accum) {
+      const bool in_arena = sec == Section::kCompute || !L.state_offloaded;
+      if (in_arena && (sec != Section::kGradAccum || options.with_grad_accum)) {
         const int64_t esize =
             (sec == Section::kCompute && options.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
         const int64_t n = sec == Section::kCompute ? L.numel : L.state_numel;
@@ -275,6 +282,11 @@ int64_t HostStore::element_size(Section s) const {
   return (s == Section::kCompute && options_.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
 }
 
+bool HostStore::state_offloaded(int64_t u) const {
+  check_unit(u);
+  return units_[u].state_offloaded;
+}
+
 void* HostStore::section_data(int64_t u, Section s) const {
   check_unit(u);
   if (!has_section(s)) {
@@ -282,6 +294,11 @@ void* HostStore::section_data(int64_t u, Section s) const {
         "host store has no grad_accum section (it was created with with_grad_accum=False)");
   }
   const UnitLayout& L = units_[u];
+  if (L.state_offloaded && s != Section::kCompute) {
+    throw std::invalid_argument("host store unit " + std::to_string(u) + " keeps its fp32 state (" +
+                                section_name(s) + " included) outside the store, in the disk tier; only its "
+                                "compute section is here");
+  }
   char* base = static_cast<char*>(arena_->data());
   if (base == nullptr) return nullptr;  // empty store
   return base + L.base_bytes + L.section_offset_bytes[static_cast<int>(s)];

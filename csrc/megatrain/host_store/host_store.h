@@ -107,6 +107,11 @@ struct HostStoreOptions {
   /// PinnedBuffer; the file must hold at least layout_required(...).total_bytes bytes, rounded up
   /// to whole pages).
   int shared_fd = -1;
+  /// Per unit (empty: none): the unit's fp32 sections (master, exp_avg, exp_avg_sq, grad_accum)
+  /// are kept outside the store (the disk tier, csrc/megatrain/disk_tier/): the arena holds its
+  /// compute section only, while unit_state_numel and the entries' state offsets still describe
+  /// the fp32 layout that lives elsewhere.
+  std::vector<bool> state_offloaded;
 };
 
 /// \brief What a store of given units and options would hold, without allocating it
@@ -117,7 +122,8 @@ struct StoreLayout {
   int64_t frozen_numel = 0;  ///< unpadded parameter count of the frozen entries
   std::array<int64_t, kNumSections> section_bytes{};  ///< per section, summed over units (0: absent)
   std::vector<int64_t> unit_numel;        ///< padded compute-section elements per unit
-  std::vector<int64_t> unit_state_numel;  ///< padded fp32-section elements per unit
+  std::vector<int64_t> unit_state_numel;  ///< padded fp32-section elements per unit (also of the
+                                          ///< units whose fp32 sections are offloaded)
 };
 
 /// \brief A tensor's place in its unit.
@@ -170,8 +176,11 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   int64_t unit_state_numel(int64_t u) const;
   const std::vector<Entry>& entries(int64_t u) const;
   bool has_section(Section s) const;
+  /// \brief Whether unit u's fp32 sections are kept outside the store (HostStoreOptions::state_offloaded).
+  bool state_offloaded(int64_t u) const;
   /// \brief Start of section s of unit u (4 KiB aligned).
-  /// \throws std::out_of_range for a bad unit; std::invalid_argument for an absent section.
+  /// \throws std::out_of_range for a bad unit; std::invalid_argument for an absent section (an
+  ///         fp32 section of a unit whose fp32 state is offloaded included).
   void* section_data(int64_t u, Section s) const;
   /// \brief Bytes per element of section s (2 for a bf16 compute section, else 4).
   int64_t element_size(Section s) const;
@@ -202,6 +211,7 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
     std::vector<Entry> entries;
     int64_t numel = 0;        ///< compute section elements
     int64_t state_numel = 0;  ///< fp32 section elements
+    bool state_offloaded = false;  ///< the fp32 sections are not in the arena
     int64_t base_bytes = 0;  ///< byte offset of the unit block in the arena
     std::array<int64_t, kNumSections> section_offset_bytes{};  ///< relative to base
     std::array<int64_t, kNumSections> section_bytes{};

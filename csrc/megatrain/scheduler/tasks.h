@@ -2,6 +2,12 @@
 // AdamW over a unit's entries, and the compute copy rewritten from the fp32 masters. They run
 // the cpu_adam drivers directly (no GIL, no dispatcher) and record what they did in the Ledger.
 // The pointers must stay valid until the task ran (the bindings keep their tensors in Task::keep).
+//
+// A unit whose fp32 state is in the disk tier (TierState): the task acquires the unit from the
+// tier when it runs (blocking until its read is done; the worker holds no lock meanwhile), runs
+// the same kernels on the tier's buffer and releases it afterwards (dirty, i.e. written behind,
+// where it wrote). Its items then name the fp32 sections by element offset (tier_offset) instead
+// of by pointer; the kernels and their order are the host-store path's, so the bits are too.
 #pragma once
 
 #include <atomic>
@@ -11,10 +17,21 @@
 #include <vector>
 
 #include "megatrain/cpu_adam/adam_driver.h"
+#include "megatrain/disk_tier/disk_tier.h"
 #include "megatrain/scheduler/ledger.h"
 
 namespace megatrain {
 namespace scheduler {
+
+/// \brief Where a unit's fp32 state lives when it is not in the host store: unit `state_unit` of
+/// `state` holds master, exp_avg, exp_avg_sq (its sections 0, 1, 2); unit `accum_unit` of `accum`
+/// holds the fp32 gradient accumulator (its section 0). Null tiers: not on disk.
+struct TierState {
+  std::shared_ptr<disk_tier::DiskTier> state;
+  int64_t state_unit = -1;
+  std::shared_ptr<disk_tier::DiskTier> accum;
+  int64_t accum_unit = -1;
+};
 
 /// \brief What a gradient task found, read by the update planned on that gradient (a later
 /// zero_grad may reset the ledger before the update runs).
@@ -39,6 +56,8 @@ struct StagedGrad {
   cpu_adam::GradDtype grad_dtype = cpu_adam::GradDtype::kBFloat16;
   int64_t numel = 0;
   bool overwrite = true;           ///< Ledger::begin_d2h's answer
+  /// >= 0: accum is element tier_offset of the accumulator unit of the task's TierState.
+  int64_t tier_offset = -1;
 };
 
 /// \brief A gradient D2H'd straight into the compute section.
@@ -55,6 +74,8 @@ struct WeightsBack {
   void* compute = nullptr;
   cpu_adam::OutDtype compute_dtype = cpu_adam::OutDtype::kBFloat16;
   int64_t numel = 0;
+  /// >= 0: master is element tier_offset of the master section of the task's TierState.
+  int64_t tier_offset = -1;
 };
 
 /// \brief One entry's fused AdamW (same arguments as the adamw_step_ op).
@@ -63,22 +84,31 @@ struct AdamItem {
   cpu_adam::AdamArgs args;  ///< nt_out / prefetch_bytes are set by the driver
   cpu_adam::AdamHyper hyper;
   int64_t numel = 0;
+  /// >= 0: master / exp_avg / exp_avg_sq are element tier_offset of the task's TierState's
+  /// sections (args' pointers for them are ignored).
+  int64_t tier_offset = -1;
+  /// With tier_offset: the gradient is the fp32 accumulator on disk at the same offset (args.grad
+  /// ignored); false: args.grad (a direct gradient in the compute section).
+  bool grad_from_tier = false;
 };
 
 /// \brief The gradient task of one unit: ledger landed_direct (norm^2 from `direct[k].norm`)
 /// for the direct entries, then accumulate each staged gradient (Ledger::accumulated with its
 /// squared norm), in the order given; sets `outcome` (finite over all of them) when done.
+/// With `tier.accum` set, the staged gradients with a tier_offset are summed into the accumulator
+/// unit on disk (acquired for the task, released dirty).
 std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t unit,
                                       std::vector<DirectGrad> direct, std::vector<StagedGrad> staged,
                                       std::shared_ptr<GradOutcome> outcome,
-                                      cpu_adam::ParallelFor pfor = {});
+                                      cpu_adam::ParallelFor pfor = {}, TierState tier = {});
 
 /// \brief Moves direct gradients (in the compute section) into the accumulator and rewrites the
 /// compute copy from the masters: per entry grad_accumulate(overwrite) then weights back;
 /// Ledger::moved_to_accumulator. `moved[k].grad` must point at the compute slice of `back[k]`.
+/// With `tier`: the tier_offset fields name the accumulator / master on disk.
 std::function<void()> move_to_accumulator_task(std::shared_ptr<Ledger> ledger, int64_t unit,
                                                std::vector<StagedGrad> moved, std::vector<WeightsBack> back,
-                                               cpu_adam::ParallelFor pfor = {});
+                                               cpu_adam::ParallelFor pfor = {}, TierState tier = {});
 
 /// \brief An update task of one unit.
 struct AdamTask {
@@ -92,6 +122,9 @@ struct AdamTask {
   std::vector<WeightsBack> restore_on_skip;  ///< the direct entries' weights, when skipped
   /// Set when the update was skipped (the optimizer reads it at its next sync point).
   std::shared_ptr<UpdateOutcome> outcome;
+  /// The unit's fp32 state on disk (items / restore with tier_offset); the state unit is released
+  /// dirty when an item was updated, clean otherwise; the accumulator always clean.
+  TierState tier;
 };
 
 /// \brief The update task: start_update of ledger_entries; if finite_from says non-finite (and

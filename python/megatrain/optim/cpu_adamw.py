@@ -31,9 +31,24 @@ def _check_options(where: str, opts: dict) -> None:
             raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
 
 
+class _TierValue:
+    """``exp_avg`` / ``exp_avg_sq`` of a parameter whose fp32 state is in the disk tier
+    (``wrap(offload_dir=...)``): :class:`_ParamState` reads it (a CPU copy) when it is accessed."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, read):
+        self.read = read
+
+
+def _value(v):
+    return v.read() if isinstance(v, _TierValue) else v
+
+
 class _ParamState(dict):
     """``optimizer.state[p]``: reading a value first waits for the parameter's update in flight, so
-    ``exp_avg`` / ``exp_avg_sq`` read right after ``step()`` show the new values (as torch's do)."""
+    ``exp_avg`` / ``exp_avg_sq`` read right after ``step()`` show the new values (as torch's do).
+    For a parameter whose state is on disk they are copies read from the tier at each access."""
 
     __slots__ = ("_wait",)
 
@@ -43,22 +58,22 @@ class _ParamState(dict):
 
     def __getitem__(self, k):
         self._wait()
-        return super().__getitem__(k)
+        return _value(super().__getitem__(k))
 
     def get(self, k, default=None):
         self._wait()
-        return super().get(k, default)
+        return _value(super().get(k, default))
 
     def items(self):
         self._wait()
-        return super().items()
+        return [(k, _value(v)) for k, v in super().items()]
 
     def values(self):
         self._wait()
-        return super().values()
+        return [_value(v) for v in super().values()]
 
     def __reduce__(self):
-        return (dict, (dict(super().items()),))
+        return (dict, (dict(self.items()),))
 
 
 def _ref(p: torch.Tensor):
@@ -75,7 +90,9 @@ class CPUAdamW(torch.optim.Optimizer):
 
     The update rule is exactly ``torch.optim.AdamW`` (decoupled weight decay, bias correction,
     a step count per parameter) [Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
-    ICLR 2019]. ``exp_avg`` / ``exp_avg_sq`` are zero-copy views of the host store (fp32, CPU).
+    ICLR 2019]. ``exp_avg`` / ``exp_avg_sq`` are zero-copy views of the host store (fp32, CPU);
+    for the layers whose state is on disk (``wrap(offload_dir=...)``) copies read at each access
+    (write them with ``load_state_dict``).
     The update also writes the compute copy (bf16, round to nearest even; or fp32) that the
     next forward streams to the device.
 
@@ -248,11 +265,12 @@ class CPUAdamW(torch.optim.Optimizer):
                 continue
             self._entry[(unit.index, i)] = (group, p)
             # a read waits for the unit's update (and copies a device-state layer's state to the host store)
-            self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u]), {
-                "step": torch.tensor(0.0),
-                "exp_avg": eng.entry_view(unit, i, "exp_avg"),
-                "exp_avg_sq": eng.entry_view(unit, i, "exp_avg_sq"),
-            })
+            if unit.disk is not None:  # on disk: read at each access
+                moments = {k: _TierValue(lambda u=unit, i=i, k=k, e=eng: e.disk.read(u, i, k))
+                           for k in ("exp_avg", "exp_avg_sq")}
+            else:
+                moments = {k: eng.entry_view(unit, i, k) for k in ("exp_avg", "exp_avg_sq")}
+            self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u]), {"step": torch.tensor(0.0), **moments})
 
     def _items(self, unit, has_grad):
         """Adam work items of ``unit`` (main thread: bumps the per-parameter step counts)."""
@@ -418,7 +436,7 @@ class CPUAdamW(torch.optim.Optimizer):
         weights_only=True)`` reads them)."""
         self.engine.sync_host()
         sd = super().state_dict()
-        sd["state"] = {k: dict(dict.items(v)) for k, v in sd["state"].items()}
+        sd["state"] = {k: dict(v.items()) for k, v in sd["state"].items()}  # disk units: copies read from the tier
         return sd
 
     def load_state_dict(self, state_dict) -> None:
@@ -464,7 +482,10 @@ class CPUAdamW(torch.optim.Optimizer):
             st = state_dict["state"].get(pid)
             if st is None:
                 continue
-            if write_moments:
+            eng, unit, i = _ref(p)
+            if write_moments and unit.disk is not None:  # written through the tier's buffer
+                eng.disk.write(unit, {(i, k): st[k] for k in ("exp_avg", "exp_avg_sq")})
+            elif write_moments:
                 self.state[p]["exp_avg"].copy_(st["exp_avg"])
                 self.state[p]["exp_avg_sq"].copy_(st["exp_avg_sq"])
             self.state[p]["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu").clone()

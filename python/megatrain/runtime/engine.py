@@ -37,6 +37,7 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -47,12 +48,13 @@ import torch
 from .._loader import load_extension
 from . import data_parallel
 from .grad_copies import GradCopies
+from .disk_offload import DiskOffload, check_offload_args, plan_offload
 from .grads import GradLedger
 from .host_memory import check_host_budget
 from .options import Options, options
 from .slots import SlotPool
 from .stats import EngineStats
-from .units import Unit, plan_host_memory, unit_tables
+from .units import Unit, unit_tables
 from .updates import UpdateQueue
 from .worker import _Worker
 
@@ -124,16 +126,29 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         reclaimable_bytes: host bytes the caller frees while the store is filled (the source
             model's parameters, released layer by layer): counted as available by the budget
             check when the store is page-locked only after the fill (the default).
+        offload_dir: a directory on a local disk for the fp32 state of the decoder layers that
+            do not fit in host memory (None: everything in host memory); see
+            :mod:`megatrain.runtime.disk_offload` and docs/disk_tier.md.
+        host_memory_limit: bytes of host memory the engine may use for the store, staging and
+            the disk tier's buffers (None: the host budget check's limits alone).
+        keep_host_layers: layers ``0 .. keep_host_layers-1`` never go to disk (device-state layers).
 
     Raises:
-        HostMemoryError: if the host store does not fit (raised before anything is allocated).
+        ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
+        HostMemoryError: if the host part does not fit (raised before anything is allocated).
+        DiskSpaceError: the disk tier's files do not fit under ``offload_dir`` (nothing written).
     """
 
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
                  num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: Optional[bool] = True,
-                 reclaimable_bytes: int = 0):
+                 reclaimable_bytes: int = 0, offload_dir: Optional[str] = None,
+                 host_memory_limit: Optional[int] = None, keep_host_layers: int = 0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        offload_dir = check_offload_args(offload_dir, host_memory_limit)
+        if offload_dir is not None and data_parallel.active():
+            raise ValueError("megatrain.wrap: offload_dir (the disk tier) is not supported with data parallel yet; "
+                             "wrap without offload_dir, or run one process (MEGATRAIN_DATA_PARALLEL=0)")
         self.units = units
         self.num_slots = num_slots
         self.layers = [u for u in units if u.kind == "layer"]
@@ -144,13 +159,19 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         self.accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
         in_store = self.accumulator_mode is True
         self._accum: Optional[dict] = None  # auto mode: unit index -> flat fp32 accumulator (trainable entries)
-        self.host_plan = plan_host_memory(units, compute_dtype, self.accumulator_mode, staging_buffers)
-        store_bytes = self.host_plan["store_bytes"]
-        staging_bytes = self.host_plan["staging_bytes"]
         self.options: Options = options()  # read once, here (see megatrain.runtime.options)
         self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
-        check_host_budget(store_bytes + staging_bytes, store_bytes + staging_bytes if self.cuda else 0,
+        # Which layers' fp32 state goes to disk (none without offload_dir), and the host part without it.
+        self.offload_plan = plan_offload(
+            units, compute_dtype, self.accumulator_mode, staging_buffers, offload_dir=offload_dir,
+            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
+            keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers,
+            check=offload_dir is not None or host_memory_limit is not None)
+        self.host_plan = self.offload_plan.host_plan
+        store_bytes = self.host_plan["store_bytes"]
+        staging_bytes = self.host_plan["staging_bytes"]
+        check_host_budget(self.offload_plan.host_bytes, store_bytes + staging_bytes if self.cuda else 0,
                           "host store", reclaimable_bytes=credit)
         # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
         self.dp = data_parallel.detect(device)
@@ -160,7 +181,7 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                                               self.cuda and not self.pin_after_fill, frozen, store_bytes)
         else:
             self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
-                                      frozen=frozen, check_budget=False)
+                                      frozen=frozen, check_budget=False, offloaded=self.offload_plan.offloaded)
         for u in units:
             state_offs = self.store.state_offsets(u.index)
             for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
@@ -169,6 +190,13 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                 e.state_offset = soff
             u.numel = self.store.unit_numel(u.index)
             u.state_numel = self.store.unit_state_numel(u.index)
+        # The disk tier (its files are created here, after every check): Unit.disk of its units.
+        self.disk: Optional[DiskOffload] = None
+        if self.offload_plan.disk_units:
+            self.disk = DiskOffload(self, self.offload_plan, io_threads=self.options.disk_io_threads,
+                                    fault=self.options.disk_fault)
+            if self.accumulator_mode is True:
+                self.disk.enable_accumulator()
         self.debug = self.options.debug_races
         self.overlap = self.options.overlap
         self.d2h_overlap = self.options.d2h_overlap
@@ -209,7 +237,20 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                                "needs the fp32 accumulator: wrap with grad_accumulator=None (auto) or True")
         need = self.host_plan["accumulator_bytes"]
         check_host_budget(need, 0, "gradient accumulator")
-        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units}
+        plan = self.offload_plan
+        if plan.host_memory_limit is not None and not plan.with_accumulator:
+            total = plan.host_bytes + need + (_C.DiskTier.pool_bytes(plan.accum_layouts, plan.num_buffers)
+                                              if plan.disk_units else 0)
+            if total > plan.host_memory_limit:
+                e = _C.HostMemoryError(
+                    f"megatrain: the fp32 gradient accumulator needs {need} more bytes of host memory ({total} in all) "
+                    f"but host_memory_limit is {plan.host_memory_limit}: wrap with grad_accumulator=True (then the "
+                    "layers put on disk leave room for it), or raise host_memory_limit")
+                e.needed_bytes, e.available_bytes, e.limit = total, plan.host_memory_limit, "host_memory_limit"
+                raise e
+        if self.disk is not None:  # the disk units' accumulators: a tier of their own (offload_dir/grad_accum)
+            self.disk.enable_accumulator()
+        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units if u.disk is None}
 
     def accumulator_bytes(self) -> int:
         """Host bytes of the fp32 gradient accumulator now allocated (store section or separate)."""
@@ -238,8 +279,12 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         from . import device_state as ds
 
         ds.check_device_state_layers(layers)
-        if layers == "auto":
-            layers = ds.plan_device_state_layers(self.layers, self.compute_dtype, self.free_device_bytes())
+        on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
+        if layers == "auto":  # never a layer whose state is on disk
+            layers = ds.plan_device_state_layers(on_host, self.compute_dtype, self.free_device_bytes())
+        elif self.disk is not None and layers > len(on_host):
+            raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but layers {len(on_host)} and above keep "
+                             f"their fp32 state on disk (offload_dir); use at most {len(on_host)}")
         if layers > len(self.layers):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
                              f"decoder layers; use at most {len(self.layers)} (or 'auto')")
@@ -260,12 +305,21 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         from .host_memory import host_memory_limits
         return int(host_memory_limits().get("mem_available_bytes") or 0)
 
+    def state_window(self, write: bool = False):
+        """Context in which ``entry_view`` / ``section`` reach the disk units' fp32 state (one unit at a
+        time: see :meth:`~.disk_offload.DiskOffload.window`); a no-op context without a disk tier.
+        ``write``: the units viewed are written back (dirty). Drains the CPU worker first."""
+        if self.disk is None:
+            return contextlib.nullcontext()
+        return self.disk.window(write)
+
     def sync_host(self, units: Optional[List[Unit]] = None) -> None:
         """Make the host store current before reading it (checkpoint, state_dict, export, optimizer state).
 
         Waits for the CPU work in flight (``units`` None: ``flush()``; else each unit's update),
         then copies the device-state layers' master / exp_avg / exp_avg_sq / compute copy into
-        their host-store sections (only those that changed since the last copy).
+        their host-store sections (only those that changed since the last copy). The disk units'
+        state is read through :meth:`state_window`.
         """
         if units is None:
             self.flush()
@@ -290,15 +344,30 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         return torch.empty(numel, dtype=self.compute_dtype)
 
     def section(self, unit: Unit, name: str) -> torch.Tensor:
-        """Flat zero-copy view of one store section of ``unit`` (CPU, pinned when on CUDA)."""
+        """Flat zero-copy view of one store section of ``unit`` (CPU, pinned when on CUDA).
+
+        A disk unit's fp32 sections: a view of the tier's buffer, inside ``disk.window`` only.
+        """
+        if unit.disk is not None and name != "compute":
+            return self.disk.section(unit, name)
         return self.store.section(unit.index, name)
 
     def entry_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
         """Shaped zero-copy view of entry ``i`` of ``unit`` in store section ``name``.
 
+        A disk unit's master / exp_avg / exp_avg_sq: a view of the tier's buffer, valid inside a
+        ``disk.window`` until another disk unit is viewed (see :class:`~.disk_offload.DiskOffload`).
+
         Raises:
-            ValueError: a frozen entry has no fp32 sections (only ``compute``).
+            ValueError: a frozen entry has no fp32 sections (only ``compute``); a disk unit's
+                accumulator is reached through the worker's tasks only.
+            RuntimeError: a disk unit's fp32 state outside a window.
         """
+        if unit.disk is not None and name != "compute":
+            if name == "grad_accum":
+                raise ValueError(f"megatrain: the gradient accumulator of unit {unit.index} is in the disk tier; "
+                                 "only the CPU worker's tasks read it")
+            return self.disk.view(unit, i, name)
         if name == "grad_accum" and self.accumulator_mode is not True:
             if self._accum is None:
                 self.enable_accumulator()
@@ -335,6 +404,8 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         with self._stats_lock:
             self._stats["adam_exposed_s"] += time.perf_counter() - t0
         self.settle()
+        if self.disk is not None:
+            self.disk.check()  # a write behind that failed after the last task
 
     def wait_grads(self) -> None:
         """Wait until every submitted gradient has landed (D2H done, accumulated, norms known).
@@ -348,6 +419,8 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         with self._stats_lock:  # mostly the GPU finishing backward: not CPU Adam time
             self._stats["grad_wait_s"] += time.perf_counter() - t0
         self.settle()
+        if self.disk is not None:
+            self.disk.check()
 
     # ------------------------------------------------------------------ the other parts
     @property
@@ -368,6 +441,17 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         """Record that ``param`` (user-visible) is entry ``i`` of ``unit``: :func:`locate` finds it."""
         param._megatrain = (self, unit, i)
 
+    def check_failed(self) -> None:
+        """Raise the sticky error of the CPU worker (``RuntimeError``) or of the disk tier (``DiskTierError``)
+        if one failed: the host state may be partly updated (restart from the last checkpoint)."""
+        self._worker.check()
+        if self.disk is not None:
+            self.disk.check()
+
     def close(self) -> None:
         self._worker.close()
+
+    def disk_stats(self) -> Optional[dict]:
+        """The disk tier's counters (``DiskOffload.stats``), or None without one."""
+        return None if self.disk is None else self.disk.stats()
 

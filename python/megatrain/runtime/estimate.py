@@ -138,7 +138,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              num_slots: int = 2, grad_accumulator: Optional[bool] = None, gradient_accumulation_steps: int = 1,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
-             staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", **model_kwargs) -> MemoryEstimate:
+             staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
+             host_memory_limit: Optional[int] = None, **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -162,27 +163,35 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         staging_buffers: the engine's gradient staging buffers (4).
         chunked_loss, tile_mlp: as :func:`megatrain.wrap`; the estimate says what they would use
             at this batch (``loss_rows`` / ``mlp_rows``) and counts it.
+        offload_dir, host_memory_limit: as :func:`megatrain.wrap`: which layers' fp32 state would
+            go to disk (the same planning, :func:`megatrain.runtime.disk_offload.plan_offload`), the
+            disk bytes against the free space of ``offload_dir``'s filesystem, and the tier's RAM
+            buffers in the host bytes. Nothing is created.
         **model_kwargs: passed to ``AutoModelForCausalLM.from_config`` for a config / directory.
 
     Returns:
         :class:`MemoryEstimate` (``str()`` prints it): host bytes per store section (exact: the
         same planning as the allocation), the accumulator, staging, pinned bytes, frozen vs
         trainable counts, device bytes (slots and the resident unit exact, activations and
-        logits rough), whether it fits this machine (the budget check's limits: MemAvailable,
-        cgroup, RLIMIT_MEMLOCK; ``torch.cuda.mem_get_info`` for a CUDA device) and, if not, why
-        (``reason()``, one line) and what to change (``advice``).
+        logits rough), the disk tier (``disk_layers``, ``disk_bytes`` vs ``disk_free_bytes``,
+        ``disk_pool_bytes``), whether it fits this machine (the budget check's limits: MemAvailable,
+        cgroup, RLIMIT_MEMLOCK, ``host_memory_limit``; ``torch.cuda.mem_get_info`` for a CUDA
+        device; the disk's free space) and, if not, why (``reason()``, one line) and what to
+        change (``advice``).
 
     Raises:
         CheckpointError: a directory without config.json / safetensors, or missing a parameter.
         UnsupportedModelError: no decoder layer list (as ``wrap``).
         ValueError / TypeError: a bad option or input.
     """
+    from .disk_offload import check_offload_args, plan_offload
     from .host_memory import host_budget_shortfall, host_memory_limits
     from .options import options
     from .units import plan_host_memory
     from .wrap import UnsupportedModelError, check_activation_policy, find_decoder_layers, model_units
 
     block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")
+    offload_dir = check_offload_args(offload_dir, host_memory_limit, "megatrain.estimate")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -217,20 +226,27 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             for e in u.entries:
                 e.frozen = not trainable(e.name)
     accum_mode = None if grad_accumulator is None else bool(grad_accumulator)
-    plan = plan_host_memory(units, compute_dtype, accum_mode, staging_buffers)
-    layout = plan["layout"]
-    accum = plan["accumulator_bytes"] if (accum_mode is None and gradient_accumulation_steps > 1) else 0
-    store, staging = plan["store_bytes"], plan["staging_bytes"]
-    host = store + staging + accum
     cuda = device.type == "cuda"
-    pinned = store + staging if cuda else 0
     pin_after_fill = options().pin_after_fill
     reclaim = 0
     if in_memory and pin_after_fill:
         reclaim = sum(e.numel * e.param.element_size() for u in units for e in u.entries
                       if e.param.device.type == "cpu")
+    accumulating = accum_mode is None and gradient_accumulation_steps > 1
+    # The layers wrap would put on disk (none without offload_dir), by the engine's own planning.
+    oplan = plan_offload(units, compute_dtype, accum_mode, staging_buffers, offload_dir=offload_dir,
+                         host_memory_limit=host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
+                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False)
+    plan = oplan.host_plan
+    layout = plan["layout"]
+    accum = plan["accumulator_bytes"] if accumulating else 0
+    store, staging = plan["store_bytes"], plan["staging_bytes"]
+    pools = oplan.pool_bytes + oplan.accum_pool_bytes
+    host = store + staging + accum + pools
+    pinned = store + staging if cuda else 0
     limits = host_memory_limits()
     short = host_budget_shortfall(host, pinned, reclaim, limits)
+    over_limit = host_memory_limit is not None and host > host_memory_limit
     if options().skip_host_memory_check:
         available, limit_name = None, None
     elif short is not None:
@@ -278,7 +294,11 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         gradient_accumulation_steps=gradient_accumulation_steps, num_params=total, trainable_params=trainable_n,
         frozen_params=frozen, num_layers=len(layers), host_sections=dict(layout["section_bytes"]), store_bytes=store,
         accumulator_bytes=accum, staging_bytes=staging, host_bytes=host, pinned_bytes=pinned,
-        reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name, host_fits=short is None,
+        reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name,
+        host_fits=short is None and not over_limit, host_memory_limit=host_memory_limit, offload_dir=offload_dir,
+        disk_layers=len(oplan.disk_units), disk_bytes=oplan.disk_total_bytes, disk_pool_bytes=pools,
+        disk_free_bytes=oplan.free_bytes,
+        disk_fits=None if offload_dir is None else oplan.disk_total_bytes <= (oplan.free_bytes or 0),
         slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
         gpu_bytes=gpu, gpu_free_bytes=free if gpu_fits is not None else None, gpu_fits=gpu_fits,
         chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows)
@@ -287,6 +307,16 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
 
     # ---- why not, and what to change
     gib = 2**30
+    if over_limit:
+        what = f" with the fp32 state of {len(oplan.disk_units)} layers on disk" if oplan.disk_units else ""
+        est.reasons.append(f"needs {_fmt(host)} ({host} bytes) of host memory{what} but host_memory_limit is "
+                           f"{_fmt(host_memory_limit)} ({host_memory_limit} bytes)")
+        est.advice.append("raise host_memory_limit" if offload_dir is not None else
+                          "pass offload_dir=<a local disk> to keep the fp32 state of the layers that do not fit there")
+    if est.disk_fits is False:
+        est.reasons.append(f"the disk tier needs {_fmt(oplan.disk_total_bytes)} under {offload_dir} but its filesystem has "
+                           f"{_fmt(oplan.free_bytes)} free")
+        est.advice.append("free space there, point offload_dir at a larger disk, or raise host_memory_limit")
     if short is not None:
         if short["kind"] == "memlock":
             est.reasons.append(f"{_fmt(pinned)} must be page-locked but the {short['limit']} allows "
@@ -297,6 +327,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             est.reasons.append(f"needs {_fmt(host)} of host memory but only {_fmt(short['available_bytes'])} are "
                                f"available under the {short['limit']}")
             est.advice.append(f"needs {(host - have) / gib:.2f} GiB more host RAM")
+            if offload_dir is None:
+                est.advice.append("or offload_dir=<a local disk>: the fp32 state of the layers that do not fit goes "
+                                  "there (megatrain.wrap(..., offload_dir=...))")
             if accum:
                 est.advice.append(f"gradient_accumulation_steps={gradient_accumulation_steps} allocates the fp32 "
                                   f"accumulator, 4 B/param more ({_fmt(accum)}): use 1 with a larger micro-batch")

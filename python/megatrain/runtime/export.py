@@ -30,10 +30,11 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
         for i, e in enumerate(u.entries):
             by_id[id(e.param)] = (u, i)
     sd = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        u, i = by_id[id(p)]
-        sec = "compute" if u.entries[i].frozen else "master"  # frozen at wrap: only a compute copy
-        sd[name] = eng.entry_view(u, i, sec).to(dtype=dtype, copy=True)
+    with eng.state_window(write=False):  # the disk units' masters are read through the tier
+        for name, p in model.named_parameters(remove_duplicate=False):
+            u, i = by_id[id(p)]
+            sec = "compute" if u.entries[i].frozen else "master"  # frozen at wrap: only a compute copy
+            sd[name] = eng.entry_view(u, i, sec).to(dtype=dtype, copy=True)
     for mname, mod in model.named_modules():  # persistent buffers only, as model.state_dict()
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set:

@@ -285,6 +285,9 @@ class GradLedger:
                 if p:
                     self.ledger.mark_eager(unit.index, i)
             self.invalidate([unit])
+        if self.disk is not None:  # read-ahead of the state the coming updates need
+            self.disk.on_grads(unit, eager=self.eager_updates and getattr(opt, "max_grad_norm", None) is None,
+                               accum_read=any(p and not d and not o for p, d, o in zip(present, direct, overwrite)))
         # Squared norms of direct gradients: for clipping, and for the finite check before any update.
         need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
                                      getattr(opt, "nonfinite", None) is not None)
@@ -303,9 +306,18 @@ class GradLedger:
                                         dev_norms if need_norm else None)
 
         direct_grads = [(i, norms, k) for k, i in enumerate(norm_idx)]
-        staged_grads = [(i, self.entry_view(unit, i, "grad_accum").view(-1), staging[e.offset:e.offset + e.numel],
-                         overwrite[i]) for i, e in enumerate(unit.entries) if staged[i]]
-        handle, outcome = self._worker.submit_accumulate(self.ledger, unit.index, direct_grads, staged_grads, ready=ev)
+        tier = {}
+        if unit.disk is not None:  # summed into the accumulator on disk (by element offset)
+            staged_grads = []
+            tier = dict(staged_tier=[(i, e.state_offset, staging[e.offset:e.offset + e.numel], overwrite[i])
+                                     for i, e in enumerate(unit.entries) if staged[i]])
+            if tier["staged_tier"]:
+                tier.update(accum_tier=self.disk.accum, accum_unit=unit.disk)
+        else:
+            staged_grads = [(i, self.entry_view(unit, i, "grad_accum").view(-1), staging[e.offset:e.offset + e.numel],
+                             overwrite[i]) for i, e in enumerate(unit.entries) if staged[i]]
+        handle, outcome = self._worker.submit_accumulate(self.ledger, unit.index, direct_grads, staged_grads, ready=ev,
+                                                         **tier)
         unit.grad_task = handle
         with self._settle_lock:
             self._grad_outcomes.append((handle, outcome, staging if own_staging else None))

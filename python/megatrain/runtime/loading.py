@@ -155,7 +155,7 @@ class _CheckpointSource:
 # ---------------------------------------------------------------------------------------------- init replay
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                 "tile_mlp", "device_state_layers"}
+                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -166,7 +166,8 @@ def _wrap_with(model, source, wrap_kwargs):
     kw.update(wrap_kwargs)
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
-                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"))
+                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"),
+                 offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:
@@ -183,7 +184,7 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
             ``model.safetensors.index.json`` and its shards); tensors in F32, BF16, F16 or F64.
         **kwargs: :func:`megatrain.wrap` options (``device``, ``compute_dtype``,
             ``activation_policy``, ``num_slots``, ``grad_accumulator``, ``chunked_loss``, ``tile_mlp``,
-            ``device_state_layers``); the others go to
+            ``device_state_layers``, ``offload_dir``, ``host_memory_limit``); the others go to
             ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation``).
 
     Returns:

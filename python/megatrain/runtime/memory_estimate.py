@@ -55,7 +55,7 @@ class MemoryEstimate:
     store_bytes: int  # the arena: sections + their 4 KiB padding + skew gaps
     accumulator_bytes: int  # fp32 accumulator CPUAdamW allocates outside the store (auto mode), 0 if none
     staging_bytes: int  # gradient staging buffers (pinned on CUDA)
-    host_bytes: int  # store + accumulator + staging
+    host_bytes: int  # store + accumulator + staging + the disk tier's RAM buffers
     pinned_bytes: int  # page-locked part of host_bytes (CUDA only)
     reclaimable_bytes: int  # the in-memory model's own weights, freed while the store is filled
     host_available_bytes: Optional[int]
@@ -72,14 +72,21 @@ class MemoryEstimate:
     tile_mlp: str = "auto"
     loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
     mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
+    host_memory_limit: Optional[int] = None  # as wrap's (None: the budget check's limits alone)
+    offload_dir: Optional[str] = None  # the disk tier's directory (None: no disk tier)
+    disk_layers: int = 0  # decoder layers whose fp32 state goes to disk
+    disk_bytes: int = 0  # the tier's files (state, and the accumulators when counted)
+    disk_pool_bytes: int = 0  # the tier's RAM buffers (counted in host_bytes)
+    disk_free_bytes: Optional[int] = None  # free bytes of offload_dir's filesystem
+    disk_fits: Optional[bool] = None  # None: no disk tier
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
-        """Whether it fits this machine (host budget; GPU memory when the device is CUDA)."""
-        return self.host_fits and self.gpu_fits is not False
+        """Whether it fits this machine (host budget; GPU memory when the device is CUDA; the disk's free space)."""
+        return self.host_fits and self.gpu_fits is not False and self.disk_fits is not False
 
     @property
     def bytes_per_param(self) -> float:
@@ -116,6 +123,8 @@ class MemoryEstimate:
         pad = self.store_bytes - sum(self.host_sections.values())
         L.append(f"  {'store total':<28}{_fmt(self.store_bytes):>12}  (incl. {_fmt(pad)} alignment)")
         L.append(f"  {'gradient staging':<28}{_fmt(self.staging_bytes):>12}")
+        if self.offload_dir is not None:
+            L.append(f"  {'disk tier buffers':<28}{_fmt(self.disk_pool_bytes):>12}  (RAM)")
         L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; pinned "
                  f"{_fmt(self.pinned_bytes)}")
         if self.host_available_bytes is None:
@@ -124,6 +133,13 @@ class MemoryEstimate:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
             L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
                      + ("fits" if self.host_fits else "DOES NOT FIT"))
+        if self.host_memory_limit is not None:
+            L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
+                     + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
+        if self.offload_dir is not None:
+            L.append(f"disk tier ({self.offload_dir}): fp32 state of {self.disk_layers} of {self.num_layers} decoder "
+                     f"layers, {_fmt(self.disk_bytes)}; {_fmt(self.disk_free_bytes)} free: "
+                     + ("fits" if self.disk_fits else "DOES NOT FIT"))
         where = "GPU" if self.device.startswith("cuda") else "device (cpu: host memory beside the store)"
         tokens = f"{self.micro_batch_size} x {self.seq_len} tokens" if self.seq_len else "no sequence length given"
         L.append(f"{where} memory (slots and resident exact; activations and logits rough, {self.activation_policy}, "

@@ -8,7 +8,8 @@ script read and write those masters:
 
 * ``model.state_dict()`` (and any submodule's): the parameters are zero-copy fp32 CPU views of the
   host store's master section (no copy of the model in RAM; tied parameters are one tensor under
-  every name, as torch gives them); buffers are torch's.
+  every name, as torch gives them); buffers are torch's. The layers whose fp32 state is on disk
+  (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
 * ``model.load_state_dict(sd, strict=..., assign=False)``: torch's own loading (dtype conversion,
   shape checks, ``_IncompatibleKeys`` return value, error messages) copies each parameter straight
   into its master; the compute copy (and the resident device buffer) is then rebuilt from the
@@ -64,11 +65,16 @@ def _owned(eng) -> Dict[int, List[Tuple[str, object, int]]]:
 
 
 class _Masters:
-    """One cached zero-copy fp32 view of each entry's master weights (the same tensor for tied names)."""
+    """One cached zero-copy fp32 view of each entry's master weights (the same tensor for tied names).
+
+    A unit whose fp32 state is in the disk tier has no lasting view: :meth:`get` reads a copy, and
+    :meth:`for_load` hands torch's load a copy that :func:`_restore_placeholders` writes back.
+    """
 
     def __init__(self, eng):
         self.eng = eng
         self._views: dict = {}
+        self._loading: dict = {}  # (unit index, entry) -> the copy a load writes into (disk units)
 
     def get(self, u, i) -> torch.Tensor:
         key = (u.index, i)
@@ -76,9 +82,24 @@ class _Masters:
         if v is None:
             if getattr(u.entries[i], "frozen", False):  # no fp32 sections: its compute copy is its value
                 return self.eng.entry_view(u, i, "compute").float()
+            if u.disk is not None:  # on disk: a copy, read now
+                return self.eng.disk.read(u, i, "master")
             v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
         return v
+
+    def for_load(self, u, i) -> torch.Tensor:
+        """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value)."""
+        if u.disk is None or getattr(u.entries[i], "frozen", False):
+            return self.get(u, i)
+        key = (u.index, i)
+        if key not in self._loading:
+            self._loading[key] = self.eng.disk.read(u, i, "master")
+        return self._loading[key]
+
+    def take_loaded(self, u, idx) -> dict:
+        """``{(entry, "master"): tensor}`` that a load wrote for disk unit ``u``'s entries ``idx`` (forgotten here)."""
+        return {(i, "master"): self._loading.pop((u.index, i)) for i in idx if (u.index, i) in self._loading}
 
 
 def install(eng, model: nn.Module) -> None:
@@ -302,7 +323,7 @@ def _make_load_pre_hook(masters, items, loading):
             return  # data parallel, not the store's writer: the parameters stay as they are
         # torch's own _load_from_state_dict then copies each value straight into its master.
         for attr, u, i in items:
-            module._parameters[attr] = masters.get(u, i)
+            module._parameters[attr] = masters.for_load(u, i)
     return hook
 
 
@@ -322,8 +343,12 @@ def _restore_placeholders(eng, where) -> None:
             units.setdefault(u.index, (u, set()))[1].add(i)
     with torch.no_grad():
         for u, idx in units.values():
-            for i in sorted(idx):
-                if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
-                    eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+            loaded = eng.masters.take_loaded(u, idx) if u.disk is not None else {}
+            with eng.state_window(write=bool(loaded)):  # a disk unit: its masters written back through the tier
+                for (i, name), t in loaded.items():
+                    eng.entry_view(u, i, name).copy_(t)
+                for i in sorted(idx):
+                    if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
+                        eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
             eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     eng.host_written([u for u, _ in units.values()])  # device-state layers take the loaded masters

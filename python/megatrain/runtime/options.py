@@ -24,6 +24,8 @@ ENV = {
     "skip_host_memory_check": "MEGATRAIN_SKIP_HOST_MEMORY_CHECK",
     "data_parallel": "MEGATRAIN_DATA_PARALLEL",
     "dp_timeout_s": "MEGATRAIN_DP_TIMEOUT",
+    "disk_buffers": "MEGATRAIN_DISK_BUFFERS",
+    "disk_io_threads": "MEGATRAIN_DISK_IO_THREADS",
 }
 
 
@@ -62,6 +64,13 @@ class Options:
         cpp_slots: benchmark "before" switch. True: the slot pool, its H2D copies and events, and
             the gradient D2H copies are the C++ scheduler's (``megatrain._C.SlotPool``,
             ``_C.copy_to_host``); False: the same in Python on torch streams and events.
+        disk_buffers: ``MEGATRAIN_DISK_BUFFERS`` (default 2, at least 2): RAM buffers of the disk
+            tier's pool (``wrap(offload_dir=...)``), each the fp32 state of the largest layer on disk:
+            one is updated while the next is read ahead or the last is written behind.
+        disk_io_threads: ``MEGATRAIN_DISK_IO_THREADS`` (default 4): pread / pwrite threads of the disk tier.
+        disk_fault: tests only (no environment variable): ``(op, unit, errno, after)`` injected
+            into the disk tier's I/O (``_C.DiskTier(_fault=...)``): every ``op`` ("read" / "write")
+            chunk of tier unit ``unit`` (-1: any) after the first ``after`` fails with ``errno``.
     """
 
     pin_after_fill: bool = True
@@ -76,16 +85,22 @@ class Options:
     eager_updates: bool = True
     fused_grad_norms: bool = True
     cpp_slots: bool = True
+    disk_buffers: int = 2
+    disk_io_threads: int = 4
+    disk_fault: Optional[tuple] = None
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Options":
         """The options the environment sets (``os.environ`` when ``environ`` is None); unset: the defaults.
 
         Raises:
-            ValueError: ``MEGATRAIN_ADAM_THREADS`` is not an integer or ``MEGATRAIN_DP_TIMEOUT`` not a number.
+            ValueError: ``MEGATRAIN_ADAM_THREADS``, ``MEGATRAIN_DISK_BUFFERS`` or ``MEGATRAIN_DISK_IO_THREADS``
+                is not an integer or ``MEGATRAIN_DP_TIMEOUT`` not a number.
         """
         env = os.environ if environ is None else environ
         threads = env.get(ENV["adam_threads"], "")
+        disk_buffers = env.get(ENV["disk_buffers"], "").strip()
+        disk_threads = env.get(ENV["disk_io_threads"], "").strip()
         return cls(
             pin_after_fill=env.get(ENV["pin_after_fill"], "1") != "0",
             debug_races=env.get(ENV["debug_races"], "0") not in ("", "0"),
@@ -94,6 +109,8 @@ class Options:
             skip_host_memory_check=env.get(ENV["skip_host_memory_check"]) == "1",
             data_parallel=env.get(ENV["data_parallel"], "1") != "0",
             dp_timeout_s=float(env.get(ENV["dp_timeout_s"], "") or 50.0),
+            disk_buffers=max(2, int(disk_buffers)) if disk_buffers else 2,
+            disk_io_threads=max(1, int(disk_threads)) if disk_threads else 4,
         )
 
 

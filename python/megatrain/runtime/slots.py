@@ -124,10 +124,11 @@ class SlotPool:
         rebuilt = unit.grads_in_compute
         if rebuilt:
             src = self.section(unit, "compute").clone()
-            for i, d in enumerate(unit.direct):  # one ledger snapshot
-                if d:
-                    e = unit.entries[i]
-                    src[e.offset:e.offset + e.numel].copy_(self.entry_view(unit, i, "master").view(-1))
+            with self.state_window(write=False):  # a disk unit's masters: read through the tier
+                for i, d in enumerate(unit.direct):  # one ledger snapshot
+                    if d:
+                        e = unit.entries[i]
+                        src[e.offset:e.offset + e.numel].copy_(self.entry_view(unit, i, "master").view(-1))
         self._stats["h2d_bytes"] += src.numel() * src.element_size()
         self._stats["h2d_copies"] += 1
         return src, rebuilt

@@ -47,7 +47,8 @@ class EngineStats:
 
         Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
         device), ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
-        host store), ``layers``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
+        host store), ``layers``, ``disk_layers`` (indices of the layers whose fp32 state is in the
+        disk tier), ``disk_bytes`` (its files), ``offload_dir``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
         ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
         (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
         ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
@@ -59,10 +60,12 @@ class EngineStats:
         if decisions is not None:
             acts = [{"input_shapes": [list(s) for s in key], **{n: v for n, v in d.items() if n != "store"}}
                     for key, d in decisions.items()]
+        disk = getattr(self, "disk", None)
         return dict(layers=len(self.layers), device_state_layers=k,
                     device_state_bytes=self.device_state.nbytes if self.device_state else 0,
                     streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
-                    activations=acts)
+                    activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
+                    disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None)
 
     def stats(self) -> dict:
         """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
@@ -73,7 +76,11 @@ class EngineStats:
         ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
         ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
         ``streamed_layers`` (layers whose weights stream), ``device_state_layers``,
-        ``device_state_bytes`` (device bytes of their training state). Reading the copy times waits for the copies already issued.
+        ``device_state_bytes`` (device bytes of their training state); with a disk tier ``disk_layers``
+        and its counters ``disk_bytes_read``, ``disk_bytes_written``, ``disk_unit_reads``,
+        ``disk_unit_writes``, ``disk_cache_hits``, ``disk_read_seconds``, ``disk_write_seconds``,
+        ``disk_acquire_wait_seconds`` (time the worker waited for the disk), ``disk_direct_io``.
+        Reading the copy times waits for the copies already issued.
         """
         self._collect_copy_times()
         self.settle()
@@ -90,6 +97,10 @@ class EngineStats:
             device_state_layers=len(self.device_state.units) if self.device_state else 0,
             device_state_bytes=self.device_state.nbytes if self.device_state else 0,
         )
+        disk = getattr(self, "disk", None)
+        if disk is not None:  # the disk tier's counters, cumulative (bytes, units, seconds)
+            out.update({f"disk_{k}": v for k, v in disk.stats().items() if k not in ("disk_units",)})
+            out["disk_layers"] = len(disk.units)
         return out
 
     def _collect_copy_times(self) -> None:

@@ -66,6 +66,9 @@ class Unit(UnitGrads):
     # A device-state layer (``wrap(device_state_layers=K)``): its ``DeviceUnit`` (device buffers of
     # the whole training state), else None. See ``megatrain.runtime.device_state``.
     device_state: Optional[object] = None
+    # A unit whose fp32 state (master, exp_avg, exp_avg_sq, grad_accum) is in the disk tier: its
+    # unit index there, else None (the host store holds it). See ``megatrain.runtime.disk_offload``.
+    disk: Optional[int] = None
 
     @property
     def update_key(self) -> int:
@@ -84,7 +87,7 @@ def unit_tables(units: List[Unit]) -> Tuple[list, list]:
 
 
 def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumulator: Optional[bool],
-                     staging_buffers: int = 4) -> dict:
+                     staging_buffers: int = 4, offloaded: Optional[List[bool]] = None) -> dict:
     """Host bytes an :class:`Engine` over ``units`` allocates, computed without allocating.
 
     The engine's budget check and :func:`megatrain.estimate` both use this, and the store part comes
@@ -95,6 +98,8 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
         grad_accumulator: ``True``: the fp32 accumulator is a store section; ``None`` / ``False``: not.
         staging_buffers: pinned staging buffers for layer gradients.
+        offloaded: per unit, whether its fp32 sections live in the disk tier (the store then holds
+            its compute section only; see :mod:`.disk_offload`). None: none.
 
     Returns:
         dict: ``layout`` (``HostStore.layout_required``'s dict: ``section_bytes``, ``unit_numel``,
@@ -102,17 +107,19 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         ``staging_bytes`` (``staging_buffers`` buffers of the largest layer plus the resident
         unit's gradient staging, compute dtype), ``accumulator_bytes`` (the fp32 accumulator
         ``enable_accumulator`` allocates outside the store in auto mode: 4 B per element of the
-        units' fp32 sections), all in bytes.
+        fp32 sections of the units not offloaded), all in bytes.
     """
     tables, frozen = unit_tables(units)
     if not hasattr(_C.HostStore, "layout_required"):
         raise RuntimeError("megatrain: the compiled extension megatrain._C is older than its Python code (no "
                            "HostStore.layout_required); rebuild it: python setup.py build_ext --inplace")
-    layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen)
+    off = [bool(x) for x in offloaded] if offloaded is not None else []
+    layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen, off)
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     layer_numel = [n for n, u in zip(layout["unit_numel"], units) if u.kind == "layer"]
     resident_numel = sum(n for n, u in zip(layout["unit_numel"], units) if u.kind != "layer")
     staging = elem * ((staging_buffers * max(layer_numel)) if layer_numel else 0) + elem * resident_numel
     return dict(layout=layout, store_bytes=int(layout["total_bytes"]), staging_bytes=int(staging),
-                accumulator_bytes=4 * int(sum(layout["unit_state_numel"])))
+                accumulator_bytes=4 * int(sum(n for k, n in enumerate(layout["unit_state_numel"])
+                                              if not (off and off[k]))))
 

@@ -49,15 +49,24 @@ class UpdateQueue:
                 return torch.zeros(view(i, "master").numel(), dtype=torch.float32)
             return view(i, "compute" if direct[i] else "grad_accum")
 
-        adam_items = [(i, view(i, "master"), view(i, "exp_avg"), view(i, "exp_avg_sq"), grad_src(i), view(i, "compute"),
-                       lr, b1, b2, eps, wd, step) for i, lr, b1, b2, eps, wd, step in items]
-        restore = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i] and i not in updated]
-        on_skip = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i]]
+        if unit.disk is not None:  # the fp32 state on disk: the task acquires the unit from the tier
+            adam_items, restore, on_skip = [], [], []
+            tier_items, restore_tier, on_skip_tier, tier = self.disk.adam_args(
+                unit, items, entries, zero, direct, lambda i: view(i, "compute"))
+            tier.update(tier_items=tier_items, restore_tier=restore_tier, restore_on_skip_tier=on_skip_tier)
+            key = self.disk.update_key(unit)
+            self.disk.prefetch([unit])
+        else:
+            adam_items = [(i, view(i, "master"), view(i, "exp_avg"), view(i, "exp_avg_sq"), grad_src(i),
+                           view(i, "compute"), lr, b1, b2, eps, wd, step) for i, lr, b1, b2, eps, wd, step in items]
+            restore = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i] and i not in updated]
+            on_skip = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i]]
+            tier, key = {}, unit.update_key
         opt = self.optimizer
         step_number = getattr(opt, "steps_called", 0) + 1  # the step() this update belongs to
         klass = _Worker.UPDATE if self.overlap else _Worker.GRAD
         handle, outcome = self._worker.submit_adam(self.ledger, unit.index, adam_items, scale, restore, entries,
-                                                   finite_from, on_skip, klass, unit.update_key, after)
+                                                   finite_from, on_skip, klass, key, after, **tier)
         unit.update_tasks.append(handle)
         with self._settle_lock:
             self._update_outcomes.append((handle, outcome, opt, unit, items, step_number))
@@ -73,9 +82,15 @@ class UpdateQueue:
         if not direct:
             return
         self.enable_accumulator()
-        moved = [(i, self.task_view(unit, i, "grad_accum"), self.task_view(unit, i, "master"),
-                  self.task_view(unit, i, "compute")) for i in direct]
-        self.wait_task(self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved))
+        if unit.disk is not None:  # the accumulator and the masters on disk
+            moved_tier = [(i, unit.entries[i].state_offset, self.task_view(unit, i, "compute")) for i in direct]
+            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, [], moved_tier=moved_tier,
+                                                             **self.disk.state_args(unit, accum=True))
+        else:
+            moved = [(i, self.task_view(unit, i, "grad_accum"), self.task_view(unit, i, "master"),
+                      self.task_view(unit, i, "compute")) for i in direct]
+            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved)
+        self.wait_task(handle)
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators).
@@ -94,9 +109,13 @@ class UpdateQueue:
             if idx:
                 restore.append((u, idx))
         for u, idx in restore:
-            back = [(self.task_view(u, i, "master"), self.task_view(u, i, "compute")) for i in idx]
+            if u.disk is not None:  # the masters on disk
+                back, tier = [], dict(restore_tier=[(u.entries[i].state_offset, self.task_view(u, i, "compute"))
+                                                    for i in idx], **self.disk.state_args(u))
+            else:
+                back, tier = [(self.task_view(u, i, "master"), self.task_view(u, i, "compute")) for i in idx], {}
             handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
-                                                 None)
+                                                 None, **tier)
             u.update_tasks.append(handle)
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,

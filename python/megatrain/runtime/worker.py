@@ -66,19 +66,26 @@ class _Worker:
         """
         return self._w.submit(task, klass, key, ready)
 
-    def submit_accumulate(self, ledger, unit: int, direct, staged, ready=None):
-        """Queue a C++ gradient task (``_C.Worker.submit_accumulate``, no GIL). Returns ``(TaskHandle, GradOutcome)``."""
-        return self._w.submit_accumulate(ledger, unit, direct, staged, ready)
+    def submit_accumulate(self, ledger, unit: int, direct, staged, ready=None, **tier):
+        """Queue a C++ gradient task (``_C.Worker.submit_accumulate``, no GIL). Returns ``(TaskHandle, GradOutcome)``.
 
-    def submit_move_to_accumulator(self, ledger, unit: int, moved):
-        """Queue a C++ gradient task moving direct gradients to the accumulator (``_C.Worker``). Returns its handle."""
-        return self._w.submit_move_to_accumulator(ledger, unit, moved)
+        ``tier``: ``staged_tier`` / ``accum_tier`` / ``accum_unit`` for a unit whose accumulator is on disk."""
+        return self._w.submit_accumulate(ledger, unit, direct, staged, ready, **tier)
+
+    def submit_move_to_accumulator(self, ledger, unit: int, moved, **tier):
+        """Queue a C++ gradient task moving direct gradients to the accumulator (``_C.Worker``). Returns its handle.
+
+        ``tier``: ``moved_tier`` and the disk tiers of a unit whose state is on disk."""
+        return self._w.submit_move_to_accumulator(ledger, unit, moved, **tier)
 
     def submit_adam(self, ledger, unit: int, items, grad_scale: float, restore, ledger_entries, finite_from,
-                    restore_on_skip, klass: int, key: int, ready=None):
-        """Queue a C++ update task (``_C.Worker.submit_adam``, no GIL). Returns ``(TaskHandle, UpdateOutcome)``."""
+                    restore_on_skip, klass: int, key: int, ready=None, **tier):
+        """Queue a C++ update task (``_C.Worker.submit_adam``, no GIL). Returns ``(TaskHandle, UpdateOutcome)``.
+
+        ``tier``: ``tier_items`` / ``restore_tier`` / ``restore_on_skip_tier`` and the disk tiers of a
+        unit whose fp32 state is on disk."""
         return self._w.submit_adam(ledger, unit, items, grad_scale, restore, ledger_entries, finite_from,
-                                   restore_on_skip, klass, key, ready)
+                                   restore_on_skip, klass, key, ready, **tier)
 
     def wait(self, task) -> None:
         """Block until ``task`` (a handle) ran."""

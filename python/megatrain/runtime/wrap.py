@@ -23,6 +23,7 @@ from torch import nn
 
 from . import long_context
 from .device_state import check_device_state_layers, resolve_device_state_layers
+from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .module_api import install as _install_module_api
 from .policies import AUTO_STORE_FRACTION, check_activation_policy  # noqa: F401 - public here
@@ -31,7 +32,8 @@ from .wrapped import WrappedEngine
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
          activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
-         chunked_loss="auto", tile_mlp="auto", device_state_layers=None) -> nn.Module:
+         chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
+         host_memory_limit: Optional[int] = None) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -84,6 +86,19 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             the host store). The host store keeps these layers' sections too: checkpoints,
             ``state_dict()``, export and ``optimizer.state`` read and write them there (see
             ``megatrain.runtime.device_state`` and docs/placement.md).
+        offload_dir: a directory on a local disk (NVMe) for the fp32 state (master, ``exp_avg``,
+            ``exp_avg_sq`` and, with accumulation, the gradient accumulator) of the decoder layers
+            that do not fit in host memory: the deepest layers, as few as make the rest fit
+            ``host_memory_limit`` and the host budget (the tier's RAM buffers, 2 x the largest
+            layer's fp32 state, included). Their bf16 compute copy stays in host memory; their
+            updates read the state ahead and write it behind (docs/disk_tier.md). The files are a
+            working area (created here, removed when the model is freed): the checkpoint stays the
+            only durable state. The directory (or its parent) must exist and be writable, and its
+            filesystem must have room: checked before anything is written. None (default): no disk.
+        host_memory_limit: bytes of host memory megatrain may use for the store, the gradient
+            staging and the disk tier's buffers (an int). None: the host budget check's limits
+            (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit
+            raises ``HostMemoryError``.
 
     Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
     embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
@@ -101,14 +116,18 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
             ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
-        HostMemoryError: the host store does not fit in host memory (nothing is allocated).
+        HostMemoryError: the host store does not fit in host memory (nothing is allocated), even
+            with the layers' fp32 state on disk when ``offload_dir`` is given.
+        DiskSpaceError: ``offload_dir``'s filesystem has less free space than the disk tier's files
+            need (an ``OSError``, ``errno.ENOSPC``; nothing is written).
     """
     return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
-                 chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers)
+                 chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers,
+                 offload_dir=offload_dir, host_memory_limit=host_memory_limit)
 
 
 def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
-          chunked_loss="auto", tile_mlp="auto", device_state_layers=None):
+          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     if getattr(model, "megatrain", None) is not None:
@@ -137,6 +156,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     check_activation_policy(activation_policy)
     check_device_state_layers(device_state_layers)
+    offload_dir = check_offload_args(offload_dir, host_memory_limit)
     device_state_layers = resolve_device_state_layers(device_state_layers, activation_policy, device)
     for name, p in model.named_parameters():
         if p.device.type == "meta" and source is None:
@@ -157,7 +177,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
-                           source=source, device_state_layers=device_state_layers)
+                           source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,
+                           host_memory_limit=host_memory_limit)
     object.__setattr__(model, "megatrain", engine)
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp)
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters

@@ -24,7 +24,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
-                 grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0):
+                 grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
+                 offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None):
         self.block_k = check_activation_policy(activation_policy)
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
@@ -42,7 +43,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         reclaim = 0 if source is not None else sum(
             e.numel * e.param.element_size() for u in units for e in u.entries if e.param.device.type == "cpu")
         super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
-                         reclaimable_bytes=reclaim)
+                         reclaimable_bytes=reclaim, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
+                         keep_host_layers=device_state_layers if isinstance(device_state_layers, int) else 0)
 
         # Initialise the store: master (fp32) and compute copy, from the model's weights or from
         # ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta).
@@ -50,7 +52,11 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         writer = self.dp is None or self.dp.fills_store
         if self.dp is not None and source is None:
             self.dp.check_same_weights(units)
-        with torch.no_grad():
+        # The disk units' masters are written through the tier's buffers, one unit at a time; a
+        # unit's compute copy is rebuilt from them when it is released (its moments start as zeros).
+        fill_window = self.disk.window(True, on_release=self._compute_from_masters) if self.disk is not None \
+            else contextlib.nullcontext()
+        with torch.no_grad(), fill_window:
             if source is not None and writer:
                 source.fill(self)  # every master
             elif source is not None and hasattr(getattr(source, "index", None), "close"):
@@ -65,6 +71,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
                         continue
                     if source is None:
                         self.entry_view(u, i, "master").copy_(e.param.detach())
+                    if u.disk is not None:
+                        continue  # compute copy at release; a fresh tier unit is zeros
                     self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
                     self.entry_view(u, i, "exp_avg").zero_()
                     self.entry_view(u, i, "exp_avg_sq").zero_()
@@ -126,6 +134,13 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
         self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
         model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
+
+    def _compute_from_masters(self, u: Unit) -> None:
+        """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
+        with torch.no_grad():
+            for i, e in enumerate(u.entries):
+                if not e.frozen:
+                    self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
 
     def _placeholders(self, u: Unit) -> None:
         """Replace layer unit ``u``'s parameters by meta placeholders (same shape, same ``requires_grad``)."""
@@ -224,6 +239,9 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
             self.offload.begin_forward()
         if self.resident is not None:
             self._hook_resident_grads()
+        if self.disk is not None:
+            opt = self.optimizer
+            self.disk.on_forward(eager=self.eager_updates and opt is not None and opt.max_grad_norm is None)
         self.load_resident()
 
     # ------------------------------------------------------------------ layer execution

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -116,6 +117,31 @@ def _rows_mode(key: str, value: Any) -> str:
     raise UsageError(f"{key} must be auto, true, false or a positive number of rows, got {_describe(value)}")
 
 
+class ByteSize(int):
+    """Type of ``runtime.host_memory_limit``: a number of bytes, as an integer or with a unit
+    (``120GiB``, ``64 GB``, ``512MiB``; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB of 10)."""
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _byte_size(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise UsageError(f"{key} must be a number of bytes (e.g. 120GiB), got {_describe(value)}")
+    if isinstance(value, int) and value > 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+            if n >= 1:
+                return int(n)
+    raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, got {_describe(value)}")
+
+
 def wrap_rows_mode(value: str):
     """``runtime.chunked_loss`` / ``runtime.tile_mlp`` (as checked by the config) as ``megatrain.wrap``
     takes it: ``"auto"``, ``True``, ``False`` or an int of rows."""
@@ -134,6 +160,10 @@ class RuntimeConfig:
     # auto (when they would not fit in 1/16 of the free device memory) | true | false | N rows
     chunked_loss: RowsMode = "auto"
     tile_mlp: RowsMode = "auto"
+    # The disk tier (megatrain.wrap's offload_dir / host_memory_limit): a directory on a local disk for
+    # the fp32 state of the layers that do not fit in host memory, and the host bytes megatrain may use.
+    offload_dir: Optional[str] = None
+    host_memory_limit: Optional[ByteSize] = None
 
 
 @dataclass
@@ -198,6 +228,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if tp is RowsMode:
         return _rows_mode(key, value)
+    if tp is ByteSize:
+        return _byte_size(key, value)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
@@ -398,6 +430,13 @@ def validate(cfg: Config) -> None:
         check_activation_policy(r.activation_policy, "runtime.activation_policy")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if r.offload_dir is not None:
+        from megatrain.runtime.disk_offload import check_offload_args  # megatrain.wrap's own rule
+
+        try:
+            check_offload_args(r.offload_dir, None, "runtime")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def load_yaml(path: str) -> dict:

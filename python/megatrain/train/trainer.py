@@ -264,7 +264,8 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool
                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
                                  seq_len=cfg.data.seq_len, chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-                                 tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp))
+                                 tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
+                                 host_memory_limit=cfg.runtime.host_memory_limit)
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(_first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001
@@ -402,7 +403,8 @@ def build_wrapped_model(plan: Plan):
     cfg = plan.cfg
     kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy,
               chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-              tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp))
+              tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
+              host_memory_limit=cfg.runtime.host_memory_limit)
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
         data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "

@@ -1,0 +1,520 @@
+"""The disk tier in the engine: which layers keep their fp32 state on local disk, and access to it.
+
+``wrap(model, offload_dir=PATH, host_memory_limit=BYTES)``: the decoder layers whose fp32 state
+(master, ``exp_avg``, ``exp_avg_sq`` and, with accumulation, the gradient accumulator) does not fit
+in host memory keep it in :class:`megatrain._C.DiskTier` files under ``offload_dir``
+(``csrc/megatrain/disk_tier/``, docs/disk_tier.md); their bf16 compute copy stays in the pinned
+host store, since it is what streams to the GPU.
+
+* :func:`plan_offload` chooses them before anything is allocated: the deepest layers first (their
+  updates are needed last by the next forward), as few as make the host part fit
+  ``host_memory_limit`` and the host budget check (the disk tier's RAM buffers counted), and
+  checks the disk's free space.
+* :class:`DiskOffload` (``Engine.disk``) owns the tiers: ``tier`` (the state; tier unit ``k`` is
+  engine unit ``Unit.disk == k``) and ``accum`` (the accumulators, ``offload_dir/grad_accum``,
+  made when the accumulator is enabled). The worker's update, accumulate and move tasks acquire a
+  unit's buffer when they run (``_C.Worker.submit_*`` with ``state_tier`` / ``accum_tier``);
+  the main thread reads and writes state through :meth:`DiskOffload.window` (fill, checkpoints,
+  ``state_dict``, ``optimizer.state``) after the worker is idle. Reads are issued ahead
+  (:meth:`DiskOffload.prefetch`) in the order the updates will run; writes go behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .._loader import load_extension
+from .host_memory import check_host_budget, host_budget_shortfall
+
+_C = load_extension()
+
+STATE_SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+ACCUM_DIR = "grad_accum"
+
+
+def _gib(n: int) -> str:
+    from .memory_estimate import _fmt
+
+    return _fmt(n)
+
+
+def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
+    """Check ``offload_dir`` / ``host_memory_limit`` as ``wrap`` takes them; returns the absolute directory.
+
+    Nothing is created: ``offload_dir`` may be missing (it is made, with its files, when the
+    engine is built) but its parent must exist and be writable; an existing one must be a
+    writable directory.
+
+    Raises:
+        ValueError: one line naming what is wrong.
+    """
+    if host_memory_limit is not None and (isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, int)
+                                          or host_memory_limit <= 0):
+        raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int) or None, got "
+                         f"{host_memory_limit!r}")
+    if offload_dir is None:
+        return None
+    if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
+        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
+    path = os.path.abspath(os.fspath(offload_dir))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{where}: offload_dir={path} exists and is not a directory; pass a directory on a local disk")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{where}: offload_dir={path} is not writable by this process; pass a directory it can "
+                             "write (a local disk with room for the layers' fp32 state)")
+        return path
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{where}: the parent of offload_dir={path} does not exist ({parent}); create it or pass "
+                         "another directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{where}: offload_dir={path} cannot be created: {parent} is not writable by this process")
+    return path
+
+
+def state_layout(state_numel: int) -> List[int]:
+    """Section byte sizes of one unit's file in the state tier: master, exp_avg, exp_avg_sq (fp32)."""
+    return [4 * int(state_numel)] * len(STATE_SECTIONS)
+
+
+def accum_layout(state_numel: int) -> List[int]:
+    """Section byte sizes of one unit's file in the accumulator tier: grad_accum (fp32)."""
+    return [4 * int(state_numel)]
+
+
+def stale_tier_bytes(directory: str) -> int:
+    """Disk bytes held by tier files of an earlier run in ``directory`` (removed when a tier opens there)."""
+    total = 0
+    for d in (directory, os.path.join(directory, ACCUM_DIR)):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            if n.startswith("megatrain_unit_") and n.endswith(".tier"):
+                try:
+                    total += os.stat(os.path.join(d, n)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes the disk tier may use under ``directory``: the filesystem's free bytes (``_C.DiskTier.free_bytes``:
+    statvfs, a missing directory is its nearest existing ancestor) plus the stale tier files it removes first."""
+    return int(_C.DiskTier.free_bytes(directory)) + stale_tier_bytes(directory)
+
+
+@dataclass
+class OffloadPlan:
+    """What :func:`plan_offload` chose. Sizes in bytes.
+
+    Attributes:
+        disk_units: engine unit indices whose fp32 state is on disk (ascending; empty: none).
+        offloaded: per engine unit, whether it is one of them (``HostStore(offloaded=...)``).
+        host_plan: :func:`~megatrain.runtime.units.plan_host_memory` of the store without their fp32 sections.
+        state_layouts / accum_layouts: per disk unit, the section bytes of its state / accumulator file.
+        disk_bytes: files of the state tier; accum_disk_bytes: of the accumulator tier.
+        pool_bytes / accum_pool_bytes: RAM of the tiers' buffer pools.
+        host_bytes: what the engine checks against the host budget (store + staging + pools [+ accumulators]).
+        pinned_bytes: the page-locked part (CUDA: store + staging).
+        free_bytes: free bytes of ``offload_dir``'s filesystem (plus stale tier files), None without a directory.
+        with_accumulator: whether the accumulator was counted (store section, or auto mode with accumulation).
+    """
+
+    offload_dir: Optional[str]
+    host_memory_limit: Optional[int]
+    num_buffers: int
+    disk_units: List[int] = field(default_factory=list)
+    offloaded: List[bool] = field(default_factory=list)
+    host_plan: dict = field(default_factory=dict)
+    state_layouts: List[List[int]] = field(default_factory=list)
+    accum_layouts: List[List[int]] = field(default_factory=list)
+    disk_bytes: int = 0
+    accum_disk_bytes: int = 0
+    pool_bytes: int = 0
+    accum_pool_bytes: int = 0
+    host_bytes: int = 0
+    pinned_bytes: int = 0
+    free_bytes: Optional[int] = None
+    with_accumulator: bool = False
+
+    @property
+    def disk_total_bytes(self) -> int:
+        """Disk bytes of both tiers (the accumulator's only when counted)."""
+        return self.disk_bytes + (self.accum_disk_bytes if self.with_accumulator else 0)
+
+
+def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, offloaded, num_buffers, cuda,
+               with_accumulator) -> dict:
+    from .units import plan_host_memory
+
+    hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded)
+    numel = hp["layout"]["unit_state_numel"]
+    disk = [k for k, o in enumerate(offloaded) if o]
+    layouts = [state_layout(numel[k]) for k in disk]
+    alayouts = [accum_layout(numel[k]) for k in disk]
+    nb = min(num_buffers, len(disk))
+    pool = _C.DiskTier.pool_bytes(layouts, nb) if disk else 0
+    apool = _C.DiskTier.pool_bytes(alayouts, nb) if disk else 0
+    host = hp["store_bytes"] + hp["staging_bytes"] + pool
+    if with_accumulator:
+        host += apool + (hp["accumulator_bytes"] if accumulator_mode is None else 0)
+    return dict(host_plan=hp, disk=disk, layouts=layouts, alayouts=alayouts, pool=pool, apool=apool, host=host,
+                pinned=hp["store_bytes"] + hp["staging_bytes"] if cuda else 0, nb=nb)
+
+
+def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[bool], staging_buffers: int, *,
+                 offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
+                 cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
+                 check: bool = True, where: str = "megatrain.wrap") -> OffloadPlan:
+    """Choose the layers whose fp32 state goes to disk, before anything is allocated or written.
+
+    The deepest decoder layers are moved first (never the resident unit, never layers
+    ``0 .. keep_layers-1``, which stay host / device resident), as few as make the host part fit:
+    ``store + staging + the tiers' RAM pools [+ accumulators]`` within ``host_memory_limit`` (if
+    given) and the host budget check's limits (MemAvailable, cgroup, RLIMIT_MEMLOCK; the same
+    rules as ``check_host_budget``, with ``reclaimable_bytes`` of credit). Without ``offload_dir``
+    nothing moves (``host_memory_limit`` is then only checked).
+
+    Args:
+        units: the engine's units (:func:`~megatrain.runtime.layers.model_units`).
+        accumulator_mode: the engine's (True: store section; None: auto; False: none).
+        with_accumulator: count the gradient accumulator (always with ``accumulator_mode=True``).
+        num_buffers: RAM buffers per tier (``Options.disk_buffers``).
+        check: raise when it does not fit (False: return the plan of "every candidate on disk"
+            with ``host_bytes`` / ``free_bytes`` for :func:`megatrain.estimate` to report).
+
+    Raises:
+        HostMemoryError: the host part does not fit even with every candidate layer on disk, or
+            ``host_memory_limit`` is exceeded without ``offload_dir`` (one line, bytes needed vs limit).
+        DiskSpaceError: ``offload_dir``'s filesystem has less free space than the files need.
+    """
+    with_accumulator = with_accumulator or accumulator_mode is True
+    n_units = len(units)
+    layers = [u.index for u in units if u.kind == "layer"]
+    cands = list(reversed(layers[keep_layers:])) if offload_dir is not None else []  # deepest first
+    limits = None
+
+    def fits(need) -> bool:
+        nonlocal limits
+        if host_memory_limit is not None and need["host"] > host_memory_limit:
+            return False
+        if limits is None:
+            from .host_memory import host_memory_limits
+            limits = host_memory_limits()
+        return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits) is None
+
+    chosen = None
+    for n in range(len(cands) + 1):
+        off = [False] * n_units
+        for k in cands[:n]:
+            off[k] = True
+        need = _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
+                          with_accumulator)
+        if fits(need):
+            chosen = need
+            break
+    plan_need = chosen if chosen is not None else need
+    off = [False] * n_units
+    for k in plan_need["disk"]:
+        off[k] = True
+    plan = OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=plan_need["nb"],
+                       disk_units=plan_need["disk"], offloaded=off, host_plan=plan_need["host_plan"],
+                       state_layouts=plan_need["layouts"], accum_layouts=plan_need["alayouts"],
+                       disk_bytes=_C.DiskTier.bytes_required(plan_need["layouts"]) if plan_need["disk"] else 0,
+                       accum_disk_bytes=_C.DiskTier.bytes_required(plan_need["alayouts"]) if plan_need["disk"] else 0,
+                       pool_bytes=plan_need["pool"], accum_pool_bytes=plan_need["apool"] if with_accumulator else 0,
+                       host_bytes=plan_need["host"], pinned_bytes=plan_need["pinned"],
+                       with_accumulator=with_accumulator)
+    if offload_dir is not None:
+        plan.free_bytes = free_bytes(offload_dir)
+    if not check:
+        return plan
+    if chosen is None:
+        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers)
+    if plan.disk_units and plan.disk_total_bytes > plan.free_bytes:
+        need_b = plan.disk_total_bytes
+        msg = (f"{where}: the fp32 state of {len(plan.disk_units)} decoder layers on disk needs {need_b} bytes "
+               f"({_gib(need_b)}) under offload_dir={offload_dir}, but its filesystem has {plan.free_bytes} bytes "
+               f"({_gib(plan.free_bytes)}) free; free space there, point offload_dir at a larger disk, or raise "
+               "host_memory_limit. Nothing was written.")
+        err = _C.DiskSpaceError(msg)
+        err.errno = errno.ENOSPC
+        err.needed_bytes = int(need_b)
+        err.free_bytes = int(plan.free_bytes)
+        raise err
+    return plan
+
+
+def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0):
+    need = plan.host_bytes
+    if limit is not None and need > limit:
+        avail, name = limit, "host_memory_limit"
+    else:
+        short = host_budget_shortfall(need, plan.pinned_bytes, credit)
+        avail, name = (short["available_bytes"] + short.get("credit_bytes", 0), short["limit"]) if short else (limit, "?")
+    if offload_dir is None:
+        msg = (f"{where}: the host store needs {need} bytes ({_gib(need)}) but the {name} allows {avail} bytes "
+               f"({_gib(avail)}); pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers "
+               "that do not fit there, or raise host_memory_limit")
+    else:
+        hp = plan.host_plan
+        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk, the host part needs {need} "
+               f"bytes ({_gib(need)}: store {_gib(hp['store_bytes'])} with every compute copy and the resident "
+               f"unit's state, disk buffers {_gib(plan.pool_bytes + plan.accum_pool_bytes)}, gradient staging "
+               f"{_gib(hp['staging_bytes'])}) but the {name} allows {avail} bytes ({_gib(avail)}); raise "
+               "host_memory_limit, free host memory, or train a smaller model"
+               + (f" (layers 0..{keep_layers - 1} never go to disk: device_state_layers={keep_layers}; lower it)"
+                  if keep_layers else "") + ". Nothing was allocated.")
+    e = _C.HostMemoryError(msg)
+    e.needed_bytes, e.available_bytes, e.limit = int(need), int(avail or 0), name
+    raise e
+
+
+class DiskOffload:
+    """The disk tiers of an engine (``Engine.disk``): the fp32 state, and the accumulators, of its disk units.
+
+    Thread use: the CPU worker acquires units inside its tasks (no GIL); the main thread prefetches
+    (any time) and opens :meth:`window` s only when the worker has no task touching the unit (the
+    window drains the worker first). The tiers' own calls are thread-safe (one lock each,
+    ``csrc/megatrain/disk_tier/disk_tier.h``).
+
+    Args:
+        eng: the engine (its ``units`` and ``store``).
+        plan: :func:`plan_offload`'s result with at least one disk unit.
+        io_threads: pread / pwrite threads per tier.
+        fault: tests only: ``_C.DiskTier``'s ``_fault`` for both tiers.
+
+    Raises:
+        DiskSpaceError, DiskTierError, ValueError: from ``_C.DiskTier`` (a directory in use, stale
+            files of another kind, free space gone since the plan); nothing is left behind.
+    """
+
+    def __init__(self, eng, plan: OffloadPlan, io_threads: int = 4, fault=None):
+        self.eng = eng
+        self.plan = plan
+        self.dir = plan.offload_dir
+        self.units = [eng.units[i] for i in plan.disk_units]
+        self.num_buffers = max(1, plan.num_buffers)
+        self.io_threads = io_threads
+        self._fault = fault
+        # The engine counted the pool in its own budget check: the tier's check gets its size as the limit.
+        self.tier = _C.DiskTier(self.dir, plan.state_layouts, num_buffers=self.num_buffers, io_threads=io_threads,
+                                memory_limit_bytes=_C.DiskTier.pool_bytes(plan.state_layouts, self.num_buffers),
+                                _fault=fault)
+        for k, u in enumerate(self.units):
+            u.disk = k
+        self.accum = None  # the accumulators' tier (enable_accumulator)
+        self._held = None  # the main thread's window: (tier unit, write) of the unit it holds
+        self._window_write: Optional[bool] = None
+        self._on_release = None
+        self._update_seq = 0
+
+    # ------------------------------------------------------------------ accumulator
+    def enable_accumulator(self) -> None:
+        """Create the accumulators' tier (``offload_dir/grad_accum``; no-op when it exists).
+
+        Raises:
+            DiskSpaceError / HostMemoryError: no room for its files / its RAM pool (nothing created).
+        """
+        if self.accum is not None:
+            return
+        path = os.path.join(self.dir, ACCUM_DIR)
+        if not self.plan.with_accumulator:  # not counted by the plan at wrap time: check its pool now
+            check_host_budget(_C.DiskTier.pool_bytes(self.plan.accum_layouts, self.num_buffers), 0,
+                              "disk tier accumulator buffers")
+        self.accum = _C.DiskTier(path, self.plan.accum_layouts, num_buffers=self.num_buffers, io_threads=self.io_threads,
+                                 memory_limit_bytes=_C.DiskTier.pool_bytes(self.plan.accum_layouts, self.num_buffers),
+                                 _fault=self._fault)
+
+    # ------------------------------------------------------------------ worker-task arguments
+    def adam_args(self, unit, items, entries, zero, direct, compute_view) -> tuple:
+        """``(tier_items, restore_tier, restore_on_skip_tier, kwargs)`` of ``_C.Worker.submit_adam`` for
+        disk unit ``unit``: what ``GradLedger._submit_adam`` builds from store views for a host unit,
+        by element offset into the tier unit (``compute_view(i)``: entry i's flat compute slice)."""
+        updated = {it[0] for it in items}
+        tier_items, accum = [], False
+        for i, lr, b1, b2, eps, wd, step in items:
+            e = unit.entries[i]
+            if i in zero:
+                grad = torch.zeros(e.numel, dtype=torch.float32)
+            elif direct[i]:
+                grad = compute_view(i)
+            else:
+                grad, accum = None, True  # the accumulator on disk
+            tier_items.append((i, e.state_offset, grad, compute_view(i), lr, b1, b2, eps, wd, step))
+        restore = [(unit.entries[i].state_offset, compute_view(i)) for i in entries if direct[i] and i not in updated]
+        on_skip = [(unit.entries[i].state_offset, compute_view(i)) for i in entries if direct[i]]
+        if accum and self.accum is None:
+            raise RuntimeError(f"megatrain: unit {unit.index} has an accumulated gradient but no accumulator tier")
+        return tier_items, restore, on_skip, self.state_args(unit, accum=accum)
+
+    def state_args(self, unit, accum: bool = False) -> dict:
+        """Keyword arguments of ``_C.Worker.submit_*`` naming ``unit``'s state (and accumulator) on disk."""
+        kw = dict(state_tier=self.tier, state_unit=unit.disk)
+        if accum:
+            kw.update(accum_tier=self.accum, accum_unit=unit.disk)
+        return kw
+
+    def update_key(self, unit) -> int:
+        """Worker key of a disk unit's update: after every host-stored unit's, in submission order among the
+        disk units (so their reads, issued ahead in that order, are the ones the worker waits for next)."""
+        self._update_seq += 1
+        return len(self.eng.units) + self._update_seq
+
+    # ------------------------------------------------------------------ read-ahead
+    def prefetch(self, units, accum: bool = False) -> None:
+        """Start reading the disk units among ``units`` (in this order) into the pool (non-blocking hints).
+
+        At most ``num_buffers`` are issued: more would only queue behind the reads the worker waits for.
+        """
+        tier = self.accum if accum else self.tier
+        if tier is None:
+            return
+        n = 0
+        for u in units:
+            if u is None or u.disk is None:
+                continue
+            try:
+                tier.prefetch(u.disk)
+            except _C.DiskTierError:
+                return  # sticky: the next task's acquire (or check()) raises it where it is handled
+            n += 1
+            if n >= self.num_buffers:
+                break
+
+    def below(self, unit, n: int) -> list:
+        """``unit`` (if on disk) and the disk units below it, deepest first, at most ``n``."""
+        return [u for u in reversed(self.units) if u.index <= unit.index][:n]
+
+    def updates_pending(self) -> bool:
+        """Some disk unit's update task has not run yet (main thread's view)."""
+        return any(not h.done for u in self.units for h in u.update_tasks)
+
+    def on_grads(self, unit, eager: bool, accum_read: bool) -> None:
+        """Read-ahead when backward hands over ``unit``'s gradients (thread running backward).
+
+        ``eager``: updates start during backward (no clipping), one per layer as backward goes
+        down: the state of ``unit`` and of the disk units below it is read. Otherwise the updates
+        wait for ``step()``, which queues them in forward order: the lowest disk units are read.
+        ``accum_read``: a gradient of a disk unit is summed into an accumulator it must read.
+        """
+        if eager:
+            self.prefetch(self.below(unit, self.num_buffers))
+        else:
+            self.prefetch(self.units[:self.num_buffers])
+        if accum_read and unit.disk is not None:
+            self.prefetch([unit], accum=True)
+
+    def on_forward(self, eager: bool) -> None:
+        """Start of a forward: with eager updates, read the deepest disk units (the first updated in the
+        coming backward) unless updates of the last step still wait for the disk."""
+        if eager and not self.updates_pending():
+            self.prefetch(list(reversed(self.units)))
+
+    # ------------------------------------------------------------------ main-thread access
+    @contextlib.contextmanager
+    def window(self, write: bool, on_release=None):
+        """Within: :meth:`view` gives zero-copy views of one disk unit's state at a time.
+
+        Drains the CPU worker first (no task may hold a unit the main thread acquires). A
+        :meth:`view` of another unit releases the one held (dirty when ``write``), so each view is
+        valid only until the next :meth:`view` of another unit or the end of the block.
+        ``on_release(unit)``: called (writing windows) while a unit is still held, just before it
+        is released (the fill rebuilds its compute copy from the masters there).
+        """
+        if self._window_write is not None:  # nested: the outer window decides
+            if write and not self._window_write:
+                raise RuntimeError("megatrain: a writing disk-tier window inside a reading one")
+            yield self
+            return
+        self.eng._worker.drain()
+        self._window_write = write
+        self._on_release = on_release
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            try:
+                self._release_held(run_callback=ok)
+            finally:
+                self._window_write = None
+                self._on_release = None
+
+    def _release_held(self, run_callback: bool = True) -> None:
+        held = self._held
+        if held is None:
+            return
+        if run_callback and held[1] and self._on_release is not None:
+            self._on_release(self.units[held[0]])
+        self._held = None
+        self.tier.release(held[0], held[1])
+
+    def _acquire(self, unit) -> None:
+        if self._held is not None and self._held[0] == unit.disk:
+            return
+        self._release_held()
+        self.tier.acquire(unit.disk)
+        self._held = (unit.disk, bool(self._window_write))
+
+    def section(self, unit, name: str) -> torch.Tensor:
+        """Flat fp32 view of section ``name`` (master / exp_avg / exp_avg_sq) of disk unit ``unit`` (in a window)."""
+        if self._window_write is None:
+            raise RuntimeError(f"megatrain: the {name} of unit {unit.index} is in the disk tier (offload_dir); read it "
+                               "through the engine's state accessors (checkpoint, state_dict, optimizer.state)")
+        if name not in STATE_SECTIONS:
+            raise ValueError(f"megatrain: the disk tier holds {', '.join(STATE_SECTIONS)} of unit {unit.index}, not {name}")
+        self._acquire(unit)
+        return self.tier.section_tensor(unit.disk, STATE_SECTIONS.index(name))[:unit.state_numel]
+
+    def view(self, unit, i: int, name: str) -> torch.Tensor:
+        """Shaped fp32 view of entry ``i`` of disk unit ``unit`` in section ``name`` (in a window)."""
+        e = unit.entries[i]
+        if e.state_offset < 0:
+            raise ValueError(f"megatrain: entry {e.name} is frozen: it has no {name}")
+        return self.section(unit, name)[e.state_offset:e.state_offset + e.numel].view(e.shape)
+
+    def read(self, unit, i: int, name: str) -> torch.Tensor:
+        """A CPU copy of entry ``i`` of disk unit ``unit`` in ``name`` (waits for the worker)."""
+        with self.window(write=False):
+            return self.view(unit, i, name).clone()
+
+    def write(self, unit, values: Dict[tuple, torch.Tensor]) -> None:
+        """Copy ``{(entry index, section name): tensor}`` into disk unit ``unit`` (one acquire, released dirty)."""
+        with self.window(write=True):
+            for (i, name), v in values.items():
+                self.view(unit, i, name).copy_(v)
+
+    # ------------------------------------------------------------------ counters
+    def stats(self) -> dict:
+        """The tiers' counters summed (``_C.DiskTier.stats()``): bytes, units, seconds; ``disk_units``, ``direct_io``."""
+        out: Dict[str, float] = {}
+        for t in (self.tier, self.accum):
+            if t is None:
+                continue
+            for k, v in t.stats().items():
+                out[k] = out.get(k, 0) + v
+        out["disk_units"] = len(self.units)
+        out["direct_io"] = bool(self.tier.direct_io)
+        return out
+
+    def check(self) -> None:
+        """Raise the tiers' sticky ``DiskTierError`` if an I/O failed (a write behind included); never blocks."""
+        for t in (self.tier, self.accum):
+            if t is not None:
+                t.check()
+
+    def flush(self) -> None:
+        """Wait for the tiers' writes (fdatasync); raises the tier's sticky error if one failed."""
+        for t in (self.tier, self.accum):
+            if t is not None:
+                t.flush()
