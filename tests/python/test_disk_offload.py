@@ -2,6 +2,7 @@
 training, checkpoints, state dicts, faults and the checks before anything is written."""
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -343,3 +344,38 @@ def test_estimate_says_what_wrap_puts_on_disk(tmp_path):
     assert est.host_bytes == model.megatrain.offload_plan.host_bytes
     short = megatrain.estimate(_config(), device="cpu", host_memory_limit=_limit())
     assert not short.fits and "host_memory_limit" in short.reason()
+
+
+def test_cli_run_with_the_tier_saves_the_model_of_the_run_without(tmp_path, capsys):
+    """``megatrain train --offload-dir DIR --host-memory-limit BYTES``: some layers' state on disk, the same model."""
+    from safetensors.torch import load_file
+
+    from megatrain.train import trainer
+    from megatrain.train.config import build_config
+    from parity import run_cli
+
+    argv = ["--set", "model.hidden_size=32", "--set", "model.num_layers=4", "--set", "model.num_heads=2",
+            "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=64", "--set", "data.max_documents=20",
+            "--set", "eval.batches=1", "--set", "eval.every=4", "--set", "train.warmup_steps=1",
+            "--set", "train.max_grad_norm=1.0", "--seq-len", "32", "--steps", "4", "--micro-batch-size", "2",
+            "--gradient-accumulation-steps", "2", "--no-progress", "--set", "log.tensorboard=false"]
+    cfg = build_config(overrides=[("model", "hidden_size", 32), ("model", "num_layers", 4), ("model", "num_heads", 2),
+                                  ("model", "num_kv_heads", 1), ("model", "intermediate_size", 64),
+                                  ("data", "max_documents", 20), ("data", "seq_len", 32),
+                                  ("train", "micro_batch_size", 2), ("train", "gradient_accumulation_steps", 2),
+                                  ("log", "out", str(tmp_path / "probe"))])
+    host = trainer.prepare(cfg).estimate.host_bytes  # the run's host bytes without a disk tier
+    code, out, err = run_cli(["train", "--out", str(tmp_path / "plain")] + argv, capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["train", "--out", str(tmp_path / "disk"), "--offload-dir", str(tmp_path / "tier"),
+                              "--host-memory-limit", str(host - 1)] + argv, capsys)
+    assert code == 0, err
+    assert "fp32 state on disk" in out + err
+    summary = json.loads((tmp_path / "disk" / "summary.json").read_text())
+    assert summary["placement"]["disk_layers"] == [1, 2, 3]
+    a = load_file(str(tmp_path / "plain" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "disk" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    code, out, err = run_cli(["train", "--out", str(tmp_path / "bad"), "--offload-dir", str(tmp_path / "no" / "dir")]
+                             + argv, capsys)
+    assert code == 2 and "parent of offload_dir" in err and not (tmp_path / "bad").exists()

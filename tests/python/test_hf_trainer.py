@@ -474,3 +474,35 @@ def test_trainer_refuses_an_optim_other_than_adamw_before_training(tmp_path, opt
     tr, _, _ = _megatrain_trainer(str(tmp_path / "a"), optim="adamw_torch", max_steps=1)
     tr.train()
     assert tr.state.global_step == 1
+
+
+def test_trainer_with_the_disk_tier_is_bit_identical_and_resumes(tmp_path):
+    """MegatrainTrainer on a model whose layers keep their fp32 state on disk (wrap(offload_dir=...)):
+    the same bits as without, and a Trainer checkpoint resumes it exactly."""
+    import megatrain
+    from megatrain.integrations import MegatrainTrainer
+
+    def wrapped(disk: str = None):
+        m = _model()
+        kw = {}
+        if disk:
+            limit = megatrain.estimate(m, device="cpu", compute_dtype=torch.float32,
+                                       gradient_accumulation_steps=2).host_bytes - 1
+            kw = dict(offload_dir=str(tmp_path / disk), host_memory_limit=limit, grad_accumulator=True)
+        return megatrain.wrap(m, device="cpu", compute_dtype=torch.float32, **kw)
+
+    plain = MegatrainTrainer(model=wrapped(), args=_args(str(tmp_path / "plain")), train_dataset=_dataset())
+    plain.train()
+    disk_model = wrapped("tier")
+    assert [u.index for u in disk_model.megatrain.disk.units] == [0, 1, 2]
+    tr = MegatrainTrainer(model=disk_model, args=_args(str(tmp_path / "disk"), save_strategy="steps", save_steps=5),
+                          train_dataset=_dataset())
+    tr.train()
+    want = megatrain.master_state_dict(plain.model)
+    got = megatrain.master_state_dict(tr.model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    again = MegatrainTrainer(model=wrapped("tier2"), args=_args(str(tmp_path / "disk"), save_strategy="steps",
+                                                                save_steps=5), train_dataset=_dataset())
+    again.train(resume_from_checkpoint=str(tmp_path / "disk" / "checkpoint-5"))
+    resumed = megatrain.master_state_dict(again.model)
+    assert all(torch.equal(resumed[k], want[k]) for k in want)

@@ -405,6 +405,8 @@ def build_wrapped_model(plan: Plan):
               chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
               tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
               host_memory_limit=cfg.runtime.host_memory_limit)
+    if cfg.runtime.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
+        kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
         data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
@@ -1132,6 +1134,9 @@ def summary_rows(summary: dict) -> list:
         rows.append(("layers with their state on the device",
                      f"{pl['device_state_layers']} of {pl['layers']} ({b(pl['device_state_bytes'])}), "
                      f"{pl['streamed_layers']} streamed"))
+    if pl and pl.get("disk_layers"):
+        rows.append(("layers with their fp32 state on disk",
+                     f"{len(pl['disk_layers'])} of {pl['layers']} ({b(pl['disk_bytes'])} under {pl['offload_dir']})"))
     if "pinned_bytes" in stats:
         rows.append(("pinned host memory", b(stats["pinned_bytes"])))
     if "bytes_per_param" in stats:
