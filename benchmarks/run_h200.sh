@@ -7,6 +7,9 @@
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
+#                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
+#                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
+#                                                 DISK_TRAIN_ARGS: extra bench_scale.py disk flags, e.g. --host-limit-gib 105)
 #                                               sched_ab (SCHED_CLIPS, SCHED_SYSTEMS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
@@ -132,6 +135,10 @@ PY
           --systems ${SCHED_SYSTEMS:-megatrain megatrain:cslots=0 megatrain:cslots=0,fusednorm=0} --steps 3 --warmup 1 --profile $extra \
           --out docs/benchmarks/train_3b_sched_ab_clip$clip.json
       done ;;
+    disk_train)  # plan printed first; disk bandwidth, build, 1 warm-up + 2 timed steps at 16K and at 64K tokens (~5 min)
+      run disk_train timeout ${DISK_TRAIN_TIMEOUT:-590} python3 benchmarks/bench_scale.py disk \
+        --dir "${DISK_DIR:-$PWD/build/disk_train}" --timeout 570 ${DISK_TRAIN_ARGS:-}
+      rm -rf "${DISK_DIR:-$PWD/build/disk_train}/megatrain_tier" ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
       run disk timeout 120 python3 benchmarks/bench_disk.py --dir "$PWD/build" --out docs/benchmarks/disk_h200 ${DISK_ARGS:-} ;;
     peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm 1.0, the trainers' default; PEERS_ARGS: extra

@@ -73,3 +73,19 @@ def test_clipping_and_accumulation_reach_every_cpu_system(tmp_path):
         assert row["grad_accum"] == 2 and row["max_grad_norm"] == 0.05 and row["tokens_per_step"] == 32
         assert row["settings"]["max_grad_norm"] == 0.05 and row["settings"]["grad_accum"] == 2
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-6 * abs(rows[1]["loss"])
+
+
+def test_disk_train_benchmark_runs_end_to_end_small(tmp_path):
+    """``bench_scale.py disk --small``: the plan, the disk's bandwidth, some layers on disk, both token counts."""
+    out = tmp_path / "disk_train.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"), "disk", "--small",
+                        "--dir", str(tmp_path / "d"), "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.index("planned:") < r.stderr.index("==== disk_small")  # the plan before anything is built
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "ok" and row["disk_layers"] == [3, 4, 5]
+    for t in row["per_tokens"]:
+        assert t["disk_read_bytes_per_step"] > 0 and t["disk_write_bytes_per_step"] == row["disk_state_bytes"]
+        assert 0.0 <= t["io_hidden_fraction"] <= 1.0 and t["disk_floor_s"] > 0
+    assert not (tmp_path / "d" / "megatrain_tier").exists() or not os.listdir(tmp_path / "d" / "megatrain_tier")

@@ -342,6 +342,8 @@ def test_estimate_says_what_wrap_puts_on_disk(tmp_path):
     files = [os.path.join(tmp_path / "tier", n) for n in os.listdir(tmp_path / "tier")]
     assert est.disk_bytes == sum(os.path.getsize(f) for f in files)
     assert est.host_bytes == model.megatrain.offload_plan.host_bytes
+    model.megatrain.close()  # the working files go with the tier (a normal exit closes it too)
+    assert not (tmp_path / "tier").exists()
     short = megatrain.estimate(_config(), device="cpu", host_memory_limit=_limit())
     assert not short.fits and "host_memory_limit" in short.reason()
 

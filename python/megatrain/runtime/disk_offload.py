@@ -21,9 +21,11 @@ host store, since it is what streams to the GPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -279,6 +281,21 @@ def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int
     raise e
 
 
+_LIVE: "weakref.WeakSet[DiskOffload]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_tiers() -> None:
+    # The interpreter does not promise to finalize the engines at exit: close the tiers (their
+    # destructors remove the working files) once the workers have run what was queued.
+    for d in list(_LIVE):
+        try:
+            d.eng._worker.close()
+            d.close()
+        except Exception:  # noqa: BLE001 - at exit: a failed tier leaves its files (the next run removes them)
+            pass
+
+
 class DiskOffload:
     """The disk tiers of an engine (``Engine.disk``): the fp32 state, and the accumulators, of its disk units.
 
@@ -312,6 +329,7 @@ class DiskOffload:
                                 _fault=fault)
         for k, u in enumerate(self.units):
             u.disk = k
+        _LIVE.add(self)
         self.accum = None  # the accumulators' tier (enable_accumulator)
         self._held = None  # the main thread's window: (tier unit, write) of the unit it holds
         self._window_write: Optional[bool] = None
@@ -506,6 +524,12 @@ class DiskOffload:
         out["disk_units"] = len(self.units)
         out["direct_io"] = bool(self.tier.direct_io)
         return out
+
+    def close(self) -> None:
+        """Drop the tiers (their files are removed once nothing holds them). Call after the worker is closed:
+        the engine cannot train afterwards (its disk units' state is gone; the checkpoint is what lasts)."""
+        self.tier = None
+        self.accum = None
 
     def check(self) -> None:
         """Raise the tiers' sticky ``DiskTierError`` if an I/O failed (a write behind included); never blocks."""

@@ -449,7 +449,10 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
             self.disk.check()
 
     def close(self) -> None:
+        """Run what the CPU worker has queued and stop it; drop the disk tier (its working files are removed)."""
         self._worker.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def disk_stats(self) -> Optional[dict]:
         """The disk tier's counters (``DiskOffload.stats``), or None without one."""
