@@ -226,14 +226,16 @@ def _log(msg: str) -> None:
 
 
 def _disk_plan(spec: dict):
-    """``megatrain.estimate`` of the disk case (nothing allocated): what goes to disk, and the host part."""
+    """``megatrain.estimate`` of the disk case (nothing allocated): what goes to disk, and the host part.
+
+    Planned for the CPU device (no CUDA context in the parent process: its host memory would be
+    missing from the child's) with the child's compute dtype; the host and disk bytes are the same.
+    """
     import torch
     import megatrain
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return megatrain.estimate(_config(spec["model"], spec["seq"]), device=dev,
-                              compute_dtype=torch.bfloat16 if dev == "cuda" else torch.float32,
-                              offload_dir=spec["tier_dir"], host_memory_limit=spec["host_limit"],
-                              micro_batch_size=max(spec["tokens"]) // spec["seq"], seq_len=spec["seq"])
+    return megatrain.estimate(_config(spec["model"], spec["seq"]), device="cpu",
+                              compute_dtype=torch.bfloat16 if spec["cuda"] else torch.float32,
+                              offload_dir=spec["tier_dir"], host_memory_limit=spec["host_limit"])
 
 
 def _print_disk_plan(est) -> None:
@@ -342,6 +344,7 @@ def child_disk(spec):
         rows.append(row)
     st = eng.stats()
     return dict(n_params=st["num_params"], build_s=build_s, disk=bw, disk_layers=plan.disk_units,
+                gpu=torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
                 disk_state_bytes=plan.disk_bytes, host_memory_limit=spec["host_limit"],
                 planned_host_bytes=plan.host_bytes, pool_bytes=plan.pool_bytes,
                 host_store_bytes=st["host_store_bytes"], direct_io=st.get("disk_direct_io"),
@@ -449,13 +452,16 @@ def main():
 
 
 def main_disk(a) -> None:
-    """``disk``: the plan printed first, then one child (build, bandwidth, both token counts), JSON + PNG."""
+    """``disk``: the plan printed first, then one child (build, bandwidth, both token counts), JSON + PNG.
+
+    This process never touches CUDA (its context would take host memory from the child's budget)."""
     import torch
     if a.dir is None:
         raise SystemExit("bench_scale.py disk: pass --dir DIR, a directory on the disk to train from")
     steps = 2 if a.steps == 5 else a.steps  # the default of the other parts is 5
     spec = dict(case="disk_llama_10b", kind="disk", model=SHAPES["llama_10b"], seq=a.seq, steps=steps,
-                tokens=[int(t) for t in a.tokens.split(",")], dir=os.path.abspath(a.dir))
+                tokens=[int(t) for t in a.tokens.split(",")], dir=os.path.abspath(a.dir),
+                cuda=not a.small and os.path.exists("/dev/nvidia0"))
     if a.small:
         spec.update(case="disk_small", model=SMALL_DISK, seq=64, steps=2, tokens=[128, 256])
     os.makedirs(spec["dir"], exist_ok=True)
@@ -467,8 +473,7 @@ def main_disk(a) -> None:
     _print_disk_plan(_disk_plan(spec))
     row = spawn(spec, timeout=a.timeout, stream_stderr=True)
     result = dict(benchmark="bench_scale disk", date=datetime.date.today().isoformat(), commit=git_commit(),
-                  machine=dict(host=platform.node(), cpu_count=os.cpu_count(),
-                               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                  machine=dict(host=platform.node(), cpu_count=os.cpu_count(), gpu=row.get("gpu"),
                                host_ram_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB),
                   versions=dict(torch=torch.__version__), settings={k: v for k, v in spec.items() if k != "model"},
                   model=spec["model"], rows=[row])

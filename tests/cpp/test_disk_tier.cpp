@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "temp_dir.h"
 #include "megatrain/disk_tier/disk_tier.h"
 #include "megatrain/host_store/host_store.h"
 
@@ -26,22 +27,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base ? base : "/tmp") + "/megatrain_disk_tier_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) std::abort();
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string str() const { return path.string(); }
+struct TempDir : megatrain_test::TempDir {
+  TempDir() : megatrain_test::TempDir("megatrain_disk_tier") {}
 };
 
 std::vector<dt::UnitLayout> mixed_units() {

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "temp_dir.h"
 #include "megatrain/common/cpu_features.h"
 #include "megatrain/cpu_adam/adam_driver.h"
 #include "megatrain/cpu_adam/kernels/adam_scalar_inl.h"
@@ -44,6 +45,19 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = ca::detail::float_to_bf16_rne(v[i]);
   return out;
+}
+
+// AdamW hyperparameters of the update tests (a weight decay and a clip scale, as in training).
+ca::AdamHyper test_hyper(int64_t step) {
+  ca::AdamHyper h;
+  h.lr = 1e-3;
+  h.beta1 = 0.9;
+  h.beta2 = 0.95;
+  h.eps = 1e-6;
+  h.weight_decay = 0.1;
+  h.step = step;
+  h.grad_scale = 0.5f;
+  return h;
 }
 
 // Splits the chunks over two threads, as at::parallel_for may.
@@ -109,14 +123,7 @@ TEST(SchedulerTasks, AccumulateLandsDirectGradientsWithTheSquaredDeviceNorm) {
 TEST(SchedulerTasks, AdamMatchesTheOpAndWritesTheComputeCopy) {
   const auto master0 = randn(kN, 3);
   const auto grad = to_bf16(randn(kN, 4, 0.1f));
-  ca::AdamHyper h;
-  h.lr = 1e-3;
-  h.beta1 = 0.9;
-  h.beta2 = 0.95;
-  h.eps = 1e-6;
-  h.weight_decay = 0.1;
-  h.step = 3;
-  h.grad_scale = 0.5f;
+  const ca::AdamHyper h = test_hyper(3);
   struct S {
     std::vector<float> master, m, v;
     std::vector<uint16_t> out;
@@ -228,15 +235,10 @@ namespace {
 // A disk tier of one unit with master / exp_avg / exp_avg_sq of `n` floats (and a second tier
 // with the accumulator), under a fresh directory removed afterwards.
 struct TierFixture {
-  std::filesystem::path dir;
+  megatrain_test::TempDir tmp{"megatrain_tasks"};
+  std::filesystem::path dir = tmp.path;
   std::shared_ptr<megatrain::disk_tier::DiskTier> state, accum;
   explicit TierFixture(int64_t n, std::function<int(megatrain::disk_tier::IoOp, int64_t, int64_t, int64_t)> fault = {}) {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base ? base : "/tmp") + "/megatrain_tasks_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) std::abort();
-    dir = buf.data();
     const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
     megatrain::disk_tier::DiskTierOptions o;
     o.io_threads = 2;
@@ -249,11 +251,9 @@ struct TierFixture {
     accum = std::make_shared<megatrain::disk_tier::DiskTier>((dir / "accum").string(),
                                                              std::vector<megatrain::disk_tier::UnitLayout>{{{bytes}}}, o);
   }
-  ~TierFixture() {
+  ~TierFixture() {  // the tiers go before their directory
     state.reset();
     accum.reset();
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
   }
   sch::TierState tier() const { return sch::TierState{state, 0, accum, 0}; }
   // Copies `values` (one vector per section) into unit 0 of `t` and writes it to the file.
@@ -289,13 +289,7 @@ TEST(SchedulerTasks, AdamOnTheDiskTierGivesTheBitsOfTheHostStorePath) {
   for (float& x : v0abs) x = std::abs(x);
   const auto direct = to_bf16(randn(kE, 14, 0.1f));
   const auto accum0 = randn(kTotal, 15, 0.1f);
-  ca::AdamHyper h;
-  h.lr = 1e-3;
-  h.beta1 = 0.9;
-  h.beta2 = 0.95;
-  h.eps = 1e-6;
-  h.weight_decay = 0.1;
-  h.step = 4;
+  const ca::AdamHyper h = test_hyper(4);  // the task's grad_scale (0.25) wins over the items'
   // The host path: raw pointers.
   std::vector<float> master(master0), m(m0), v(v0abs), acc(accum0);
   std::vector<uint16_t> out_host(kTotal, 0), out_tier(kTotal, 0);

@@ -42,14 +42,8 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg,
   TORCH_CHECK_VALUE(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
   if (n == 0) return;
 
-  cpu_adam::AdamHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = static_cast<float>(grad_scale);
+  const cpu_adam::AdamHyper h =
+      bindings::adam_hyper(lr, beta1, beta2, eps, weight_decay, step, static_cast<float>(grad_scale));
   cpu_adam::AdamArgs a;
   a.master = master.data_ptr<float>();
   a.exp_avg = exp_avg.data_ptr<float>();

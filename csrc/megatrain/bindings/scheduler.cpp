@@ -186,15 +186,19 @@ std::vector<sch::WeightsBack> weights_back_tier_of(const std::vector<std::tuple<
   return out;
 }
 
-ca::AdamHyper hyper_of(double lr, double b1, double b2, double eps, double wd, int64_t step) {
-  ca::AdamHyper h;
-  h.lr = lr;
-  h.beta1 = b1;
-  h.beta2 = b2;
-  h.eps = eps;
-  h.weight_decay = wd;
-  h.step = step;
-  return h;
+// A gradient (bf16/fp32 CPU slice, kept) summed into the accumulator on disk at element `offset`.
+sch::StagedGrad staged_tier_grad(int64_t entry, int64_t offset, const at::Tensor& grad, bool overwrite,
+                                 const char* op, Keep& keep) {
+  TORCH_CHECK_VALUE(offset >= 0, op, ": a tier offset must be >= 0, got ", offset);
+  sch::StagedGrad g;
+  g.entry = entry;
+  g.grad_dtype = grad_dtype_of(grad, op, grad.numel());
+  g.grad = grad.data_ptr();
+  g.numel = grad.numel();
+  g.overwrite = overwrite;
+  g.tier_offset = offset;
+  keep.tensors.push_back(grad);
+  return g;
 }
 
 std::string describe_python_error(py::error_already_set& e) {
@@ -294,16 +298,7 @@ on its thread).)doc")
                s.push_back(staged_grad(entry, accum, grad, overwrite, op, keep));
              }
              for (const auto& [entry, offset, grad, overwrite] : staged_tier) {
-               TORCH_CHECK_VALUE(offset >= 0, op, ": a tier offset must be >= 0, got ", offset);
-               sch::StagedGrad g;
-               g.entry = entry;
-               g.grad_dtype = grad_dtype_of(grad, op, grad.numel());
-               g.grad = grad.data_ptr();
-               g.numel = grad.numel();
-               g.overwrite = overwrite;
-               g.tier_offset = offset;
-               keep.tensors.push_back(grad);
-               s.push_back(g);
+               s.push_back(staged_tier_grad(entry, offset, grad, overwrite, op, keep));
              }
              TORCH_CHECK_VALUE(staged_tier.empty() || !accum_tier.is_none(), op,
                                ": staged_tier needs accum_tier (the accumulator's disk tier)");
@@ -341,13 +336,7 @@ on its thread).)doc")
              std::vector<sch::WeightsBack> back = weights_back_of(pairs, keep, op);
              std::vector<std::tuple<int64_t, at::Tensor>> tier_pairs;
              for (const auto& [entry, offset, compute] : moved_tier) {
-               sch::StagedGrad g;
-               g.entry = entry;
-               g.grad_dtype = grad_dtype_of(compute, op, compute.numel());
-               g.grad = compute.data_ptr();
-               g.numel = compute.numel();
-               g.tier_offset = offset;
-               s.push_back(g);
+               s.push_back(staged_tier_grad(entry, offset, compute, sch::StagedGrad{}.overwrite, op, keep));
                tier_pairs.emplace_back(offset, compute);
              }
              for (auto& w : weights_back_tier_of(tier_pairs, keep, op)) back.push_back(w);
@@ -403,7 +392,7 @@ on its thread).)doc")
                it.args.grad = grad.data_ptr();
                it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
                it.args.compute_out = compute.data_ptr();
-               it.hyper = hyper_of(lr, b1, b2, eps, wd, step);
+               it.hyper = megatrain::bindings::adam_hyper(lr, b1, b2, eps, wd, step);
                for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, &grad, &compute}) keep.tensors.push_back(*t);
                task.items.push_back(it);
              }
@@ -422,7 +411,7 @@ on its thread).)doc")
                }
                it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
                it.args.compute_out = compute.data_ptr();
-               it.hyper = hyper_of(lr, b1, b2, eps, wd, step);
+               it.hyper = megatrain::bindings::adam_hyper(lr, b1, b2, eps, wd, step);
                keep.tensors.push_back(compute);
                task.items.push_back(it);
              }

@@ -62,6 +62,20 @@ inline cpu_adam::OutDtype out_dtype_of(const at::Tensor& out, const char* op, co
   return out.scalar_type() == at::kFloat ? cpu_adam::OutDtype::kFloat32 : cpu_adam::OutDtype::kBFloat16;
 }
 
+// The hyperparameters of one AdamW step as the ops and the update tasks receive them.
+inline cpu_adam::AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                      int64_t step, float grad_scale = 1.0f) {
+  cpu_adam::AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.grad_scale = grad_scale;
+  return h;
+}
+
 // The cpu_adam drivers' chunks (cpu_adam::kChunkNumel, independent of the thread count) on
 // torch's intra-op pool.
 inline void aten_parallel_for(int64_t chunks, const std::function<void(int64_t, int64_t)>& body) {

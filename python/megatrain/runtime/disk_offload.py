@@ -522,7 +522,7 @@ class DiskOffload:
             for k, v in t.stats().items():
                 out[k] = out.get(k, 0) + v
         out["disk_units"] = len(self.units)
-        out["direct_io"] = bool(self.tier.direct_io)
+        out["direct_io"] = bool(self.tier.direct_io) if self.tier is not None else None
         return out
 
     def close(self) -> None:
