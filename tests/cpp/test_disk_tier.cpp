@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -529,4 +530,64 @@ TEST(DiskTier, ASecondTierOnTheSameDirectoryIsRefused) {
   const std::string msg = message_of([&] { dt::DiskTier second(d.str(), {{{100}}}, {}); });
   EXPECT_NE(msg.find("in use by another disk tier"), std::string::npos) << msg;
   EXPECT_TRUE(fs::exists(first.unit_path(0)));
+}
+
+// The engine's pattern: one thread (the CPU worker) acquires, updates and releases units dirty in
+// turn while another (the thread running backward) prefetches any unit at any time and a third
+// reads the counters; every unit still holds exactly what the worker last wrote.
+TEST(DiskTier, ConcurrentPrefetchAndAcquireFromSeveralThreadsKeepEveryUnitsLastData) {
+  TempDir d;
+  dt::DiskTierOptions o;
+  o.num_buffers = 2;
+  o.io_threads = 3;
+  o.chunk_bytes = 8192;
+  constexpr int64_t kUnits = 6, kFloats = 9000, kRounds = 12;
+  std::vector<dt::UnitLayout> units(kUnits, dt::UnitLayout{{kFloats * 4, kFloats * 4}});
+  dt::DiskTier tier(d.str(), units, o);
+  auto fill = [&](const std::vector<void*>& p, float v) {
+    for (void* s : p) std::fill_n(static_cast<float*>(s), kFloats, v);
+  };
+  auto holds = [&](const std::vector<void*>& p, float v) {
+    for (void* s : p) {
+      const float* f = static_cast<const float*>(s);
+      if (!std::all_of(f, f + kFloats, [v](float x) { return x == v; })) return false;
+    }
+    return true;
+  };
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> wrong{0};
+  std::thread prefetcher([&] {
+    std::mt19937 rng(5);
+    while (!done.load()) {
+      tier.prefetch(static_cast<int64_t>(rng() % kUnits));
+      std::this_thread::yield();
+    }
+  });
+  std::thread reader([&] {
+    while (!done.load()) {
+      (void)tier.stats();
+      (void)tier.unit_state(static_cast<int64_t>(tier.stats().unit_reads % kUnits));
+      tier.check();
+    }
+  });
+  for (int64_t r = 0; r < kRounds; ++r) {
+    for (int64_t u = 0; u < kUnits; ++u) {
+      auto p = tier.acquire(u);
+      if (!holds(p, r == 0 ? 0.0f : static_cast<float>(r * 100 + u))) wrong.fetch_add(1);
+      fill(p, static_cast<float>((r + 1) * 100 + u));
+      tier.release(u, true);
+    }
+  }
+  done = true;
+  prefetcher.join();
+  reader.join();
+  EXPECT_EQ(wrong.load(), 0);
+  tier.flush();
+  tier.drop_cached();
+  for (int64_t u = 0; u < kUnits; ++u) {
+    auto p = tier.acquire(u);
+    EXPECT_TRUE(holds(p, static_cast<float>(kRounds * 100 + u))) << "unit " << u;
+    tier.release(u, false);
+  }
+  EXPECT_GT(tier.stats().unit_reads, kUnits);  // the state went through the files
 }
