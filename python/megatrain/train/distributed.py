@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import Callable, List, Optional
 
+from megatrain.runtime.data_parallel.errors import attempt
 from megatrain.train.config import UsageError
 
 
@@ -118,11 +119,7 @@ class Ranks:
         """``fn()`` on every rank; the first rank's error (a UsageError stays one) is raised on every rank."""
         if self.world == 1:
             return fn()
-        err, out = None, None
-        try:
-            out = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
-            err = e
+        out, err = attempt(fn)
         self._raise_first(err, self._outcomes(err))
         return out
 
@@ -130,12 +127,7 @@ class Ranks:
         """``fn()`` on rank 0 while the others wait (returning ``others``); its error is raised on every rank."""
         if self.world == 1:
             return fn()
-        err, out = None, others
-        if self.main:
-            try:
-                out = fn()
-            except Exception as e:  # noqa: BLE001
-                err = e
+        out, err = attempt(fn, self.main, others)
         self._raise_first(err, self._outcomes(err))
         return out
 

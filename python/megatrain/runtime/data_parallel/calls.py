@@ -161,6 +161,11 @@ class CollectiveCalls:
                 pass
         return None
 
+    def _heard(self, cause: str) -> DataParallelError:
+        """A peer's posted fatal error ``cause``: this rank's too (returned to raise)."""
+        self.failed = cause
+        return DataParallelError(f"megatrain data parallel (rank {self.rank} of {self.world}): {cause}")
+
     def _check_failed(self) -> None:
         if self.failed is not None:
             raise DataParallelError(self.failed)
@@ -198,9 +203,7 @@ class CollectiveCalls:
         for r in self._peers():
             kind, calls, _ = self._peer(r)
             if kind == FAILED:
-                cause = self._posted(store=False)
-                self.failed = cause
-                raise DataParallelError(f"megatrain data parallel (rank {self.rank} of {self.world}): {cause}")
+                raise self._heard(self._posted(store=False))
             if kind == CALL and calls == self.calls:  # waiting in a call this rank has not made
                 steps = self.steps()
                 mine = f" (step {steps + 1})" if steps is not None else ""
@@ -275,17 +278,14 @@ class CollectiveCalls:
             for r in self._peers():
                 kind, _, seq = self._peer(r)
                 if kind == FAILED:
-                    cause = self._posted(store=False)
-                    self.failed = cause
-                    raise DataParallelError(f"megatrain data parallel (rank {self.rank} of {self.world}): {cause}")
+                    raise self._heard(self._posted(store=False))
                 if seq > me["seq"]:
                     raise self._diverged(self.rank, me, self._global(r), "went on training")
             if store.check(keys):
                 return [json.loads(store.get(k)) for k in keys]
             cause = self._posted()
             if cause is not None:
-                self.failed = cause
-                raise DataParallelError(f"megatrain data parallel (rank {self.rank} of {self.world}): {cause}")
+                raise self._heard(cause)
             now = time.monotonic()
             if now - last_alive > 0.5:
                 last_alive = now

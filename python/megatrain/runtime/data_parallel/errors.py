@@ -25,3 +25,16 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def attempt(fn, runs: bool = True, default=None):
+    """``(fn(), None)`` when ``runs``, or ``(default, the exception fn raised)``; ``runs`` False: ``(default, None)``.
+
+    For a step some ranks run while the others wait: each rank then shares its error (all raise).
+    """
+    if not runs:
+        return default, None
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - the caller raises it on every rank
+        return default, e

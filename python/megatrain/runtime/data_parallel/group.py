@@ -10,7 +10,7 @@ import torch
 from ..options import options
 from .buffers import PieceBuffers
 from .calls import CollectiveCalls
-from .errors import DataParallelError, _dist
+from .errors import DataParallelError, _dist, attempt
 from .node import SharedNode
 
 
@@ -131,12 +131,7 @@ class DataParallel(CollectiveCalls, SharedNode, PieceBuffers):
 
     def on_rank0(self, fn, what: str, others_result=None):
         """Run ``fn`` on global rank 0 while the others wait; its error is raised on every rank; collective."""
-        err, out = None, others_result
-        if self.rank == 0:
-            try:
-                out = fn()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
-                err = e
+        out, err = attempt(fn, self.rank == 0, others_result)
         self._agree(err, f"megatrain.{what}")
         return out
 
@@ -145,12 +140,7 @@ class DataParallel(CollectiveCalls, SharedNode, PieceBuffers):
 
         Returns ``fn``'s result on every rank of the node (it must pickle). Its error is raised on every rank.
         """
-        err, out = None, None
-        if self.fills_store:
-            try:
-                out = fn()
-            except Exception as e:  # noqa: BLE001
-                err = e
+        out, err = attempt(fn, self.fills_store)
         results = self._agree(err, f"megatrain.{what}", out)
         return results[self.node * self.local_world]
 
