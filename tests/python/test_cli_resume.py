@@ -219,3 +219,47 @@ def test_overwrite_starts_a_fresh_run_and_summary_reports_auto_decisions(tmp_pat
     assert all(d["policy"] == ("store" if d["recompute_layers"] == 0 else "recompute" if d["store_layers"] == 0
                                else f"store {d['store_layers']} layers, recompute the rest") for d in decisions)
     assert decisions[0]["input_shapes"][0] == [4, 64, 64]  # [micro batch, seq_len, hidden]
+
+
+def _worker_pid(agent_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker of ``rank`` (a child of the agent with RANK=rank in its environment)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == agent_pid and f"RANK={rank}".encode() in environ:
+            return int(name)
+    raise AssertionError(f"no worker of rank {rank} under pid {agent_pid}")
+
+
+def test_torchrun_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "megatrain",
+           "train", "--out", str(out), *TINY, "--micro-batch-size", "2", "--steps", "200", "--log-every", "1",
+           "--eval-every", "1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(_env(), MEGATRAIN_ADAM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while _last_step(out) < 3:
+            assert proc.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.05)
+        os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)  # rank 1 only, as a preempted process would be
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    summary = json.loads((out / "summary.json").read_text())
+    stopped_at = summary["step"]
+    assert summary["status"] == "interrupted" and 3 <= stopped_at < 200, summary
+    assert summary["checkpoint"] == str(out / "checkpoints" / f"step-{stopped_at:08d}")
+    megatrain.checkpoint.verify_checkpoint(summary["checkpoint"])
+    assert err.count(f"megatrain: terminated (SIGTERM) after step {stopped_at}") == 2, err[-3000:]  # both ranks
+    assert max(_records(out)) == stopped_at
