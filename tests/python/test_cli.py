@@ -275,11 +275,12 @@ def test_torchrun_two_ranks_match_one_process_with_the_global_batch(tmp_path, ca
     micro-batch; losses, eval losses and the saved model match 1 process with twice the micro-batch."""
     from safetensors.torch import load_file
 
-    from parity import assert_close_rel
+    from parity import PARITY_EPS, assert_close_rel
 
     common = ["train", "--steps", "4", "--gradient-accumulation-steps", "2", "--log-every", "1", "--eval-every", "2",
               "--set", "train.max_grad_norm=1.0", "--set", "train.save_every=2", "--device", "cpu", *TINY,
-              "--seq-len", "64", "--set", "eval.batches=2"]  # fmt: skip
+              "--seq-len", "64", "--set", "eval.batches=2", "--set", "data.max_documents=60",
+              "--set", f"train.eps={PARITY_EPS}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PY, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
                MEGATRAIN_ADAM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -108,7 +108,9 @@ def _worker(argv):
     elif mode == "dp":  # under torchrun: N processes x 1 row per micro-batch
         from megatrain.integrations import MegatrainTrainer
 
-        args = _args(out, per_device_train_batch_size=1, save_strategy="steps", save_steps=5)
+        from parity import PARITY_EPS
+
+        args = _args(out, per_device_train_batch_size=1, save_strategy="steps", save_steps=5, adam_epsilon=PARITY_EPS)
         assert args.device.type == "cpu"  # sets up torch.distributed (accelerate's state) before megatrain.wrap
         model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
         rec = _LossRecorder(model)
@@ -324,7 +326,7 @@ def _run(*args):
 
 
 def test_trainer_under_torchrun_matches_one_process_with_the_global_batch(tmp_path):
-    from parity import assert_close_rel
+    from parity import PARITY_EPS, assert_close_rel
 
     e = dict(os.environ, OMP_NUM_THREADS="1", MEGATRAIN_ADAM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HERE, "dp",
@@ -332,7 +334,8 @@ def test_trainer_under_torchrun_matches_one_process_with_the_global_batch(tmp_pa
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e)
     assert p.returncode == 0, f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     ranks = [torch.load(str(tmp_path / f"dp{r}.pt")) for r in range(2)]
-    one, rec, _ = _megatrain_trainer(str(tmp_path / "one"))  # 1 process x 2 rows: the same global batches
+    # 1 process x 2 rows: the same global batches
+    one, rec, _ = _megatrain_trainer(str(tmp_path / "one"), adam_epsilon=PARITY_EPS)
     one.train()
     assert len(rec.losses) == 2 * STEPS and all(len(r["losses"]) == 2 * STEPS for r in ranks)
     # each rank's loss is its rows' share of the global token mean (the Trainer's num_items_in_batch)
