@@ -20,7 +20,10 @@ Two changed lines in a Trainer script::
   (fp32 master weights, Adam moments and steps, param groups, scheduler) instead of ``optimizer.pt``,
   and ``train(resume_from_checkpoint=...)`` restores it exactly;
 * adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
-  :class:`MegatrainCallback`.
+  :class:`MegatrainCallback`;
+* under torchrun (the model wrapped after the process group exists) trains as megatrain data
+  parallel: the Trainer's sharded data loader, no ``DistributedDataParallel`` around the model,
+  ``save_model()`` and checkpoints written once while the other ranks wait (docs/hf_trainer.md).
 
 A plain ``Trainer`` also trains, saves and resumes a wrapped model, given
 ``optimizers=(CPUAdamW(..., max_grad_norm=args.max_grad_norm) or create_optimizer(model, args), scheduler)``,

@@ -32,7 +32,9 @@ during backward (as with clipping): each layer's update is queued by ``step()``.
 Modules: :mod:`.group` (:class:`DataParallel`: ranks, pieces, collectives, one rank acting for
 all), :mod:`.node` (the node's shared memory: the store's arena, the control block, the wait for
 the peers' updates), :mod:`.buffers` (this rank's accumulator pieces and pinned staging),
-:mod:`.engine` (:class:`DataParallelEngine`, the engine's data parallel methods).
+:mod:`.calls` (the collective calls: ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``
+on every rank at the same point, and the posted errors), :mod:`.engine` (:class:`DataParallelEngine`,
+the engine's data parallel methods).
 """
 
 from __future__ import annotations
