@@ -441,3 +441,12 @@ def test_from_pretrained_and_from_config_fill_the_tier(tmp_path):
         with torch.no_grad():  # the compute copies were rebuilt from the masters on disk
             assert torch.equal(plain(input_ids=x).logits, tiered(input_ids=x).logits)
         tiered.megatrain.close()
+
+
+def test_a_second_model_on_a_live_offload_dir_is_refused_until_the_first_is_closed(tmp_path):
+    first = _wrap(tmp_path)
+    with pytest.raises(_C.DiskTierError, match="in use.*model.megatrain.close"):
+        _wrap(tmp_path)
+    first.megatrain.close()
+    second = _wrap(tmp_path)
+    assert second.megatrain.disk is not None

@@ -323,10 +323,7 @@ class DiskOffload:
         self.num_buffers = max(1, plan.num_buffers)
         self.io_threads = io_threads
         self._fault = fault
-        # The engine counted the pool in its own budget check: the tier's check gets its size as the limit.
-        self.tier = _C.DiskTier(self.dir, plan.state_layouts, num_buffers=self.num_buffers, io_threads=io_threads,
-                                memory_limit_bytes=_C.DiskTier.pool_bytes(plan.state_layouts, self.num_buffers),
-                                _fault=fault)
+        self.tier = self._open(self.dir, plan.state_layouts)
         for k, u in enumerate(self.units):
             u.disk = k
         _LIVE.add(self)
@@ -335,6 +332,26 @@ class DiskOffload:
         self._window_write: Optional[bool] = None
         self._on_release = None
         self._update_seq = 0
+
+    def _open(self, path: str, layouts) -> "_C.DiskTier":
+        # The engine counted the pool in its own budget check: the tier's check gets its size as the limit.
+        kw = dict(num_buffers=self.num_buffers, io_threads=self.io_threads,
+                  memory_limit_bytes=_C.DiskTier.pool_bytes(layouts, self.num_buffers), _fault=self._fault)
+        try:
+            return _C.DiskTier(path, layouts, **kw)
+        except _C.DiskTierError as e:
+            if "in use" not in str(e):
+                raise
+            import gc
+
+            gc.collect()  # a model wrapped earlier in this process and dropped may still hold the directory
+            try:
+                return _C.DiskTier(path, layouts, **kw)
+            except _C.DiskTierError as again:
+                if "in use" not in str(again):
+                    raise
+                raise _C.DiskTierError(f"{again} (A model wrapped in this process with this offload_dir is still "
+                                       "alive: call its model.megatrain.close() first.)") from None
 
     # ------------------------------------------------------------------ accumulator
     def enable_accumulator(self) -> None:
@@ -349,9 +366,7 @@ class DiskOffload:
         if not self.plan.with_accumulator:  # not counted by the plan at wrap time: check its pool now
             check_host_budget(_C.DiskTier.pool_bytes(self.plan.accum_layouts, self.num_buffers), 0,
                               "disk tier accumulator buffers")
-        self.accum = _C.DiskTier(path, self.plan.accum_layouts, num_buffers=self.num_buffers, io_threads=self.io_threads,
-                                 memory_limit_bytes=_C.DiskTier.pool_bytes(self.plan.accum_layouts, self.num_buffers),
-                                 _fault=self._fault)
+        self.accum = self._open(path, self.plan.accum_layouts)
 
     # ------------------------------------------------------------------ worker-task arguments
     def adam_args(self, unit, items, entries, zero, direct, compute_view) -> tuple:
