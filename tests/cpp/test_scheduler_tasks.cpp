@@ -49,15 +49,7 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 
 // AdamW hyperparameters of the update tests (a weight decay and a clip scale, as in training).
 ca::AdamHyper test_hyper(int64_t step) {
-  ca::AdamHyper h;
-  h.lr = 1e-3;
-  h.beta1 = 0.9;
-  h.beta2 = 0.95;
-  h.eps = 1e-6;
-  h.weight_decay = 0.1;
-  h.step = step;
-  h.grad_scale = 0.5f;
-  return h;
+  return ca::AdamHyper{1e-3, 0.9, 0.95, 1e-6, 0.1, step, 0.5f};  // lr, betas, eps, weight_decay, step, grad_scale
 }
 
 // Splits the chunks over two threads, as at::parallel_for may.

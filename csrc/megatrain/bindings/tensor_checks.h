@@ -65,15 +65,7 @@ inline cpu_adam::OutDtype out_dtype_of(const at::Tensor& out, const char* op, co
 // The hyperparameters of one AdamW step as the ops and the update tasks receive them.
 inline cpu_adam::AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                                       int64_t step, float grad_scale = 1.0f) {
-  cpu_adam::AdamHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.step = step;
-  h.grad_scale = grad_scale;
-  return h;
+  return cpu_adam::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};  // the fields in order
 }
 
 // The cpu_adam drivers' chunks (cpu_adam::kChunkNumel, independent of the thread count) on
