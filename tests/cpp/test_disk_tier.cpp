@@ -591,3 +591,40 @@ TEST(DiskTier, ConcurrentPrefetchAndAcquireFromSeveralThreadsKeepEveryUnitsLastD
   }
   EXPECT_GT(tier.stats().unit_reads, kUnits);  // the state went through the files
 }
+
+// An acquire's own read is the acquirer's: a prefetch served the moment that read completes (the
+// acquirer not awake yet) must not take its buffer, or the unit would be read again (the read
+// amplification seen on the H200 before this rule: 2.6 reads per unit and step).
+TEST(DiskTier, APrefetchNeverTakesTheBufferOfAUnitAnAcquireWaitsFor) {
+  TempDir d;
+  dt::DiskTierOptions o;
+  o.num_buffers = 1;
+  o.io_threads = 1;
+  std::atomic<bool> slow{false};
+  o.fault_hook = [&](dt::IoOp op, int64_t u, int64_t, int64_t) {
+    if (slow.load() && op == dt::IoOp::kRead && u == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return 0;
+  };
+  dt::DiskTier tier(d.str(), {{{4096}}, {{4096}}}, o);
+  for (int64_t u : {0, 1}) {
+    std::memset(tier.acquire(u)[0], 10 + static_cast<int>(u), 4096);
+    tier.release(u, true);
+  }
+  tier.flush();
+  tier.drop_cached();
+  const auto reads0 = tier.stats().unit_reads;
+  slow = true;
+  std::vector<void*> got;
+  std::thread worker([&] { got = tier.acquire(0); });
+  ASSERT_TRUE(wait_for_state(tier, 0, "reading"));
+  tier.prefetch(1);  // queued: the only buffer is being read for the acquire
+  worker.join();
+  EXPECT_EQ(static_cast<unsigned char*>(got[0])[0], 10);
+  EXPECT_EQ(tier.stats().unit_reads - reads0, 1) << "unit 0 was read once";
+  EXPECT_EQ(tier.unit_state(1), "on_disk") << "the prefetch waits for the buffer";
+  tier.release(0, false);
+  ASSERT_TRUE(wait_for_state(tier, 1, "cached"));  // now served
+  EXPECT_EQ(static_cast<unsigned char*>(tier.acquire(1)[0])[0], 11);
+  tier.release(1, false);
+  EXPECT_EQ(tier.stats().unit_reads - reads0, 2);
+}

@@ -472,7 +472,7 @@ int64_t DiskTier::take_buffer_locked(bool for_prefetch) {
   int64_t victim = -1;
   for (int64_t b = 0; b < options_.num_buffers; ++b) {
     const Unit& s = state_[buffer_owner_[b]];
-    if (s.state != State::kCached || (for_prefetch && s.prefetch_wanted)) continue;
+    if (s.state != State::kCached || s.acquire_waiting || (for_prefetch && s.prefetch_wanted)) continue;
     if (victim < 0) {
       victim = b;
       continue;
@@ -542,6 +542,13 @@ std::vector<void*> DiskTier::acquire(int64_t u) {
   }
   const double t0 = now_seconds();
   bool zero_fill = false;
+  s.acquire_waiting = true;
+  struct Clear {  // a failure thrown from the wait (the lock is held then) clears it too
+    bool* flag;
+    ~Clear() {
+      if (flag != nullptr) *flag = false;
+    }
+  } clear{&s.acquire_waiting};
   for (;;) {
     check_failed_locked();
     if (s.state == State::kCached) {
@@ -576,6 +583,8 @@ std::vector<void*> DiskTier::acquire(int64_t u) {
   }
   s.state = State::kAcquired;
   s.prefetch_wanted = false;
+  s.acquire_waiting = false;
+  clear.flag = nullptr;  // cleared here, under the lock
   ++acquired_count_;
   stats_.acquire_wait_seconds += now_seconds() - t0;
   char* buf = buffers_[s.buffer];

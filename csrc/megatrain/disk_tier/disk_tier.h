@@ -215,6 +215,10 @@ class DiskTier {
     int64_t buffer = -1;         ///< pool index while in RAM
     int64_t pending_chunks = 0;  ///< chunks of the current read / write not done yet
     bool prefetch_wanted = false;
+    /// An acquire waits for this unit (for its read, its write, or a buffer): its buffer is never
+    /// taken for another unit meanwhile (without this, a prefetch served the moment the acquire's
+    /// own read completed could evict the unit before the acquirer woke up, and it would be read again).
+    bool acquire_waiting = false;
     bool synced = true;          ///< no write since the last fdatasync
     bool on_disk = false;        ///< the file holds the unit's state (a write finished)
     uint64_t last_use = 0;       ///< LRU clock of the last release / read
@@ -231,7 +235,8 @@ class DiskTier {
   void check_failed_locked() const;
   void check_unit(int64_t u) const;
   /// A buffer for a new read / zero fill: a free one, else the least recently used cached one
-  /// (prefetched-but-unused ones last); -1 when none (all acquired, reading or writing).
+  /// (prefetched-but-unused ones last; never one an acquire waits for); -1 when none (all
+  /// acquired, reading or writing).
   int64_t take_buffer_locked(bool for_prefetch);
   void start_io_locked(int64_t u, IoOp op);
   void serve_prefetches_locked();
