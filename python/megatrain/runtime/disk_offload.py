@@ -448,8 +448,8 @@ class DiskOffload:
             self.prefetch([unit], accum=True)
 
     def on_forward(self, eager: bool) -> None:
-        """Start of a forward: with eager updates, read the deepest disk units (the first updated in the
-        coming backward) unless updates of the last step still wait for the disk."""
+        """A forward starts or reaches a disk layer: with eager updates, read the deepest disk units (the
+        first updated in the coming backward) unless updates of the last step still wait for the disk."""
         if eager and not self.updates_pending():
             self.prefetch(list(reversed(self.units)))
 

@@ -240,9 +240,14 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         if self.resident is not None:
             self._hook_resident_grads()
         if self.disk is not None:
-            opt = self.optimizer
-            self.disk.on_forward(eager=self.eager_updates and opt is not None and opt.max_grad_norm is None)
+            self._disk_read_ahead()
         self.load_resident()
+
+    def _disk_read_ahead(self) -> None:
+        """With eager updates: read the disk layers the coming backward updates first, once no update of
+        the last step still waits for the disk (at the forward's start, or when it reaches the disk layers)."""
+        opt = self.optimizer
+        self.disk.on_forward(eager=self.eager_updates and opt is not None and opt.max_grad_norm is None)
 
     # ------------------------------------------------------------------ layer execution
     def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
@@ -253,7 +258,9 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         """Run ``call``'s layer once on streamed weights. Returns its output (and bound leaves and
         the still-held slot if grad). ``around(slot)``: a context manager entered around the call."""
         unit = call.unit
-        slot = self.acquire(unit)
+        slot = self.acquire(unit)  # (waits for the unit's update)
+        if unit.disk is not None and prefetch_step > 0:
+            self._disk_read_ahead()  # a forward at the disk layers: the last step's disk updates may be done
         try:
             self._prefetch_after(unit, slot, prefetch_step)  # depth num_slots - 1
             bound = self.bind(unit, slot.buf, requires_grad=grad)
