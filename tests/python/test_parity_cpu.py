@@ -451,6 +451,32 @@ def test_backward_without_cpu_adamw_is_an_error_not_a_silent_no_op():
         model(input_ids=x, labels=x).loss.backward()
 
 
+def test_torch_optimizer_after_cpu_adamw_is_an_error_not_a_silent_no_op():
+    model = megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    mopt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
+    x = torch.randint(0, 96, (2, 8))
+    for params in (model.parameters(), [p for p in model.parameters() if p.device.type != "meta"]):
+        opt = torch.optim.AdamW(params, lr=1e-2)  # the mistake: it would train nothing
+        model(input_ids=x, labels=x).loss.backward()
+        with pytest.raises(RuntimeError, match=r"torch\.optim\.adamw\.AdamW\.step\(\).*use megatrain\.optim\.CPUAdamW"):
+            opt.step()
+        mopt.zero_grad()
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was updated by either
+    # CPUAdamW itself, and a torch optimizer over an unrelated model, still step
+    other = torch.nn.Linear(3, 2)
+    oopt = torch.optim.SGD(other.parameters(), lr=0.5)
+    other(torch.ones(1, 3)).sum().backward()
+    w = other.weight.detach().clone()
+    oopt.step()
+    assert not torch.equal(w, other.weight.detach())
+    model(input_ids=x, labels=x).loss.backward()
+    mopt.step()
+    after = megatrain.master_state_dict(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_process_exits_cleanly_after_training(tmp_path):
     # The CPU worker thread is joined at exit; a daemon thread inside a torch op at interpreter
     # teardown used to abort the process ("terminate called without an active exception").

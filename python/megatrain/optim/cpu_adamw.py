@@ -147,6 +147,8 @@ class CPUAdamW(torch.optim.Optimizer):
             gives 0/0 = NaN), a refused option, or a parameter not managed by megatrain.
     """
 
+    megatrain_optimizer = True  # megatrain's own: the engine's guard against other optimizers lets it step
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
                  gradient_accumulation_steps: int = 1, nonfinite: str = "skip", *, amsgrad: bool = False,

@@ -41,6 +41,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
@@ -96,6 +97,41 @@ class EngineOptimizer(Protocol):
     def skip_unit_update(self, unit: Unit, items: list, step_number: int) -> None:
         """``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number`` (called
         on the main thread at the engine's next sync point after the worker skipped it)."""
+
+
+_STEP_GUARD = None  # the handle of the global torch.optim step pre-hook (installed once, by the first engine)
+_STEP_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> group sizes checked
+
+
+def _refuse_foreign_step(optimizer, args, kwargs) -> None:
+    """torch.optim step pre-hook: an optimizer other than megatrain's over a wrapped model's parameters raises.
+
+    Such an optimizer would see only placeholders (meta layers, or resident copies that the host
+    store overwrites) and train nothing while the model's gradients go to its CPUAdamW. Each
+    optimizer's parameters are checked once per change of its param groups (a ``_megatrain``
+    attribute lookup per parameter).
+    """
+    if getattr(optimizer, "megatrain_optimizer", False):
+        return
+    key = tuple(len(g["params"]) for g in optimizer.param_groups)
+    if _STEP_CHECKED.get(optimizer) == key:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if locate(p) is not None:
+                raise RuntimeError(
+                    f"megatrain: {type(optimizer).__module__}.{type(optimizer).__qualname__}.step() over a wrapped "
+                    "model's parameters would train nothing (megatrain keeps them in its host store); use "
+                    "megatrain.optim.CPUAdamW(model.parameters(), ...) instead")
+    _STEP_CHECKED[optimizer] = key
+
+
+def _install_step_guard() -> None:
+    global _STEP_GUARD
+    if _STEP_GUARD is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_GUARD = register_optimizer_step_pre_hook(_refuse_foreign_step)
 
 
 def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
@@ -440,6 +476,7 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
     def register_param(self, param: torch.Tensor, unit: Unit, i: int) -> None:
         """Record that ``param`` (user-visible) is entry ``i`` of ``unit``: :func:`locate` finds it."""
         param._megatrain = (self, unit, i)
+        _install_step_guard()
 
     def check_failed(self) -> None:
         """Raise the sticky error of the CPU worker (``RuntimeError``) or of the disk tier (``DiskTierError``)
