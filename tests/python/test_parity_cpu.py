@@ -418,6 +418,35 @@ def test_moe_aux_loss_rejected_with_clear_error():
         megatrain.wrap(model, device="cpu")
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_grad_norm="1"), "max_grad_norm must be a number > 0 or None, got '1'"),
+    (dict(max_grad_norm=True), "max_grad_norm must be a number > 0 or None, got True"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm must be a number > 0 or None, got nan"),
+    (dict(betas="ab"), "betas must be two numbers in \\[0, 1\\), got 'ab'"),
+    (dict(betas=0.9), "betas must be two numbers in \\[0, 1\\), got 0.9"),
+    (dict(betas=None), "betas must be two numbers in \\[0, 1\\), got None"),
+    (dict(betas=(0.9, "0.99")), "betas must be two numbers in \\[0, 1\\), got \\(0.9, '0.99'\\)"),
+    (dict(eps="1e-8"), "eps must be a finite number >= 0, got '1e-8'"),
+    (dict(eps=None), "eps must be a finite number >= 0, got None"),
+    (dict(weight_decay=[0.1]), "weight_decay must be a finite number >= 0, got \\[0.1\\]"),
+    (dict(lr="abc"), "lr must be a finite number >= 0, got 'abc'"),
+    (dict(gradient_accumulation_steps="2"), "gradient_accumulation_steps must be an int >= 1, got '2'"),
+    (dict(gradient_accumulation_steps=True), "gradient_accumulation_steps must be an int >= 1, got True"),
+    (dict(gradient_accumulation_steps=None), "gradient_accumulation_steps must be an int >= 1, got None"),
+    (dict(nonfinite=["skip"]), "nonfinite must be 'skip' or 'raise', got \\['skip'\\]"),
+])
+def test_bad_optimizer_argument_is_a_one_line_value_error(kw, msg):
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW: {msg}$"):
+        megatrain.optim.CPUAdamW(model.parameters(), **kw)
+    hp = {k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    if hp:  # the same check for a param group's own values
+        params = list(model.parameters())
+        with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW.add_param_group: {msg}$"):
+            megatrain.optim.CPUAdamW([{"params": params[:1]}, {"params": params[1:], **hp}])
+    assert megatrain.runtime.engine.locate(next(model.parameters()))[0].optimizer is None  # nothing attached
+
+
 def test_foreign_parameter_rejected_by_optimizer():
     with pytest.raises(ValueError, match="does not manage"):
         megatrain.optim.CPUAdamW([torch.nn.Parameter(torch.zeros(3))])

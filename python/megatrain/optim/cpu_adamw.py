@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from typing import Iterable, Optional
@@ -29,6 +30,28 @@ def _check_options(where: str, opts: dict) -> None:
     for k, msg in _REFUSED_OPTIONS.items():
         if opts.get(k):
             raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
+
+
+def _is_number(v) -> bool:
+    """A real Python / NumPy number (not a bool, a string or a tensor)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_hyper(where: str, hp: dict) -> None:
+    """ValueError (one line) for a bad ``lr`` / ``eps`` / ``weight_decay`` / ``betas`` among the keys of ``hp``."""
+    for name in ("lr", "eps", "weight_decay"):
+        if name in hp:
+            v = hp[name]
+            if not _is_number(v) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"megatrain.optim.CPUAdamW{where}: {name} must be a finite number >= 0, got {v!r}")
+    if "eps" in hp and hp["eps"] == 0:
+        raise ValueError(f"megatrain.optim.CPUAdamW{where}: eps must be > 0 (with eps=0 a zero gradient gives 0/0 = NaN "
+                         "weights); use e.g. 1e-8")
+    if "betas" in hp:
+        b = hp["betas"]
+        if (not isinstance(b, (tuple, list)) or len(b) != 2
+                or not all(_is_number(x) and 0.0 <= x < 1.0 for x in b)):
+            raise ValueError(f"megatrain.optim.CPUAdamW{where}: betas must be two numbers in [0, 1), got {b!r}")
 
 
 class _TierValue:
@@ -143,8 +166,9 @@ class CPUAdamW(torch.optim.Optimizer):
     a second ``step()`` without a backward in between raises (the gradients were consumed).
 
     Raises:
-        ValueError: a hyperparameter out of range (``eps`` must be > 0: with 0 a zero gradient
-            gives 0/0 = NaN), a refused option, or a parameter not managed by megatrain.
+        ValueError: a hyperparameter of the wrong type or out of range, here or in a param group
+            (``eps`` must be > 0: with 0 a zero gradient gives 0/0 = NaN), a refused option, or a
+            parameter not managed by megatrain.
     """
 
     megatrain_optimizer = True  # megatrain's own: the engine's guard against other optimizers lets it step
@@ -154,19 +178,13 @@ class CPUAdamW(torch.optim.Optimizer):
                  gradient_accumulation_steps: int = 1, nonfinite: str = "skip", *, amsgrad: bool = False,
                  maximize: bool = False, foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
-        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"megatrain.optim.CPUAdamW: {name} must be a finite number >= 0, got {v!r}")
-        if eps == 0:
-            raise ValueError("megatrain.optim.CPUAdamW: eps must be > 0 (with eps=0 a zero gradient gives 0/0 = NaN "
-                             "weights); use e.g. 1e-8")
+        _check_hyper("", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"megatrain.optim.CPUAdamW: nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"megatrain.optim.CPUAdamW: betas must be two numbers in [0, 1), got {betas!r}")
-        if max_grad_norm is not None and not (max_grad_norm > 0):
-            raise ValueError(f"megatrain.optim.CPUAdamW: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"megatrain.optim.CPUAdamW: max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+        if (not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool)
+                or gradient_accumulation_steps < 1):
             raise ValueError("megatrain.optim.CPUAdamW: gradient_accumulation_steps must be an int >= 1, "
                              f"got {gradient_accumulation_steps!r}")
         _check_options("", dict(amsgrad=amsgrad, maximize=maximize, differentiable=differentiable))
@@ -252,6 +270,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 a group, or an option CPUAdamW refuses (``amsgrad`` / ``maximize`` / ``differentiable``).
         """
         _check_options(".add_param_group", param_group)
+        _check_hyper(".add_param_group", param_group)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         refs = [_ref(p) for p in params]
