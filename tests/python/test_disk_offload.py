@@ -335,6 +335,35 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
             megatrain.wrap(_model(), device="cpu", offload_dir=str(ro), host_memory_limit=_limit())
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a directory nobody can write)")
+def test_unwritable_offload_dir_is_refused_even_with_no_layer_on_disk(tmp_path):
+    # Root ignores permission bits: /proc is a directory where no file can be created, by anyone.
+    big = 2 * megatrain.estimate(_model(), device="cpu").host_bytes  # every layer fits: none would go to disk
+    model = _model()
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    for bad, msg in (("/proc/megatrain_tier", "cannot be created: /proc is not writable"),
+                     ("/proc", "offload_dir=/proc is not writable")):
+        calls = {
+            "megatrain.wrap": lambda kw: megatrain.wrap(model, device="cpu", **kw),
+            "megatrain.estimate": lambda kw: megatrain.estimate(_config(), device="cpu", **kw),
+            "megatrain.from_config": lambda kw: megatrain.from_config(_config(), seed=0, device="cpu", **kw),
+            "megatrain.from_pretrained": lambda kw: megatrain.from_pretrained(str(tmp_path / "ckpt"), device="cpu",
+                                                                              **kw),
+        }
+        for where, call in calls.items():
+            rng = torch.get_rng_state()
+            with pytest.raises(ValueError, match=f"^{where}: .*{msg}"):
+                call(dict(offload_dir=bad, host_memory_limit=big))
+            with pytest.raises(ValueError, match=f"^{where}: .*{msg}"):  # checked first, as docs/disk_tier.md says
+                call(dict(offload_dir=bad, host_memory_limit="1GB"))
+            assert torch.equal(rng, torch.get_rng_state())  # from_config's seed: not applied
+    assert getattr(model, "megatrain", None) is None
+    # a writable one still works, and the probe leaves nothing behind
+    (tmp_path / "tier").mkdir()
+    wrapped = megatrain.wrap(model, device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=big)
+    assert wrapped.megatrain.disk is None and os.listdir(tmp_path / "tier") == []
+
+
 def test_estimate_says_what_wrap_puts_on_disk(tmp_path):
     est = megatrain.estimate(_config(), device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=_limit())
     assert est.fits and est.disk_layers == 3 and "disk tier" in str(est)

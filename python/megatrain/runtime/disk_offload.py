@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import errno
 import os
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -46,20 +47,38 @@ def _gib(n: int) -> str:
     return _fmt(n)
 
 
-def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
-    """Check ``offload_dir`` / ``host_memory_limit`` as ``wrap`` takes them; returns the absolute directory.
+def _writable(directory: str) -> bool:
+    """Whether this process can create (and remove) a file in ``directory``: a real probe file, since
+    permission bits say nothing for root, read-only mounts or pseudo filesystems (/proc)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".megatrain_probe_", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
 
-    Nothing is created: ``offload_dir`` may be missing (it is made, with its files, when the
+
+def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
+    """Check ``offload_dir`` then ``host_memory_limit`` as ``wrap`` takes them; returns the absolute directory.
+
+    Nothing is kept: ``offload_dir`` may be missing (it is made, with its files, when the
     engine is built) but its parent must exist and be writable; an existing one must be a
-    writable directory.
+    writable directory. Writable: a probe file could be created and removed there.
 
     Raises:
         ValueError: one line naming what is wrong.
     """
+    path = _check_offload_dir(offload_dir, where)
     if host_memory_limit is not None and (isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, int)
                                           or host_memory_limit <= 0):
         raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int) or None, got "
                          f"{host_memory_limit!r}")
+    return path
+
+
+def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
     if offload_dir is None:
         return None
     if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
@@ -68,7 +87,7 @@ def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.w
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ValueError(f"{where}: offload_dir={path} exists and is not a directory; pass a directory on a local disk")
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not _writable(path):
             raise ValueError(f"{where}: offload_dir={path} is not writable by this process; pass a directory it can "
                              "write (a local disk with room for the layers' fp32 state)")
         return path
@@ -76,7 +95,7 @@ def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.w
     if not os.path.isdir(parent):
         raise ValueError(f"{where}: the parent of offload_dir={path} does not exist ({parent}); create it or pass "
                          "another directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _writable(parent):
         raise ValueError(f"{where}: offload_dir={path} cannot be created: {parent} is not writable by this process")
     return path
 

@@ -159,6 +159,13 @@ def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
+def _check_offload(wrap_kwargs: dict, where: str) -> None:
+    """``offload_dir`` / ``host_memory_limit`` checked first, as ``wrap`` checks them (ValueError)."""
+    from .disk_offload import check_offload_args
+
+    check_offload_args(wrap_kwargs.get("offload_dir"), wrap_kwargs.get("host_memory_limit"), where)
+
+
 def _wrap_with(model, source, wrap_kwargs):
     from .wrap import _wrap
 
@@ -202,6 +209,7 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"megatrain.from_pretrained: {path} has no config.json")
     wrap_kwargs, model_kwargs = _split_kwargs(kwargs)
+    _check_offload(wrap_kwargs, "megatrain.from_pretrained")
     index = CheckpointIndex(path)
     config = _load_config(path)
     model = meta_model(config, **model_kwargs)
@@ -238,6 +246,7 @@ def from_config(config, seed: Optional[int] = None, init_device="cpu", transform
         ValueError, HostMemoryError: as :func:`megatrain.wrap`.
     """
     wrap_kwargs, model_kwargs = _split_kwargs(kwargs)
+    _check_offload(wrap_kwargs, "megatrain.from_config")  # before the RNG is seeded or anything is built
     config = _load_config(config)
     if seed is not None:
         torch.manual_seed(seed)
