@@ -87,6 +87,16 @@ def git_sha():
         return "unknown"
 
 
+def csrc_hash():
+    """megatrain._source_hash.csrc_hash of csrc/ (loaded from its file: the package needs torch and _C)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_megatrain_source_hash", ROOT / "python" / "megatrain" / "_source_hash.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.csrc_hash(ROOT / "csrc")
+
+
 WITH_CUDA = want_cuda()
 SOURCES = core_sources() + binding_sources() + (cuda_sources() if WITH_CUDA else [])
 ISAS = [isa for name, isa in ISA_VARIANTS.items() if any(s.endswith(name) for s in SOURCES)]
@@ -100,6 +110,7 @@ BUILD_INFO = {
     "with_cuda": WITH_CUDA,
     "isas_compiled": ISAS,
     "git_sha": git_sha(),
+    "csrc_sha256": csrc_hash(),  # checked at import in a source tree (megatrain._source_hash)
     "python_version": ".".join(map(str, sys.version_info[:3])),
 }
 
@@ -151,7 +162,7 @@ def _check_shared_runtime(path):
 
 
 class BuildExt(cpp_extension.BuildExtension):
-    """Writes the build-info header (compiled into _C) and _build_info.json before compiling."""
+    """Writes the build-info header (compiled into _C) before compiling, and _build_info.json after."""
 
     def build_extensions(self):
         gen_dir = Path(self.build_temp).resolve() / "megatrain_gen"
@@ -173,6 +184,10 @@ class BuildExt(cpp_extension.BuildExtension):
             ext.include_dirs.append(str(gen_dir))
         _drop_static_runtime_flags(self.compiler)
 
+        super().build_extensions()
+        for ext in self.extensions:
+            _check_shared_runtime(self.get_ext_fullpath(ext.name))
+        # after a successful build only: its csrc_sha256 vouches for the extension next to it
         payload = json.dumps(BUILD_INFO, indent=2) + "\n"
         targets = [ROOT / "python" / "megatrain" / "_build_info.json"]
         if not self.inplace and self.build_lib:
@@ -180,9 +195,6 @@ class BuildExt(cpp_extension.BuildExtension):
         for t in targets:
             t.parent.mkdir(parents=True, exist_ok=True)
             t.write_text(payload)
-        super().build_extensions()
-        for ext in self.extensions:
-            _check_shared_runtime(self.get_ext_fullpath(ext.name))
 
 
 def make_extension():

@@ -65,5 +65,8 @@ try:
     from megatrain import _C  # noqa: E402  (registers torch.ops.megatrain.*)
 except ImportError as _err:
     raise ImportError(explain_import_failure(_err)) from _err
+from megatrain._loader import load_extension  # noqa: E402
+
+load_extension()  # a source tree's C++ changed since the build: ImportError naming the rebuild
 
 __all__ = ["_C", "recorded_build_info", "explain_import_failure"]
