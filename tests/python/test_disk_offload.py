@@ -102,6 +102,54 @@ def test_training_with_the_tier_is_bit_identical_to_without(tmp_path, ga, max_gr
     assert not [n for n in os.listdir(tmp_path / "tier") if not n.endswith(".tier") and n != "grad_accum"]
 
 
+@pytest.mark.parametrize("ga,max_grad_norm", [(1, None), (1, 1.0), (2, None), (2, 1.0)])
+def test_each_step_reads_and_writes_the_disk_state_once(tmp_path, ga, max_grad_norm):
+    """The bytes the tiers move per step are what docs/disk_tier.md's read-ahead policy says: every disk
+    unit's state (master, exp_avg, exp_avg_sq) read at most once (not at all when the pool still
+    holds it from the last step) and written once, whether the updates run
+    during backward (no clipping) or at step() in forward order (clipping); with accumulation each
+    accumulator is written once per micro-batch and read at most once per micro-batch and once by
+    the update. A read-ahead whose target is evicted
+    before its update takes it reads the state again (the first 9.98B H200 run read 2.6x the state)."""
+    model = _wrap(tmp_path, ga=ga)
+    eng = model.megatrain
+    n = len(eng.disk.units)
+    state_bytes, accum_bytes = eng.disk.plan.disk_bytes, eng.disk.plan.accum_disk_bytes
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, eps=PARITY_EPS, max_grad_norm=max_grad_norm,
+                                   gradient_accumulation_steps=ga)
+    batches = make_batches(VOCAB, 6, ga, 2, 8, seed=4)
+
+    def counters():
+        eng._worker.drain()
+        eng.disk.flush()  # the writes behind of this step done
+        return [{k: t.stats()[k] for k in ("bytes_read", "bytes_written", "unit_reads", "unit_writes", "cache_hits")}
+                for t in (eng.disk.tier, eng.disk.accum) if t is not None]
+
+    per_step = []
+    for k, micro in enumerate(batches):
+        before = counters()
+        for x in micro:
+            (model(input_ids=x, labels=x).loss / ga).backward()
+        opt.step()
+        opt.zero_grad()
+        after = counters()
+        if k > 0:  # the first step writes the accumulators' files for the first time (no reads)
+            per_step.append([{key: a[key] - b[key] for key in a} for a, b in zip(after, before)])
+    for k, tiers in enumerate(per_step, start=1):
+        state = tiers[0]
+        # each unit read at most once; only the units the pool still holds from the last step may skip it
+        assert n - eng.disk.num_buffers <= state["unit_reads"] <= n, (k, state)
+        assert state["bytes_read"] == state["unit_reads"] * state_bytes // n, (k, state)
+        assert (state["unit_writes"], state["bytes_written"]) == (n, state_bytes), (k, state)
+        if ga > 1:
+            accum = tiers[1]
+            assert (accum["unit_writes"], accum["bytes_written"]) == (ga * n, ga * accum_bytes), (k, accum)
+            assert accum["unit_reads"] <= (ga + 1) * n, (k, accum)
+            assert accum["bytes_read"] == accum["unit_reads"] * accum_bytes // n, (k, accum)
+        else:
+            assert len(tiers) == 1
+
+
 def test_parity_with_torch_adamw(tmp_path):
     """The tier against the ordinary PyTorch way (torch.optim.AdamW, fp32), per element."""
     batches = make_batches(VOCAB, 10, 2, 2, 8, seed=5)
