@@ -72,8 +72,13 @@ def _buffer(t: torch.Tensor):
 
 
 class _HashingWriter:
-    def __init__(self, path: str):
+    """Writes a file while hashing it; ``close()`` fsyncs it unless ``sync=False`` (the caller's
+    :func:`~megatrain.atomic.atomic_directory` fsyncs every file before its swap: one fsync per
+    file, each a device cache flush)."""
+
+    def __init__(self, path: str, sync: bool = True):
         self.path = path
+        self.sync = sync
         self.f = open(path, "wb")
         self.h = hashlib.sha256()
         self.n = 0
@@ -85,7 +90,8 @@ class _HashingWriter:
 
     def close(self) -> dict:
         self.f.flush()
-        os.fsync(self.f.fileno())
+        if self.sync:
+            os.fsync(self.f.fileno())
         self.f.close()
         return {"sha256": self.h.hexdigest(), "bytes": self.n}
 
@@ -116,11 +122,12 @@ def _entry_tensor(eng, u, i, sec):
 
 
 def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None,
-                       dtype: torch.dtype = torch.float32) -> dict:
+                       dtype: torch.dtype = torch.float32, sync: bool = True) -> dict:
     """Write ``[(key, contiguous CPU fp32 tensor or _Deferred)]`` as a safetensors file of ``dtype``.
 
     fp32 is written without copying the data; bf16 converts one tensor at a time (extra memory:
-    the largest tensor). Returns ``{"sha256": ..., "bytes": ...}`` of the file.
+    the largest tensor). ``sync=False``: not fsynced (inside an ``atomic_directory``, which fsyncs
+    it). Returns ``{"sha256": ..., "bytes": ...}`` of the file.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"megatrain: safetensors dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -137,7 +144,7 @@ def _write_safetensors(path: str, tensors: list, metadata: Optional[dict] = None
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    w = _HashingWriter(path)
+    w = _HashingWriter(path, sync)
     try:
         w.write(struct.pack("<Q", len(hb)))
         w.write(hb)
@@ -163,8 +170,8 @@ def _read_header(f, path: str) -> tuple:
     return header, 8 + n
 
 
-def _write_json(path: str, obj) -> dict:
-    w = _HashingWriter(path)
+def _write_json(path: str, obj, sync: bool = True) -> dict:
+    w = _HashingWriter(path, sync)
     w.write(json.dumps(obj, indent=1).encode())
     return w.close()
 
@@ -301,8 +308,9 @@ def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
             # frozen entries (no fp32 state): their compute copy, exactly what trains against
             tensors += [(f"compute.{e.name}", eng.entry_view(u, i, "compute").contiguous())
                         for i, e in enumerate(u.entries) if e.frozen]
+            # sync=False: atomic_directory fsyncs every file of tmp once, before the swap
             files[fname] = _write_safetensors(os.path.join(tmp, fname), tensors,
-                                              metadata={"format": "pt", "megatrain_unit": u.index})
+                                              metadata={"format": "pt", "megatrain_unit": u.index}, sync=False)
             del tensors
             units.append({"index": u.index, "kind": u.kind, "file": fname,
                           "entries": [[e.name, list(e.shape)] for e in u.entries]})
@@ -318,13 +326,13 @@ def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
                     steps[_param_name(p)] = float(optimizer.state[p]["step"])
             state["optimizer"] = {"param_groups": groups, "steps": steps,
                                   "max_grad_norm": optimizer.max_grad_norm}
-        files[STATE] = _write_json(os.path.join(tmp, STATE), state)
+        files[STATE] = _write_json(os.path.join(tmp, STATE), state, sync=False)
         if lr_scheduler is not None:
             torch.save(lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER))
             files[SCHEDULER] = _file_digest(os.path.join(tmp, SCHEDULER))
         manifest = {"format": FORMAT, "version": VERSION, "compute_dtype": str(eng.compute_dtype),
                     "num_params": sum(u.numel for u in eng.units), "units": units, "files": files}
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
+        _write_json(os.path.join(tmp, MANIFEST), manifest, sync=False)
     return os.path.abspath(directory)
 
 
