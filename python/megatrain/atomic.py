@@ -38,6 +38,18 @@ def existing_ancestor(path: str) -> str:
     return p
 
 
+def write_probe_error(directory: str) -> Optional[OSError]:
+    """Why this process cannot create a file in ``directory`` (the ``OSError`` of creating a probe
+    file there, removed at once), or None when it can: permission bits say nothing for root,
+    read-only mounts or pseudo filesystems (/proc)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return exc
+    return None
+
+
 def check_replaceable(path: str, what: str, looks_right: Optional[Callable[[str], bool]], expected: str) -> str:
     """Refuse (before anything is written) a destination that a save would destroy by mistake.
 

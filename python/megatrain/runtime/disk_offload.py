@@ -25,7 +25,6 @@ import atexit
 import contextlib
 import errno
 import os
-import tempfile
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -33,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .._loader import load_extension
+from ..atomic import write_probe_error
 from .host_memory import check_host_budget, host_budget_shortfall
 
 _C = load_extension()
@@ -45,19 +45,6 @@ def _gib(n: int) -> str:
     from .memory_estimate import _fmt
 
     return _fmt(n)
-
-
-def _writable(directory: str) -> bool:
-    """Whether this process can create (and remove) a file in ``directory``: a real probe file, since
-    permission bits say nothing for root, read-only mounts or pseudo filesystems (/proc)."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".megatrain_probe_", dir=directory)
-    except OSError:
-        return False
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
-    return True
 
 
 def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
@@ -87,7 +74,7 @@ def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ValueError(f"{where}: offload_dir={path} exists and is not a directory; pass a directory on a local disk")
-        if not _writable(path):
+        if write_probe_error(path) is not None:
             raise ValueError(f"{where}: offload_dir={path} is not writable by this process; pass a directory it can "
                              "write (a local disk with room for the layers' fp32 state)")
         return path
@@ -95,7 +82,7 @@ def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
     if not os.path.isdir(parent):
         raise ValueError(f"{where}: the parent of offload_dir={path} does not exist ({parent}); create it or pass "
                          "another directory")
-    if not _writable(parent):
+    if write_probe_error(parent) is not None:
         raise ValueError(f"{where}: offload_dir={path} cannot be created: {parent} is not writable by this process")
     return path
 

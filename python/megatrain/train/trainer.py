@@ -183,16 +183,14 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
 def check_writable(directory: str, out_dir: str) -> None:
     """Raises a one-line UsageError unless a file can be created in ``directory`` (tried: a
     temporary file, removed at once; permission bits do not tell for root, /proc or a read-only mount)."""
-    import tempfile
+    from megatrain.atomic import write_probe_error
 
     if not os.access(directory, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write output directory {out_dir!r}: {directory!r} is not writable; choose another --out")
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
+    exc = write_probe_error(directory)
+    if exc is not None:
         raise UsageError(f"cannot write output directory {out_dir!r}: creating a file in {directory!r} fails "
-                         f"({exc.strerror}); choose another --out") from None
+                         f"({exc.strerror}); choose another --out")
 
 
 class DoesNotFit(UsageError):
