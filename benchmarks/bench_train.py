@@ -862,6 +862,10 @@ def main() -> None:
                   f"H2D {pr['h2d_busy_s']:.3f} s ({pr['h2d_overlapped_s'] / max(pr['h2d_busy_s'], 1e-12):.0%} under compute), "
                   f"D2H {pr['d2h_busy_s']:.3f} s ({pr['d2h_overlapped_s'] / max(pr['d2h_busy_s'], 1e-12):.0%} under compute); "
                   f"host syncs per thread {syncs}")
+            for g in pr.get("idle_gaps", []):
+                print(f"  gap {g['dur_s'] * 1e3:.2f} ms at +{g['offset_s'] * 1e3:.1f} ms: {g['before']} -> {g['after']}; "
+                      f"launch late {fmt(g.get('launch_late_s', None) and g['launch_late_s'] * 1e3, '{:.2f}')} ms, "
+                      f"H2D {g['h2d_s'] * 1e3:.2f} ms, D2H {g['d2h_s'] * 1e3:.2f} ms inside; cpu ops {g.get('cpu_ops', [])}")
     for r in rows:
         if r.get("megatrain"):
             at = f" ({extra}={r.get(extra)})" if extra else ""

@@ -5,7 +5,7 @@
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
-#                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG: every system, max_grad_norm 1.0)
+#                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
@@ -141,13 +141,15 @@ PY
       rm -rf "${DISK_DIR:-$PWD/build/disk_train}/megatrain_tier" ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
       run disk timeout 120 python3 benchmarks/bench_disk.py --dir "$PWD/build" --out docs/benchmarks/disk_h200 ${DISK_ARGS:-} ;;
-    peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm 1.0, the trainers' default; PEERS_ARGS: extra
-            # bench_train flags (e.g. --grad-accum 4), PEERS_SYSTEMS: the systems, PEERS_TAG: the JSON's name
+    peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm PEERS_CLIP (default 1.0, the trainers' default;
+            # 0: no clipping); PEERS_ARGS: extra bench_train flags (e.g. --grad-accum 4), PEERS_SYSTEMS: the systems,
+            # PEERS_TAG: the JSON's name
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
-      tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip}
+      clip=${PEERS_CLIP:-1.0}; clipflag=; [ "$clip" != 0 ] && clipflag="--max-grad-norm $clip"
+      tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip$([ "$clip" = 0 ] && echo 0)}
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
         --systems ${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload} \
-        --max-grad-norm 1.0 --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
+        $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;

@@ -43,6 +43,31 @@ def test_overlap_gaps_and_syncs():
     assert "cudaLaunchKernel" not in s["host_syncs"]["5"]
 
 
+def test_idle_gaps_are_located():
+    k = _ev("kernel", "gemm_b", 800, 200, stream=7)
+    k["args"]["correlation"] = 42
+    launch = _ev("cuda_runtime", "cudaLaunchKernel", 700, 2, tid=5)
+    launch["args"] = {"correlation": 42}
+    trace = {"traceEvents": [
+        _ev("kernel", "gemm_a", 0, 300, stream=7), k,
+        _ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 400, 100, stream=21),
+        _ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1000, 50, stream=20),  # after the last kernel
+        launch,
+        _ev("cpu_op", "autograd::backward", 0, 1000, tid=5),
+        _ev("cpu_op", "aten::mm", 690, 20, tid=5),
+        _ev("cpu_op", "aten::add", 100, 20, tid=5),  # not enclosing the launch
+    ]}
+    gaps = summarize(trace)["idle_gaps"]
+    assert [round(g["dur_s"] * 1e6) for g in gaps] == [500, 50]
+    g = gaps[0]
+    assert g["offset_s"] == pytest.approx(300e-6) and (g["before"], g["after"]) == ("gemm_a", "gemm_b")
+    assert g["launch_late_s"] == pytest.approx(400e-6)  # launched at 700, the stream was free at 300
+    assert g["d2h_s"] == pytest.approx(100e-6) and g["h2d_s"] == 0
+    assert g["cpu_ops"] == ["autograd::backward", "aten::mm"]
+    assert (gaps[1]["before"], gaps[1]["after"]) == ("gemm_b", "window end") and gaps[1]["h2d_s"] == pytest.approx(50e-6)
+    assert "launch_late_s" not in gaps[1]
+
+
 def test_trace_without_gpu_activity_is_refused():
     with pytest.raises(ValueError, match="no GPU kernels"):
         summarize({"traceEvents": [_ev("cpu_op", "aten::mm", 0, 10)]})
