@@ -81,6 +81,8 @@ PRESETS = {
     "3b": dict(hidden=3072, layers=28, inter=8192, vocab=32000, heads=24, kv_heads=24, batch=4, seq=4096),
     # TinyLlama-1.1B shape; also the width of --sweep depth.
     "1b": dict(hidden=2048, layers=22, inter=5632, vocab=32000, heads=32, kv_heads=4, batch=4, seq=4096),
+    # 6.74B params (Llama-2-7B shape, DESIGN.md section 5).
+    "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv_heads=32, batch=4, seq=4096),
     # ~4M params: CPU smoke test.
     "tiny": dict(hidden=256, layers=4, inter=704, vocab=2048, heads=4, kv_heads=2, batch=2, seq=128),
 }
@@ -92,7 +94,7 @@ SIZE_SHAPES = {
     "tiny": PRESETS["tiny"],
     "1b": PRESETS["1b"],
     "3b": PRESETS["3b"],
-    "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv_heads=32),   # 6.74B
+    "7b": {k: v for k, v in PRESETS["7b"].items() if k not in ("batch", "seq")},   # 6.74B
     "13b": dict(hidden=5120, layers=40, inter=13824, vocab=32000, heads=40, kv_heads=40),  # 13.0B
 }
 SWEEP_SIZES = ["1b", "3b", "7b", "13b"]
