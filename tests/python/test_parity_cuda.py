@@ -63,12 +63,20 @@ def _run(debug: bool, **wrap_kw):
     # activations kept by auto where they fit
     (False, dict(activation_policy="auto", device_state_layers=9)),
     (True, dict(activation_policy="auto", device_state_layers=9)),
-], ids=["plain", "race_debug", "store_noacc_race_debug", "device_state_9", "device_state_9_race_debug"])
+    # the planner's default (device_state_layers="auto"): the resident unit's state on the device first
+    (True, dict(activation_policy="auto")),
+], ids=["plain", "race_debug", "store_noacc_race_debug", "device_state_9", "device_state_9_race_debug",
+        "auto_race_debug"])
 def test_bf16_parity_vs_gpu_resident_1b(debug, wrap_kw):
     ref, got, stats = _run(debug, **wrap_kw)
     if "device_state_layers" in wrap_kw:
         print(f"device_state_layers {stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
         assert stats["device_state_layers"] == wrap_kw["device_state_layers"]
+        assert not stats["device_state_resident"]  # an explicit K places layers only
+    elif wrap_kw.get("activation_policy") == "auto":
+        print(f"auto: resident on the device {stats['device_state_resident']}, device_state_layers "
+              f"{stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
+        assert stats["device_state_resident"]
     rel = [abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)]
     print(f"\nlosses ref {['%.4f' % x for x in ref.losses]}\nlosses mt  {['%.4f' % x for x in got.losses]}"
           f"\nmax rel loss diff {max(rel):.2e}")

@@ -69,20 +69,22 @@ def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_l
                          f"or 'auto', got {value!r}")
 
 
-def unit_device_bytes(unit, compute_dtype: torch.dtype) -> int:
-    """Device bytes :class:`DeviceState` allocates for ``unit``: the compute copy plus 4 fp32 sections.
+def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True) -> int:
+    """Device bytes :class:`DeviceState` allocates for ``unit``: the compute copy (unless
+    ``with_compute`` is False: the resident unit's is its existing device buffer) plus 4 fp32 sections.
 
     ``unit.numel`` / ``unit.state_numel`` are the padded lengths of the unit's compute and fp32
     host-store sections (the device buffers use the same layout).
     """
     elem = torch.tensor([], dtype=compute_dtype).element_size()
-    return int(unit.numel) * elem + 16 * int(unit.state_numel)
+    return (int(unit.numel) * elem if with_compute else 0) + 16 * int(unit.state_numel)
 
 
 def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
-                             fraction: float = AUTO_DEVICE_STATE_FRACTION) -> int:
-    """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``."""
-    budget = fraction * max(0, int(free_bytes))
+                             fraction: Optional[float] = None) -> int:
+    """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``
+    (``fraction`` None: ``AUTO_DEVICE_STATE_FRACTION``)."""
+    budget = (AUTO_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
     k, used = 0, 0
     for u in layers:
         used += unit_device_bytes(u, compute_dtype)
@@ -111,9 +113,12 @@ class DeviceSlot:
 class DeviceUnit:
     """One device-state layer: its device buffers and bookkeeping."""
 
-    def __init__(self, unit, device: torch.device, compute_dtype: torch.dtype, cuda: bool):
+    def __init__(self, unit, device: torch.device, compute_dtype: torch.dtype, cuda: bool,
+                 compute: Optional[torch.Tensor] = None):
         self.unit = unit
-        self.compute = torch.empty(unit.numel, dtype=compute_dtype, device=device)
+        # the resident unit's compute copy is the device buffer its parameters view (``compute``)
+        self.owns_compute = compute is None
+        self.compute = torch.empty(unit.numel, dtype=compute_dtype, device=device) if compute is None else compute
         n = unit.state_numel
         self.master = torch.empty(n, dtype=torch.float32, device=device)
         self.exp_avg = torch.empty(n, dtype=torch.float32, device=device)
@@ -136,8 +141,9 @@ class DeviceUnit:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.compute, self.master, self.exp_avg, self.exp_avg_sq,
-                                                          self.grad))
+        """Device bytes this unit's state added (the resident unit's compute buffer existed before)."""
+        own = (self.compute,) if self.owns_compute else ()
+        return sum(t.numel() * t.element_size() for t in own + (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
 
 
 class DeviceState:
@@ -162,8 +168,19 @@ class DeviceState:
         self.impl = impl or ("fused" if eng.cuda else "foreach")
         self._skipped = False
         for u in self.units:
-            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda)
+            buf = eng.resident_buf if u.kind == "resident" else None
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
         self.from_host()
+
+    @property
+    def layers(self) -> List:
+        """The decoder-layer units among :attr:`units` (the resident unit may be there too, first)."""
+        return [u for u in self.units if u.kind == "layer"]
+
+    @property
+    def resident(self) -> bool:
+        """Whether the resident unit's training state is on the device."""
+        return any(u.kind == "resident" for u in self.units)
 
     @property
     def nbytes(self) -> int:

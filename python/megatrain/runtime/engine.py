@@ -304,10 +304,13 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
     def init_device_state(self, layers) -> int:
         """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``) on the device.
 
-        Called once, after the store is filled. ``"auto"``: as many layers as fit in
+        Called once, after the store is filled. ``"auto"``: first the resident unit (embedding, final
+        norm, LM head: what the next forward needs first, and the last gradients of a backward) when
+        :meth:`device_state_resident` offers it and it fits, then as many layers as fit in
         ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
-        (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16).
-        Returns K. See ``megatrain.runtime.device_state``.
+        (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16;
+        16 for the resident unit, whose compute copy is its existing device buffer).
+        Returns K (decoder layers). See ``megatrain.runtime.device_state``.
 
         Raises:
             ValueError: ``layers`` is not an int >= 0 or ``"auto"``, or more than the model has.
@@ -316,22 +319,34 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
 
         ds.check_device_state_layers(layers)
         on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
+        resident = []
         if layers == "auto":  # never a layer whose state is on disk
-            layers = ds.plan_device_state_layers(on_host, self.compute_dtype, self.free_device_bytes())
+            free = self.free_device_bytes()
+            res = self.device_state_resident()
+            if res is not None:  # what the next forward needs first; its compute copy is already on the device
+                need = ds.unit_device_bytes(res, self.compute_dtype, with_compute=False)
+                if need <= ds.AUTO_DEVICE_STATE_FRACTION * free:
+                    resident, free = [res], free - need / ds.AUTO_DEVICE_STATE_FRACTION
+            layers = ds.plan_device_state_layers(on_host, self.compute_dtype, free)
         elif self.disk is not None and layers > len(on_host):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but layers {len(on_host)} and above keep "
                              f"their fp32 state on disk (offload_dir); use at most {len(on_host)}")
         if layers > len(self.layers):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
                              f"decoder layers; use at most {len(self.layers)} (or 'auto')")
-        if layers == 0:
+        if layers == 0 and not resident:
             return 0
-        chosen = self.layers[:layers]
+        chosen = resident + self.layers[:layers]
         self.device_state = ds.DeviceState(self, chosen)
         for template in list(self.slots):  # slots of a layer shape no streamed layer uses any more
             if all(u.device_state is not None for u in self.layers if u.template == template):
                 self.drop_slots(template)
         return layers
+
+    def device_state_resident(self) -> Optional[Unit]:
+        """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
+        (its compute copy must already be a device buffer: :class:`~.wrapped.WrappedEngine`), or None."""
+        return None
 
     def free_device_bytes(self) -> int:
         """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""

@@ -46,7 +46,8 @@ class EngineStats:
         """Where the decoder layers' training state and activations live (what the planner chose).
 
         Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
-        device), ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
+        device), ``device_state_resident`` (the resident unit's too: ``device_state_layers="auto"``),
+        ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
         host store), ``layers``, ``disk_layers`` (indices of the layers whose fp32 state is in the
         disk tier), ``disk_bytes`` (its files), ``offload_dir``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
         ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
@@ -54,7 +55,7 @@ class EngineStats:
         ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
         for the other policies (``activation_policy`` says what every layer does).
         """
-        k = len(self.device_state.units) if self.device_state else 0
+        k = len(self.device_state.layers) if self.device_state else 0
         decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
         acts = None
         if decisions is not None:
@@ -63,6 +64,7 @@ class EngineStats:
         disk = getattr(self, "disk", None)
         return dict(layers=len(self.layers), device_state_layers=k,
                     device_state_bytes=self.device_state.nbytes if self.device_state else 0,
+                    device_state_resident=bool(self.device_state and self.device_state.resident),
                     streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
                     activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
                     disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None)
@@ -93,8 +95,9 @@ class EngineStats:
             pinned_bytes=int(self.store.pinned_bytes),
             bytes_per_param=float(self.store.bytes_per_param),
             num_params=int(self.store.total_numel),
-            streamed_layers=len(self.layers) - (len(self.device_state.units) if self.device_state else 0),
-            device_state_layers=len(self.device_state.units) if self.device_state else 0,
+            streamed_layers=len(self.layers) - (len(self.device_state.layers) if self.device_state else 0),
+            device_state_layers=len(self.device_state.layers) if self.device_state else 0,
+            device_state_resident=bool(self.device_state and self.device_state.resident),
             device_state_bytes=self.device_state.nbytes if self.device_state else 0,
         )
         disk = getattr(self, "disk", None)

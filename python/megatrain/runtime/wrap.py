@@ -78,8 +78,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             updates them on the device with exactly ``torch.optim.AdamW``'s math (clip coefficient
             of the global norm, per-parameter step counts, the groups' hyperparameters); the next
             forward runs on them while the CPU updates the deeper layers. An int ``K`` (0 .. number
-            of layers), or ``"auto"``: as many layers as fit in half of the device memory free at
-            wrap time, computed from those exact byte counts. Default ``None``: ``"auto"`` with
+            of layers), or ``"auto"``: first the resident unit (embedding, final norm, LM head: 16
+            more device bytes per parameter, its compute copy is on the device already), then as many
+            layers as fit in half of the device memory free at wrap time, computed from those exact
+            byte counts (an explicit K never moves the resident unit's state). Default ``None``: ``"auto"`` with
             ``activation_policy="auto"`` on CUDA (the placement planner: first the training state of as
             many layers as fit, then the activations of as many layers as fit in what is left;
             ``model.megatrain.placement()`` says what it chose), else 0 (every layer's state in

@@ -85,6 +85,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         if self.dp is not None:
             self.dp.barrier("filling the shared host store")
         self.finish_fill()
+        if self.resident is not None:  # before the device state, which may keep this unit's state beside it
+            self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
         self.init_device_state(device_state_layers)
 
         # Streamed layers: placeholders + streamed class.
@@ -97,7 +99,6 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
 
         # Resident unit: real device parameters viewing one device buffer.
         if self.resident is not None:
-            self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
             self.resident_loaded_version = -1
             self._resident_staging = None  # allocated when a resident gradient is first summed (accumulation)
             self._resident_consumed = {}
@@ -159,6 +160,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         if u is None:
             return
         self.wait_update(u)
+        if u.device_state is not None:  # updated in place on the device (host_written() refreshes it)
+            return
         if self.resident_loaded_version == u.version:
             return
         if self.cuda:
@@ -172,6 +175,14 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         else:
             self.copy_h2d(self.resident_buf, u)
         self.resident_loaded_version = u.version
+
+    def device_state_resident(self) -> Optional[Unit]:
+        """The resident unit, for ``device_state_layers="auto"``: when it has trainable entries and the
+        store is not shared by data-parallel ranks."""
+        u = self.resident
+        if u is None or self.dp is not None or all(e.frozen for e in u.entries):
+            return None
+        return u
 
     def resident_staging(self) -> torch.Tensor:
         """The resident unit's gradient staging buffer (one region per entry), allocated on first use."""
