@@ -462,18 +462,6 @@ def deepspeed_host_need(m: dict, stage: int) -> int:
                                                  cpu_offload_params=True, zero_init=False)[0]
 
 
-def host_available_bytes():
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def run_deepspeed(spec, stage: int):
     import importlib.util
     if importlib.util.find_spec("deepspeed") is None:
@@ -481,7 +469,8 @@ def run_deepspeed(spec, stage: int):
     import torch
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    need, avail = deepspeed_host_need(spec["model"], stage), host_available_bytes()
+    from megatrain.runtime.host_memory import host_memory_limits
+    need, avail = deepspeed_host_need(spec["model"], stage), host_memory_limits().get("mem_available_bytes")
     if avail is not None and need > avail:  # it would page-lock past the host's memory and thrash for minutes
         return dict(status=f"skipped: DeepSpeed's own estimate (estimate_zero{stage}_model_states_mem_needs, "
                     f"CPU offload, 1 GPU) is {need / GiB:.1f} GiB of host memory; {avail / GiB:.1f} GiB available",
