@@ -11,6 +11,8 @@
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
 #                                                 DISK_TRAIN_ARGS: extra bench_scale.py disk flags, e.g. --host-limit-gib 105)
 #                                               sched_ab (SCHED_CLIPS, SCHED_SYSTEMS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
+#                                               bg_start (BG_CMD: a command longer than one call, in the background) / bg_wait (BG_WAIT:
+#                                                 collect it in a later call while the machine is still held)
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -150,6 +152,19 @@ PY
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
         --systems ${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload} \
         $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
+    bg_start)  # BG_CMD in the background (its own session), for work longer than one call (a 6.74B step at 512K
+               # tokens: ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
+               # it is held. Write results under build/bg/ (e.g. --out build/bg/long_context_7b.json), not docs/.
+      rm -rf build/bg && mkdir -p build/bg
+      setsid nohup bash -c "$BG_CMD; echo \$? > build/bg/rc" > build/bg/bg.log 2>&1 < /dev/null &
+      echo $! > build/bg/pid
+      summary+=("bg_start pid $(cat build/bg/pid): $BG_CMD") ;;
+    bg_wait)  # in a later call on the still-held machine: wait up to BG_WAIT s (default 540) for bg_start's command,
+              # then copy build/bg/* to $OUT (a command still running is left running)
+      t0=$(date +%s)
+      while [ -f build/bg/pid ] && [ ! -f build/bg/rc ] && [ $(( $(date +%s) - t0 )) -lt ${BG_WAIT:-540} ]; do sleep 5; done
+      cp -r build/bg/. "$OUT/" 2>/dev/null
+      summary+=("bg_wait rc=$(cat build/bg/rc 2>/dev/null || echo running) $(( $(date +%s) - t0 ))s  $(tail -n 1 build/bg/bg.log 2>/dev/null | cut -c1-150)") ;;
     bench)
       if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
       run bench python3 benchmarks/bench_train.py --out docs/benchmarks/train_3b.json ;;
