@@ -368,3 +368,51 @@ def test_from_config_passes_device_state_layers():
     x = torch.randint(0, 96, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("k", [1, "auto"])
+def test_writes_into_optimizer_state_reach_the_device_state(monkeypatch, k):
+    """``opt.state[p]["exp_avg"].zero_()`` on a device-state unit takes effect at the next step, as in
+    torch.optim.AdamW (the same edit on both; every parameter compared after the step)."""
+    if k == "auto":
+        _limit_device_room(monkeypatch, 1)  # the resident unit and layer 0 on the device, the rest streamed
+    model = tiny("llama")
+    ref_model = copy.deepcopy(model)
+    batches = make_batches(96, 3, 1, 2, 12, seed=7)
+    wrapped = megatrain.wrap(model, device="cpu", device_state_layers=k)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, eps=PARITY_EPS, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=PARITY_EPS, foreach=False)
+    names = dict(ref_model.named_parameters())
+    edited = [n for n, _ in wrapped.named_parameters() if n.startswith(("model.layers.0.", "model.layers.1.", "lm_head"))]
+    for step, (x,) in enumerate(batches):
+        if step == 2:  # the same in-place edit of the moments in both optimizers
+            for n, p in wrapped.named_parameters():
+                if n in edited:
+                    opt.state[p]["exp_avg"].zero_()
+                    opt.state[p]["exp_avg_sq"].mul_(0.5)
+                    ref_opt.state[names[n]]["exp_avg"].zero_()
+                    ref_opt.state[names[n]]["exp_avg_sq"].mul_(0.5)
+        wrapped(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_model(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert wrapped.megatrain.layers[0].device_state is not None
+    got = megatrain.master_state_dict(wrapped)
+    for n in edited:
+        assert_close_rel(got[n], names[n].detach(), HOST_RTOL, n)
+
+
+def test_extra_backward_on_device_state_units_raises_as_on_the_host():
+    """Without max_grad_norm, a backward beyond gradient_accumulation_steps raises whatever the placement
+    (here every unit's state on the device: no host-stored unit whose queued update would raise)."""
+    model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers="auto")
+    assert all(u.device_state is not None for u in model.megatrain.units)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    x = make_batches(96, 1, 1, 2, 12, seed=8)[0][0]
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="more backward passes than gradient_accumulation_steps=2"):
+        model(input_ids=x, labels=x).loss.backward()

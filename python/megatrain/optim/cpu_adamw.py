@@ -291,7 +291,8 @@ class CPUAdamW(torch.optim.Optimizer):
                            for k in ("exp_avg", "exp_avg_sq")}
             else:
                 moments = {k: eng.entry_view(unit, i, k) for k in ("exp_avg", "exp_avg_sq")}
-            self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u]), {"step": torch.tensor(0.0), **moments})
+            self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u], for_write=True),
+                                        {"step": torch.tensor(0.0), **moments})
 
     def _items(self, unit, has_grad):
         """Adam work items of ``unit`` (main thread: bumps the per-parameter step counts)."""
@@ -457,7 +458,8 @@ class CPUAdamW(torch.optim.Optimizer):
         weights_only=True)`` reads them)."""
         self.engine.sync_host()
         sd = super().state_dict()
-        sd["state"] = {k: dict(v.items()) for k, v in sd["state"].items()}  # disk units: copies read from the tier
+        # (no waiting per parameter: synced above; disk units: copies read from the tier)
+        sd["state"] = {k: {n: _value(x) for n, x in dict.items(v)} for k, v in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict) -> None:

@@ -30,7 +30,10 @@ Host-visible state: :meth:`DeviceState.to_host` copies master / exp_avg / exp_av
 the device-state layers into their host-store sections (only when they changed since the last
 copy) and :meth:`DeviceState.from_host` copies them back after the host store was written.
 Callers use the engine's ``sync_host()`` (before reading the host store) and ``host_written()``
-(after writing it); checkpoint, state_dict, export and the optimizer's state do.
+(after writing it); checkpoint, state_dict, export and the optimizer's state do. A read of
+``optimizer.state[p]`` hands out the host sections writable (``sync_host(for_write=True)``): the
+unit's next update first copies them back to the device, so an in-place write there takes effect
+as in ``torch.optim.AdamW``.
 
 On the CPU backend the "device" is the CPU: the buffers are ordinary CPU tensors outside the host
 store and every step of the logic is the same, so CPU parity tests cover it.
@@ -126,6 +129,7 @@ class DeviceUnit:
         self.grad = torch.zeros(n, dtype=torch.float32, device=device)
         self.slot = DeviceSlot(unit, self.compute)
         self.host_stale = False  # the device state changed since the last to_host()
+        self.host_dirty = False  # the host sections may have been written (optimizer.state): from_host() first
         self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
         if cuda:
             self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
@@ -221,6 +225,13 @@ class DeviceState:
                     getattr(du, name).copy_(eng.store.section(u.index, name))
             du.compute.copy_(eng.store.section(u.index, "compute"))
             du.host_stale = False
+            du.host_dirty = False
+
+    def mark_host_dirty(self, units=None) -> None:
+        """The host sections of ``units`` (default all) were handed out writable (``optimizer.state[p]``):
+        the next update of such a unit first copies them back to the device (:meth:`from_host`)."""
+        for u in self._select(units):
+            u.device_state.host_dirty = True
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -235,6 +246,13 @@ class DeviceState:
         du = unit.device_state
         idx = []
         states = unit.grad_states()
+        opt = eng.optimizer
+        if opt is not None and opt.max_grad_norm is None and eng.eager_updates:
+            # as for the host-stored units, whose update is queued at their last micro-batch: one more raises
+            ga = opt.gradient_accumulation_steps
+            if any(g is not None and not unit.entries[i].frozen and states[i].micro_batches >= ga
+                   for i, g in enumerate(grads)):
+                opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
         for i, g in enumerate(grads):
             if g is None or unit.entries[i].frozen:
                 continue
@@ -287,6 +305,8 @@ class DeviceState:
         """
         opt = self.eng.optimizer
         du = unit.device_state
+        if du.host_dirty:  # optimizer.state[p] of this unit was handed out: take what was written there
+            self.from_host([unit])
         zero = set(zero_grads)
         if opt is not None and opt.max_grad_norm is None and items:
             sq = unit.grad_sq

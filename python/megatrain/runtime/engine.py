@@ -364,13 +364,15 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
             return contextlib.nullcontext()
         return self.disk.window(write)
 
-    def sync_host(self, units: Optional[List[Unit]] = None) -> None:
+    def sync_host(self, units: Optional[List[Unit]] = None, for_write: bool = False) -> None:
         """Make the host store current before reading it (checkpoint, state_dict, export, optimizer state).
 
         Waits for the CPU work in flight (``units`` None: ``flush()``; else each unit's update),
         then copies the device-state layers' master / exp_avg / exp_avg_sq / compute copy into
-        their host-store sections (only those that changed since the last copy). The disk units'
-        state is read through :meth:`state_window`.
+        their host-store sections (only those that changed since the last copy). ``for_write``: the
+        caller hands those sections out writable (``optimizer.state[p]``); the device-state units'
+        next update copies them back to the device first. The disk units' state is read through
+        :meth:`state_window`.
         """
         if units is None:
             self.flush()
@@ -379,6 +381,8 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                 self.wait_update(u)
         if self.device_state is not None:
             self.device_state.to_host(units)
+            if for_write:  # handed out writable (optimizer.state[p]): the next update copies them back
+                self.device_state.mark_host_dirty(units)
 
     def host_written(self, units: Optional[List[Unit]] = None) -> None:
         """The host store sections of ``units`` (default all) were written: refresh their device state.
