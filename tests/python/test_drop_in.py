@@ -289,6 +289,30 @@ def test_state_dict_is_zero_copy_masters_with_torch_keys():
     assert all(torch.equal(v, ref.model.layers[1].state_dict()[k]) for k, v in sub.items())
 
 
+@pytest.mark.parametrize("placement", [{}, dict(device_state_layers="auto")])
+def test_in_place_write_to_a_resident_parameter_is_refused_and_load_state_dict_is_the_way(placement):
+    """``model.lm_head.weight.mul_(3)`` after wrap would change only the compute copy (not the fp32
+    master): the next forward and any state read raise, naming load_state_dict; that works after."""
+    model = megatrain.wrap(tiny(tied=False), device="cpu", compute_dtype=torch.float32, **placement)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=LR)
+    x = batches(1)[0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    before = model.state_dict()["lm_head.weight"].clone()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    with pytest.raises(RuntimeError, match=r"lm_head.weight was modified in place after megatrain.wrap.*load_state_dict"):
+        model(input_ids=x, labels=x)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        model.state_dict()
+    model.load_state_dict({"lm_head.weight": before * 3}, strict=False)  # the supported way
+    assert torch.equal(model.state_dict()["lm_head.weight"], before * 3)
+    assert torch.equal(model.lm_head.weight.detach(), before * 3)
+    model(input_ids=x, labels=x).loss.backward()  # trains on
+    opt.step()
+
+
 def test_load_state_dict_strict_and_non_strict_like_torch():
     ref = tiny()
     model = megatrain.wrap(tiny(), device="cpu")

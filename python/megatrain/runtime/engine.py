@@ -343,6 +343,12 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                 self.drop_slots(template)
         return layers
 
+    def check_resident_params(self, where: str, overwritten=()) -> None:
+        """Raise if a parameter outside the store's control was written in place (:class:`~.wrapped.WrappedEngine`)."""
+
+    def note_resident_params(self) -> None:
+        """Record the state :meth:`check_resident_params` compares against (:class:`~.wrapped.WrappedEngine`)."""
+
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
         (its compute copy must already be a device buffer: :class:`~.wrapped.WrappedEngine`), or None."""
@@ -374,6 +380,7 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         next update copies them back to the device first. The disk units' state is read through
         :meth:`state_window`.
         """
+        self.check_resident_params("reading the state")
         if units is None:
             self.flush()
         else:

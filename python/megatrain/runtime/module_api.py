@@ -120,9 +120,16 @@ def install(eng, model: nn.Module) -> None:
         mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items))
         mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
         mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, items))
-    model.register_load_state_dict_post_hook(lambda m, incompatible: eng.load_resident())
+    def reloaded(m, incompatible) -> None:
+        eng.load_resident()
+        eng.note_resident_params()
+
+    model.register_load_state_dict_post_hook(reloaded)
 
     def load(module, state_dict, strict, assign, mode="write"):
+        # a resident parameter written in place since wrap: fine when this load replaces it, else refused
+        eng.check_resident_params("model.load_state_dict", overwritten=set(state_dict.keys()))
+        eng.note_resident_params()
         loading.strict = bool(strict) if mode == "write" else None
         loading.mode = mode
         try:

@@ -107,7 +107,11 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
             for i, e in enumerate(self.resident.entries):
                 view = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
                 if e.param.device.type == "meta":  # streamed load: a new parameter (meta .data cannot be set)
-                    newp = nn.Parameter(view, requires_grad=e.param.requires_grad)
+                    # .data set afterwards, as below: the parameter keeps a version counter of its own, which
+                    # megatrain's writes into resident_buf do not bump (check_resident_params)
+                    newp = nn.Parameter(torch.empty(0, dtype=compute_dtype, device=device),
+                                        requires_grad=e.param.requires_grad)
+                    newp.data = view
                     for mod, attr in e.owners:
                         mod._parameters[attr] = newp
                     e.param = newp
@@ -123,6 +127,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
             self._hook_resident_grads()
         _move_buffers(model, device)
         self.load_resident()
+        self.note_resident_params()
         self._pending_block: Optional[_Block] = None
         self._last_call: Optional[_LayerCall] = None
         if activation_policy == "offload":
@@ -175,6 +180,32 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         else:
             self.copy_h2d(self.resident_buf, u)
         self.resident_loaded_version = u.version
+
+    def note_resident_params(self) -> None:
+        """Record the resident parameters' version counters (bumped only by in-place writes through them)."""
+        if self.resident is not None:
+            self._resident_versions = [(id(e.param), e.param._version) for e in self.resident.entries]
+
+    def check_resident_params(self, where: str, overwritten=()) -> None:
+        """Raise if a resident parameter (embedding, final norm, LM head) was written in place since wrap.
+
+        Such a write changes only the compute copy the parameter views on the device: the fp32 master
+        in the host store (what the optimizer updates, checkpoints and ``state_dict()`` read) keeps
+        its value, so the change would be overwritten at the next load or kept by half.
+        ``overwritten``: names a ``model.load_state_dict`` is about to write (those may have changed).
+        """
+        recorded = getattr(self, "_resident_versions", None)
+        if self.resident is None or recorded is None:  # (not before wrap has finished)
+            return
+        changed = [e.name for e, (pid, v) in zip(self.resident.entries, recorded)
+                   if id(e.param) == pid and e.param._version != v]
+        if changed and all(n in overwritten for n in changed):  # model.load_state_dict replaces them all
+            return
+        if changed:
+            raise RuntimeError(
+                f"megatrain: {', '.join(changed)} was modified in place after megatrain.wrap (seen at {where}); only its "
+                "compute copy changed, not its fp32 master weights in the host store. Set weights with "
+                "model.load_state_dict(...) (it writes the masters), or change them before megatrain.wrap")
 
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit, for ``device_state_layers="auto"``: when it has trainable entries and the
@@ -244,6 +275,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
 
     def begin_forward(self) -> None:
         self.check_frozen()
+        self.check_resident_params("the forward")
         self._pending_block = None
         self._last_call = None
         if self.offload is not None:
