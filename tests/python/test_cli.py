@@ -109,6 +109,8 @@ def _empty_file(tmp_path):
          "runtime.activation_policy must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got 'block:0'"),
         (lambda p, m: ["--model", "bert", *TINY], "model 'bert' is not causal"),
         (lambda p, m: _binary_file(p), "is not UTF-8 text"),
+        (lambda p, m: ["--set", "runtime.device_state_layers=-1"],
+         "runtime.device_state_layers must be auto or a number of decoder layers >= 0, got -1"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
@@ -116,6 +118,7 @@ def _empty_file(tmp_path):
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
         "activation_policy_block_0", "encoder_architecture_is_not_causal", "config_not_utf8",
+        "device_state_layers_negative",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):
@@ -260,9 +263,12 @@ def test_trains_a_local_model_directory_and_its_tokenizer(tmp_path, tiny_model_d
     out = tmp_path / "out"
     argv = ["train", "--model", str(tiny_model_dir), "--tokenizer", str(tok_dir), "--out", str(out),
             "--steps", "3", "--seq-len", "32", "--eval-every", "3", "--set", "eval.batches=1",
-            "--set", "data.max_documents=20", "--device", "cpu", "--no-progress"]  # fmt: skip
+            "--set", "data.max_documents=20", "--device", "cpu", "--no-progress",
+            "--set", "runtime.device_state_layers=auto"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
+    pl = summary["placement"]  # runtime.device_state_layers reached megatrain.wrap (CPU: every unit fits)
+    assert (pl["device_state_layers"], pl["device_state_resident"]) == (2, True)
     assert summary["params"]["total"] == sum(
         p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(str(out / "model")).parameters()
     )

@@ -117,6 +117,26 @@ def _rows_mode(key: str, value: Any) -> str:
     raise UsageError(f"{key} must be auto, true, false or a positive number of rows, got {_describe(value)}")
 
 
+class PlacementCount(str):
+    """Type of ``runtime.device_state_layers``: ``auto`` or a number of decoder layers (>= 0), as
+    ``megatrain.wrap(device_state_layers=)``; stored as a string, :func:`wrap_device_state_layers` converts."""
+
+
+def _placement_count(key: str, value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "auto" or (v.isdigit() and int(v) >= 0):
+            return v if v == "auto" else str(int(v))
+    raise UsageError(f"{key} must be auto or a number of decoder layers >= 0, got {_describe(value)}")
+
+
+def wrap_device_state_layers(value: Optional[str]):
+    """``runtime.device_state_layers`` as ``megatrain.wrap`` takes it: None (its default), ``"auto"`` or an int."""
+    return None if value is None else value if value == "auto" else int(value)
+
+
 class ByteSize(int):
     """Type of ``runtime.host_memory_limit``: a number of bytes, as an integer or with a unit
     (``120GiB``, ``64 GB``, ``512MiB``; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB of 10)."""
@@ -164,6 +184,9 @@ class RuntimeConfig:
     # the fp32 state of the layers that do not fit in host memory, and the host bytes megatrain may use.
     offload_dir: Optional[str] = None
     host_memory_limit: Optional[ByteSize] = None
+    # Decoder layers (from layer 0) whose whole training state stays on the GPU: auto | N; none: wrap's
+    # default ("auto" under activation_policy auto on CUDA, else 0). docs/placement.md.
+    device_state_layers: Optional[PlacementCount] = None
 
 
 @dataclass
@@ -230,6 +253,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _rows_mode(key, value)
     if tp is ByteSize:
         return _byte_size(key, value)
+    if tp is PlacementCount:
+        return _placement_count(key, value)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):

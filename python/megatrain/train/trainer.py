@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatrain.checkpoint import existing_ancestor
-from megatrain.train.config import Config, UsageError, to_yaml, wrap_rows_mode
+from megatrain.train.config import Config, UsageError, to_yaml, wrap_device_state_layers, wrap_rows_mode
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
@@ -402,7 +402,8 @@ def build_wrapped_model(plan: Plan):
     kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy,
               chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
               tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-              host_memory_limit=cfg.runtime.host_memory_limit)
+              host_memory_limit=cfg.runtime.host_memory_limit,
+              device_state_layers=wrap_device_state_layers(cfg.runtime.device_state_layers))
     if cfg.runtime.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
         kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
     torch.manual_seed(cfg.train.seed)
