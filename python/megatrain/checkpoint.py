@@ -267,8 +267,15 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
     Raises:
         ValueError: ``directory`` is a file or a non-empty directory that is not a megatrain
             checkpoint (it would be deleted), the optimizer is not this model's, the call falls
-            between backward() and step() while updates run, or ``extra`` is not JSON-serialisable.
+            between backward() and step() while updates run, or ``extra`` is not a JSON-serialisable dict.
+        TypeError: ``directory`` is not a path.
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"megatrain.save_checkpoint: directory must be a path (str or os.PathLike), got "
+                        f"{type(directory).__name__}; the call is save_checkpoint(directory, model, optimizer, ...)")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"megatrain.save_checkpoint: extra must be a dict (load_checkpoint returns it as one), got "
+                         f"{type(extra).__name__}")
     eng = _engine(model)
     check_replaceable(directory, "megatrain.save_checkpoint", _is_checkpoint_dir, "a megatrain checkpoint")
     if optimizer is not None:

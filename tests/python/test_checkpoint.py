@@ -256,6 +256,19 @@ def test_altered_file_is_refused_naming_it(full_run, tmp_path, victim):
         megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
 
 
+def test_bad_save_arguments_are_refused_before_anything_is_written(tmp_path):
+    import megatrain
+    import megatrain.checkpoint
+
+    model = megatrain.wrap(_tiny_model(), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(TypeError, match="directory must be a path"):
+        megatrain.checkpoint.save_checkpoint(None, model, opt)
+    with pytest.raises(ValueError, match="extra must be a dict"):
+        megatrain.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt, extra=[1, 2])
+    assert not (tmp_path / "ck").exists()
+
+
 def test_missing_manifest_is_refused(tmp_path):
     import megatrain
     import megatrain.checkpoint

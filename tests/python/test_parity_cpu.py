@@ -361,6 +361,30 @@ def test_bad_activation_policy_rejected_before_wrapping(policy):
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(num_slots=2.5), ValueError, "num_slots must be an int >= 1"),
+    (dict(num_slots="2"), ValueError, "num_slots must be an int >= 1"),
+    (dict(num_slots=True), ValueError, "num_slots must be an int >= 1"),
+    (dict(grad_accumulator="yes"), ValueError, "grad_accumulator must be None"),
+    (dict(grad_accumulator=1), ValueError, "grad_accumulator must be None"),
+    (dict(device=3), ValueError, "device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 3"),
+    (dict(device="gpu"), ValueError, "device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 'gpu'"),
+])  # fmt: skip
+def test_bad_wrap_arguments_are_one_line_errors_before_wrapping(kw, exc, match):
+    model = tiny("llama")
+    with pytest.raises(exc, match=match) as info:
+        megatrain.wrap(model, **{"device": "cpu", **kw})
+    assert "\n" not in str(info.value)
+    assert getattr(model, "megatrain", None) is None
+    assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("model", [None, "gpt2"])
+def test_wrap_of_something_that_is_not_a_module_names_from_pretrained(model):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module.*megatrain.from_pretrained"):
+        megatrain.wrap(model)
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():
     model = tiny("llama")

@@ -132,11 +132,25 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
           chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
+                        f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")
     if getattr(model, "megatrain", None) is not None:
         raise ValueError("megatrain.wrap: this model is already wrapped")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
+                         f"the next layer), got {num_slots!r}")
+    if grad_accumulator not in (None, True, False) or not isinstance(grad_accumulator, (bool, type(None))):
+        raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
+                         f"or False, got {grad_accumulator!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"megatrain.wrap: device must be a CUDA device or 'cpu', got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
