@@ -344,8 +344,10 @@ def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
 
 
 # ---------------------------------------------------------------------------- load
-def read_manifest(directory: str) -> dict:
+def read_manifest(directory: str, where: str = "megatrain.read_manifest") -> dict:
     """Read and sanity-check ``manifest.json`` of a checkpoint directory.
+
+    ``where``: the caller named at the start of an error message.
 
     Raises:
         CheckpointError: no checkpoint there, or not a megatrain checkpoint.
@@ -357,39 +359,39 @@ def read_manifest(directory: str) -> dict:
         olds = glob.glob(os.path.join(parent, f".{base}.old-*"))
         if olds:
             hint = f" (a save was interrupted while replacing it; the previous checkpoint is at {olds[0]})"
-        raise CheckpointError(f"megatrain.load_checkpoint: {path} not found: {directory} is not a complete "
+        raise CheckpointError(f"{where}: {path} not found: {directory} is not a complete "
                               f"megatrain checkpoint{hint}")
     try:
         with open(path) as f:
             m = json.load(f)
     except ValueError as e:
-        raise CheckpointError(f"megatrain.load_checkpoint: {path} is not valid JSON: {e}") from None
+        raise CheckpointError(f"{where}: {path} is not valid JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"megatrain.load_checkpoint: {path} is not a megatrain checkpoint manifest")
+        raise CheckpointError(f"{where}: {path} is not a megatrain checkpoint manifest")
     if m.get("version") != VERSION:
-        raise CheckpointError(f"megatrain.load_checkpoint: {path} has format version {m.get('version')}, "
+        raise CheckpointError(f"{where}: {path} has format version {m.get('version')}, "
                               f"this megatrain reads version {VERSION}")
     return m
 
 
-def verify_checkpoint(directory: str) -> dict:
+def verify_checkpoint(directory: str, where: str = "megatrain.verify_checkpoint") -> dict:
     """Check every file listed in the manifest: present, right size, right sha256. Returns the manifest.
 
     Raises:
         CheckpointError: naming the first missing, truncated or altered file.
     """
-    m = read_manifest(directory)
+    m = read_manifest(directory, where)
     for fname, want in m["files"].items():
         path = os.path.join(directory, fname)
         if not os.path.isfile(path):
-            raise CheckpointError(f"megatrain.load_checkpoint: {path} is missing (listed in the manifest)")
+            raise CheckpointError(f"{where}: {path} is missing (listed in the manifest)")
         size = os.path.getsize(path)
         if size != want["bytes"]:
-            raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated or altered: "
+            raise CheckpointError(f"{where}: {path} is truncated or altered: "
                                   f"{size} bytes, the manifest says {want['bytes']}")
         got = _file_digest(path)["sha256"]
         if got != want["sha256"]:
-            raise CheckpointError(f"megatrain.load_checkpoint: {path} is corrupted: sha256 {got} does not match "
+            raise CheckpointError(f"{where}: {path} is corrupted: sha256 {got} does not match "
                                   f"the manifest ({want['sha256']})")
     return m
 
@@ -420,7 +422,7 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         optimizer = getattr(optimizer, "optimizer", optimizer)
     if optimizer is not None and getattr(optimizer, "engine", None) is not eng:
         raise ValueError("megatrain.load_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
-    m = verify_checkpoint(directory)
+    m = verify_checkpoint(directory, "megatrain.load_checkpoint")
     # Layout check before touching the store.
     if len(m["units"]) != len(eng.units):
         raise CheckpointError(f"megatrain.load_checkpoint: {directory} has {len(m['units'])} units, the model has "
@@ -428,10 +430,13 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
     for mu, u in zip(m["units"], eng.units):
         want = [[e.name, list(e.shape)] for e in u.entries]
         if mu["entries"] != want:
-            for a, b in zip(mu["entries"] + [None] * len(want), want + [None] * len(mu["entries"])):
-                if a != b:
-                    raise CheckpointError(f"megatrain.load_checkpoint: unit {u.index} of {directory} holds {a}, "
-                                          f"the model has {b}")
+            names = lambda es: [e[0] for e in es]  # noqa: E731
+            raise CheckpointError(
+                f"megatrain.load_checkpoint: unit {u.index} of {directory} holds {names(mu['entries'])}, the model's "
+                f"holds {names(want)} (a different architecture, shapes or tie_word_embeddings?)"
+                if names(mu["entries"]) != names(want) else
+                f"megatrain.load_checkpoint: unit {u.index} of {directory} has shapes "
+                f"{[e[1] for e in mu['entries']]}, the model's {[e[1] for e in want]} (a different model size?)")
     with open(os.path.join(directory, STATE)) as f:
         state = json.load(f)
     if optimizer is not None and state.get("optimizer") is None:

@@ -548,6 +548,24 @@ def test_unimplemented_adamw_options_are_refused(kw):
         opt.add_param_group({"params": list(model.parameters())[1:], **kw})
 
 
+def test_a_tensor_lr_trains_as_the_same_float_lr_with_a_scheduler():
+    """torch.optim.AdamW takes ``lr=torch.tensor(...)``; so does CPUAdamW (StepLR scales it in place)."""
+    data = batches(3)
+    runs = []
+    for lr in (LR, torch.tensor(LR)):
+        model = megatrain.wrap(tiny(), device="cpu", compute_dtype=torch.float32)
+        opt = megatrain.optim.CPUAdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WD, eps=PARITY_EPS)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        for x in data:
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        runs.append(weights(model))
+    for k, v in runs[0].items():
+        assert torch.equal(runs[1][k], v), k
+
+
 def test_implementation_selectors_are_accepted_with_identical_results():
     data = batches(3)
     a, oa = make(True)

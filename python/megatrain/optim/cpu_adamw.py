@@ -42,6 +42,8 @@ def _check_hyper(where: str, hp: dict) -> None:
     for name in ("lr", "eps", "weight_decay"):
         if name in hp:
             v = hp[name]
+            if name == "lr" and isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
+                v = float(v)  # a tensor lr, as torch.optim.AdamW takes (read as a float at each step)
             if not _is_number(v) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"megatrain.optim.CPUAdamW{where}: {name} must be a finite number >= 0, got {v!r}")
     if "eps" in hp and hp["eps"] == 0:
