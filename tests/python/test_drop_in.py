@@ -313,6 +313,50 @@ def test_in_place_write_to_a_resident_parameter_is_refused_and_load_state_dict_i
     opt.step()
 
 
+@pytest.mark.parametrize("placement", [{}, dict(device_state_layers=1), dict(device_state_layers="auto")])
+def test_in_place_writes_into_state_dict_tensors_change_the_model_as_in_torch(placement):
+    """``model.state_dict()[k].mul_(3)`` changes the parameter in torch; on a wrapped model it changes
+    the fp32 master and the next forward uses it (layer on the host or on the device, resident unit)."""
+    data = batches(3)
+    ref, ropt = make(False, model=tiny(tied=False))
+    model = megatrain.wrap(tiny(tied=False), device="cpu", compute_dtype=torch.float32, **placement)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS,
+                                   max_grad_norm=1.0)
+    keys = ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight")
+    for step, x in enumerate(data):
+        if step == 1:
+            for sd in (model.state_dict(), ref.state_dict()):
+                with torch.no_grad():
+                    for k in keys:
+                        sd[k].mul_(3)
+        losses = []
+        for m, o in ((model, opt), (ref, ropt)):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            if m is ref:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]), (step, losses)
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert_close_rel(got[k], v, RTOL, k)
+
+
+def test_a_write_through_a_stale_state_dict_tensor_of_a_device_state_unit_is_refused():
+    model = megatrain.wrap(tiny(tied=False), device="cpu", device_state_layers=1)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
+    sd = model.state_dict()
+    x = batches(1)[0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        sd["model.layers.0.mlp.up_proj.weight"].mul_(3)  # taken before the step: an older master
+    with pytest.raises(RuntimeError, match="state_dict\(\) tensor taken before the last optimizer step"):
+        model(input_ids=x, labels=x)
+
+
 def test_load_state_dict_strict_and_non_strict_like_torch():
     ref = tiny()
     model = megatrain.wrap(tiny(), device="cpu")

@@ -8,8 +8,9 @@ script read and write those masters:
 
 * ``model.state_dict()`` (and any submodule's): the parameters are zero-copy fp32 CPU views of the
   host store's master section (no copy of the model in RAM; tied parameters are one tensor under
-  every name, as torch gives them); buffers are torch's. The layers whose fp32 state is on disk
-  (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
+  every name, as torch gives them); buffers are torch's. An in-place write into one reaches the
+  compute copy at the next forward (:meth:`_Masters.take_writes`). The layers whose fp32 state is on
+  disk (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
 * ``model.load_state_dict(sd, strict=..., assign=False)``: torch's own loading (dtype conversion,
   shape checks, ``_IncompatibleKeys`` return value, error messages) copies each parameter straight
   into its master; the compute copy (and the resident device buffer) is then rebuilt from the
@@ -74,6 +75,7 @@ class _Masters:
     def __init__(self, eng):
         self.eng = eng
         self._views: dict = {}
+        self._seen: dict = {}  # (unit index, entry) -> the view's version counter when last handed out / checked
         self._loading: dict = {}  # (unit index, entry) -> the copy a load writes into (disk units)
 
     def get(self, u, i) -> torch.Tensor:
@@ -86,7 +88,48 @@ class _Masters:
                 return self.eng.disk.read(u, i, "master")
             v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
+        self._seen.setdefault(key, v._version)
         return v
+
+    def note_loaded(self) -> None:
+        """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up."""
+        for key in self._seen:
+            self._seen[key] = self._views[key]._version
+
+    def take_writes(self) -> None:
+        """Pick up in-place writes into handed-out master views (``model.state_dict()[k].copy_(...)``, as
+        torch's state_dict tensors are the parameters): rebuild those entries' compute copies.
+
+        Called before each forward. The view's version counter moves only with writes through it
+        (the CPU Adam writes the store directly). A unit whose state is on the device and was updated
+        since its view was handed out cannot take it (the view holds an older master): refused.
+
+        Raises:
+            RuntimeError: such a device-state unit was written through an old view.
+        """
+        units: dict = {}
+        for key, ver in self._seen.items():
+            v = self._views[key]
+            if v._version != ver:
+                u = self.eng.units[key[0]]
+                units.setdefault(key[0], (u, []))[1].append(key[1])
+        if not units:
+            return
+        for u, idx in units.values():
+            if u.device_state is not None and u.device_state.host_stale:
+                raise RuntimeError(
+                    f"megatrain: {u.entries[idx[0]].name} was written through a state_dict() tensor taken before "
+                    "the last optimizer step, and its state is on the device (device_state_layers): that tensor "
+                    "holds an older master. Take a new model.state_dict() after step(), or use model.load_state_dict")
+        with torch.no_grad():
+            for u, idx in units.values():
+                self.eng.wait_update(u)
+                for i in idx:
+                    if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
+                        self.eng.entry_view(u, i, "compute").copy_(self._views[(u.index, i)])
+                    self._seen[(u.index, i)] = self._views[(u.index, i)]._version
+                self.eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
+        self.eng.host_written([u for u, _ in units.values()])  # device-state units take the written masters
 
     def for_load(self, u, i) -> torch.Tensor:
         """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value)."""
@@ -121,6 +164,7 @@ def install(eng, model: nn.Module) -> None:
         mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
         mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, items))
     def reloaded(m, incompatible) -> None:
+        masters.note_loaded()
         eng.load_resident()
         eng.note_resident_params()
 

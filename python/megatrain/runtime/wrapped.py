@@ -276,6 +276,9 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
     def begin_forward(self) -> None:
         self.check_frozen()
         self.check_resident_params("the forward")
+        masters = getattr(self, "masters", None)
+        if masters is not None:
+            masters.take_writes()  # writes into model.state_dict()'s tensors reach the compute copy
         self._pending_block = None
         self._last_call = None
         if self.offload is not None:
