@@ -146,12 +146,14 @@ PY
     peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm PEERS_CLIP (default 1.0, the trainers' default;
             # 0: no clipping); PEERS_ARGS: extra bench_train flags (e.g. --grad-accum 4), PEERS_SYSTEMS: the systems,
             # PEERS_TAG: the JSON's name
-      if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi
+      systems=${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload}
+      case " $systems " in *deepspeed*)  # only when a DeepSpeed row is asked for (the install takes ~1 min)
+        if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi ;;
+      esac
       clip=${PEERS_CLIP:-1.0}; clipflag=; [ "$clip" != 0 ] && clipflag="--max-grad-norm $clip"
       tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip$([ "$clip" = 0 ] && echo 0)}
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
-        --systems ${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload} \
-        $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
+        --systems $systems $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
     bg_start)  # BG_CMD in the background (its own session), for work longer than one call (a 6.74B step at 512K
                # tokens: ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
                # it is held. Write results under build/bg/ (e.g. --out build/bg/long_context_7b.json), not docs/.
