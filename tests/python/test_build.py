@@ -71,7 +71,7 @@ def test_import_from_a_source_tree_refuses_an_extension_built_from_other_csrc(tm
 
     repo = Path(__file__).resolve().parents[2]
     root = _source_tree(tmp_path, csrc_hash(repo / "csrc"))
-    ok = _import_megatrain(root)  # the same sources (a helper's copied _C*.so): imports
+    ok = _import_megatrain(root)  # the same sources (an extension copied from another checkout): imports
     assert ok.returncode == 0 and ok.stdout.strip().startswith(str(root)), ok.stderr
     header = sorted((root / "csrc").rglob("*.h"))[0]
     header.write_text(header.read_text() + "\n// changed\n")  # C++ edited, no rebuild

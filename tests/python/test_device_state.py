@@ -280,6 +280,17 @@ def test_state_dict_and_optimizer_state_round_trip_and_read_the_device_state():
     del ref
 
 
+def _step_both(wrapped, opt, ref_model, ref_opt, x):
+    """One step of the wrapped model (CPUAdamW, max_grad_norm 1.0) and of the reference (clip_grad_norm_ 1.0)."""
+    wrapped(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ref_model(input_ids=x, labels=x).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def test_optimizer_state_reads_match_torch_adamw():
     model = tiny("llama")
     ref_model = copy.deepcopy(model)
@@ -288,13 +299,7 @@ def test_optimizer_state_reads_match_torch_adamw():
     opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, eps=PARITY_EPS, max_grad_norm=1.0)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=PARITY_EPS, foreach=False)
     for (x,) in batches:
-        wrapped(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_model(input_ids=x, labels=x).loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(wrapped, opt, ref_model, ref_opt, x)
     names = dict(ref_model.named_parameters())
     for (n, p) in wrapped.named_parameters():
         st, rst = opt.state[p], ref_opt.state[names[n]]
@@ -392,13 +397,7 @@ def test_writes_into_optimizer_state_reach_the_device_state(monkeypatch, k):
                     opt.state[p]["exp_avg_sq"].mul_(0.5)
                     ref_opt.state[names[n]]["exp_avg"].zero_()
                     ref_opt.state[names[n]]["exp_avg_sq"].mul_(0.5)
-        wrapped(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_model(input_ids=x, labels=x).loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(wrapped, opt, ref_model, ref_opt, x)
     assert wrapped.megatrain.layers[0].device_state is not None
     got = megatrain.master_state_dict(wrapped)
     for n in edited:

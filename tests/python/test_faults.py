@@ -116,7 +116,7 @@ def _watch_every_step(monkeypatch, check):
         wrap(obj, name)
     try:
         import megatrain.atomic as atomic
-    except ImportError:  # before megatrain had one helper for it
+    except ImportError:  # a megatrain without megatrain.atomic
         return
     wrap(atomic, "_exchange")
 
