@@ -301,6 +301,35 @@ def test_plain_trainer_clipping_needs_cpu_adamw_max_grad_norm(tmp_path):
     assert tr.state.global_step == 0
 
 
+@pytest.mark.parametrize("trainer,args_mgn,opt_mgn", [
+    ("megatrain", 1.0, None),   # MegatrainTrainer has no clip of its own: it would not clip at all
+    ("megatrain", 1.0, 0.5),    # it would clip at 0.5
+    ("megatrain", 1.0, float("inf")),
+    ("plain", 1.0, 0.5),        # both clips: the lower wins
+])  # fmt: skip
+def test_a_cpu_adamw_max_grad_norm_other_than_the_trainers_is_refused_before_training(tmp_path, trainer, args_mgn,
+                                                                                      opt_mgn):
+    import megatrain
+    from megatrain.integrations import MegatrainCallback, MegatrainTrainer
+    from transformers import Trainer
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    before = {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
+    args = _args(str(tmp_path / "t"), max_grad_norm=args_mgn)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=opt_mgn)
+    if trainer == "megatrain":
+        tr = MegatrainTrainer(model=model, args=args, train_dataset=_dataset(), optimizers=(opt, None))
+    else:
+        tr = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                     optimizers=(opt, None))
+    with pytest.raises(ValueError, match=rf"TrainingArguments\(max_grad_norm={args_mgn}\) but CPUAdamW has "
+                                         rf"max_grad_norm={opt_mgn}"):
+        tr.train()
+    assert tr.state.global_step == 0
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_plain_trainer_accumulation_needs_the_same_cpu_adamw_accumulation_without_clipping(tmp_path):
     """Without max_grad_norm a CPUAdamW(gradient_accumulation_steps=1) updated each layer during the first
     micro-batch's backward under the Trainer's gradient_accumulation_steps=2: refused before any update."""

@@ -34,6 +34,7 @@ wrapped model's ``save_pretrained``, ``optimizer.pt`` from ``CPUAdamW.state_dict
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -221,6 +222,18 @@ class MegatrainCallback(TrainerCallback):
                              "max_grad_norm, so its updates start during backward, before the Trainer's clip: create it "
                              "with CPUAdamW(..., max_grad_norm=args.max_grad_norm) (create_optimizer(model, args) does), "
                              "or set max_grad_norm=0 in TrainingArguments")
+        want = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
+        have = self._optimizer.max_grad_norm
+        # CPUAdamW's clip is what clips: MegatrainTrainer has no clip of its own, and a plain Trainer's
+        # clip_grad_norm_ coefficient is applied beside it (only max_grad_norm=inf leaves it alone). With
+        # max_grad_norm=0 in TrainingArguments the optimizer's own value (if any) is the user's choice.
+        same = want is None or (have is not None and (math.isclose(have, want, rel_tol=1e-12)
+                                                      or (plain and math.isinf(have))))
+        if not same:
+            raise ValueError(f"megatrain: TrainingArguments(max_grad_norm={args.max_grad_norm}) but CPUAdamW has "
+                             f"max_grad_norm={have}: CPUAdamW's value is the one that would clip. Create it with "
+                             "CPUAdamW(..., max_grad_norm=args.max_grad_norm) (create_optimizer(model, args) does), or "
+                             "set the same value in TrainingArguments")
         ga = int(args.gradient_accumulation_steps)
         if self._optimizer.max_grad_norm is None and self._optimizer.gradient_accumulation_steps < ga:
             # Without clipping a layer's update starts during the backward of the optimizer's last
