@@ -221,6 +221,9 @@ def cmd_train(args) -> int:
 
         if args.dry_run:
             return _dry_run(cfg, resume)
+        if ranks.world > 1 and cfg.runtime.offload_dir is not None:
+            raise UsageError("runtime.offload_dir (the disk tier) is not supported with data parallel yet; run "
+                             "without torchrun, or without --offload-dir")
         ranks.init(ranks.device_for(trainer.resolve_device(cfg.runtime.device)))
         plan = ranks.agree(lambda: trainer.prepare(cfg, resume=resume, ranks=ranks))  # before any rank writes
         with _sigterm_as_interrupt() as stopped_by:

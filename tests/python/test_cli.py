@@ -127,6 +127,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_di
     _assert_usage_error(code, err, out_dir, fragment)
 
 
+def test_disk_tier_under_torchrun_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    for k, v in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0").items():  # as torchrun sets them
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "out"
+    code, _, err = _run_main(["train", "--out", str(out), "--offload-dir", str(tmp_path), "--host-memory-limit", "1GiB",
+                              *TINY], capsys)
+    _assert_usage_error(code, err, str(out), "runtime.offload_dir (the disk tier) is not supported with data parallel")
+
+
 def test_non_empty_out_dir_is_refused(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")

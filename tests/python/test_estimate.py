@@ -166,6 +166,10 @@ def test_bad_options_are_one_line_errors():
         megatrain.estimate(_llama(), device="cpu", activation_policy="never")
     with pytest.raises(ValueError, match="grad_accumulator=False forbids it"):
         megatrain.estimate(_llama(), device="cpu", grad_accumulator=False, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="micro_batch_size must be an int >= 1"):
+        megatrain.estimate(_llama(), device="cpu", micro_batch_size=0)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1"):
+        megatrain.estimate(_llama(), device="cpu", seq_len=-1)
     with pytest.raises(TypeError, match="expected an nn.Module"):
         megatrain.estimate(42)
     with pytest.raises(megatrain.CheckpointError, match="is not a local directory"):

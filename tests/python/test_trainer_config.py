@@ -153,6 +153,15 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     for name in names:
         config.build_config(os.path.join(root, name))
     assert config.build_config(os.path.join(root, "default.yaml")) == config.build_config()
+    import dataclasses
+
+    import yaml
+
+    with open(os.path.join(root, "default.yaml")) as f:
+        listed = yaml.safe_load(f)
+    for f in dataclasses.fields(config.Config):  # docs/cli.md: default.yaml lists every key
+        want = {g.name for g in dataclasses.fields(getattr(config.build_config(), f.name))}
+        assert set(listed[f.name]) == want, (f.name, want ^ set(listed[f.name]))
     gpu = config.build_config(os.path.join(root, "gpu_llama_76m.yaml"))
     preset = config.build_config(preset="gpu")
     assert (gpu.model, gpu.data, gpu.train) == (preset.model, preset.data, preset.train)

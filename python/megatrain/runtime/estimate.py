@@ -204,6 +204,11 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(f"megatrain.estimate: gradient_accumulation_steps must be an int >= 1, got "
                          f"{gradient_accumulation_steps!r}")
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"megatrain.estimate: micro_batch_size must be an int >= 1 (sequences per micro-batch), "
+                         f"got {micro_batch_size!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"megatrain.estimate: seq_len must be an int >= 1 (tokens per sequence) or None, got {seq_len!r}")
     if gradient_accumulation_steps > 1 and grad_accumulator is False:
         raise ValueError("megatrain.estimate: gradient_accumulation_steps > 1 needs the fp32 accumulator; "
                          "grad_accumulator=False forbids it (use None or True)")

@@ -157,7 +157,7 @@ def _byte_size(key: str, value: Any) -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _BYTE_UNITS:
             n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-            if n >= 1:
+            if n >= 1 and (n.is_integer() or _BYTE_UNITS[m.group(2).lower()] > 1):  # no fraction of a byte
                 return int(n)
     raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, got {_describe(value)}")
 
