@@ -161,6 +161,13 @@ def test_fits_follows_the_budget_check(monkeypatch):
         megatrain.from_config(cfg, seed=0, device="cpu")
 
 
+def test_a_host_memory_limit_too_small_is_blamed_alone():
+    est = megatrain.estimate(_llama(), device="cpu", host_memory_limit=1000)
+    text = str(est)
+    assert not est.fits and "host_memory_limit: " in text and "DOES NOT FIT" in text.split("host_memory_limit: ")[1]
+    assert all(line.endswith(": fits") for line in text.splitlines() if "host check:" in line)
+
+
 def test_bad_options_are_one_line_errors():
     with pytest.raises(ValueError, match="activation_policy"):
         megatrain.estimate(_llama(), device="cpu", activation_policy="never")

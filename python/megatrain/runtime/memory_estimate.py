@@ -79,6 +79,7 @@ class MemoryEstimate:
     disk_pool_bytes: int = 0  # the tier's RAM buffers (counted in host_bytes)
     disk_free_bytes: Optional[int] = None  # free bytes of offload_dir's filesystem
     disk_fits: Optional[bool] = None  # None: no disk tier
+    host_available_fits: Optional[bool] = None  # host_bytes against the available memory alone (None: host_fits)
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
@@ -131,8 +132,9 @@ class MemoryEstimate:
             L.append("  host check: skipped (MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 or no limit found)")
         else:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
+            avail = self.host_fits if self.host_available_fits is None else self.host_available_fits
             L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
-                     + ("fits" if self.host_fits else "DOES NOT FIT"))
+                     + ("fits" if avail else "DOES NOT FIT"))
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
