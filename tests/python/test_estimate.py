@@ -165,7 +165,7 @@ def test_a_host_memory_limit_too_small_is_blamed_alone():
     est = megatrain.estimate(_llama(), device="cpu", host_memory_limit=1000)
     text = str(est)
     assert not est.fits and "host_memory_limit: " in text and "DOES NOT FIT" in text.split("host_memory_limit: ")[1]
-    assert all(line.endswith(": fits") for line in text.splitlines() if "host check:" in line)
+    assert all(line.endswith(": fits") for line in text.splitlines() if "available under the" in line)
 
 
 def test_bad_options_are_one_line_errors():
