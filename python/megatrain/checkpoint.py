@@ -330,7 +330,8 @@ def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
                 hyper = {k: _jsonable(v) for k, v in g.items() if k != "params"}
                 groups.append({"params": [_param_name(p) for p in g["params"]], **hyper})
                 for p in g["params"]:
-                    steps[_param_name(p)] = float(optimizer.state[p]["step"])
+                    # (the state was synced above: a plain dict read, which hands nothing out writable)
+                    steps[_param_name(p)] = float(dict.__getitem__(optimizer.state[p], "step"))
             state["optimizer"] = {"param_groups": groups, "steps": steps,
                                   "max_grad_norm": optimizer.max_grad_norm}
         files[STATE] = _write_json(os.path.join(tmp, STATE), state, sync=False)

@@ -199,6 +199,8 @@ def test_resident_device_state_round_trips_through_state_dict_and_checkpoint(tmp
     emb = model.get_input_embeddings().weight
     assert torch.equal(sd["model.embed_tokens.weight"], emb.detach().float())
     megatrain.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    # a save reads the state without handing it out writable: no copy back to the device at the next step
+    assert not any(u.device_state.host_dirty for u in model.megatrain.units if u.device_state is not None)
     x = batches[2][0]
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
