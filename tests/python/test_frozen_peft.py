@@ -141,6 +141,55 @@ def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path
         torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-4, atol=1e-5)
 
 
+def test_merged_export_takes_modules_to_save_and_refuses_other_adapter_kinds(tmp_path):
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights="gaussian")
+    w = megatrain.wrap(peft.get_peft_model(_tiny(), cfg), device="cpu")
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=1e-2)
+    x = torch.randint(0, 96, (2, 12))
+    for _ in range(2):
+        w(input_ids=x, labels=x).loss.backward()
+        opt.step(); opt.zero_grad()
+    with torch.no_grad():
+        want = w(input_ids=x).logits
+    megatrain.export_pretrained(w, str(tmp_path / "merged"), merge_adapter=True)
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():  # the trained lm_head copy, not the original (nor a missing, random one)
+        torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-4, atol=1e-5)
+    ia3 = peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    wi = megatrain.wrap(peft.get_peft_model(_tiny(), ia3), device="cpu")
+    with pytest.raises(ValueError, match="merges LoRA adapters only, this one is IA3"):
+        megatrain.export_pretrained(wi, str(tmp_path / "ia3"), merge_adapter=True)
+    assert not os.path.exists(tmp_path / "ia3")
+
+
+def test_megatrain_trainer_saves_a_peft_model_as_its_adapter(tmp_path):
+    """As a plain Trainer: adapter_config.json + adapter_model.safetensors, which PeftModel loads."""
+    from megatrain.integrations import MegatrainTrainer
+    from transformers import TrainingArguments
+
+    torch.manual_seed(0)
+    base_dir = str(tmp_path / "base")
+    _tiny().save_pretrained(base_dir)
+    w = megatrain.wrap(_lora(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)), device="cpu")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 96, (8, 12), generator=g)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,
+                             learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1)
+    tr = MegatrainTrainer(model=w, args=args, train_dataset=data)
+    tr.train()
+    tr.save_model(str(tmp_path / "final"))
+    assert os.path.isfile(tmp_path / "final" / "adapter_config.json")
+    assert not os.path.exists(tmp_path / "final" / "model.safetensors")
+    x = data[0]["input_ids"][None]
+    with torch.no_grad():
+        want = w(input_ids=x).logits
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                            str(tmp_path / "final"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-6)
+
+
 def test_peft_merge_and_unload_on_a_wrapped_model_is_refused_naming_export():
     model = megatrain.wrap(_lora(_tiny()))
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))

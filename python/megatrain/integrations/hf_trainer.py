@@ -363,7 +363,13 @@ class MegatrainTrainer(Trainer):
             self._write_model(output_dir)
 
     def _write_model(self, output_dir: str) -> None:
-        save_pretrained_streamed(self.model, output_dir)
+        from ..runtime.export import _export_peft, _is_peft
+
+        if _is_peft(self.model):  # as a plain Trainer saves a PEFT model: the adapter, in PEFT's format
+            os.makedirs(output_dir, exist_ok=True)
+            _export_peft(self.model, output_dir, torch.float32, merge_adapter=False)
+        else:
+            save_pretrained_streamed(self.model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

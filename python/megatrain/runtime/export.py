@@ -61,6 +61,10 @@ def _export_peft(model, tmp: str, dtype: torch.dtype, merge_adapter: bool) -> No
     from peft.tuners.lora import LoraLayer
 
     name = model.active_adapter
+    kind = str(getattr(model.peft_config[name], "peft_type", ""))
+    if not kind.endswith("LORA"):  # (PeftType.LORA); IA3, prompt tuning, ... have no W + B @ A merge here
+        raise ValueError(f"megatrain.export_pretrained: merge_adapter=True merges LoRA adapters only, this one is "
+                         f"{kind.rsplit('.', 1)[-1]}; export the adapter (merge_adapter=False) and merge it with PEFT")
     prefix = "base_model.model."
     for mname, mod in model.named_modules():
         if isinstance(mod, LoraLayer) and name in getattr(mod, "lora_A", {}):
@@ -73,10 +77,14 @@ def _export_peft(model, tmp: str, dtype: torch.dtype, merge_adapter: bool) -> No
             sd[w] = sd[w] + (b @ a) * mod.scaling[name]
     out = {}
     for k, v in sd.items():
-        if ".lora_" in k:
+        if ".lora_" in k or ".original_module." in k:  # modules_to_save: the trained copy replaces the original
             continue
         k = k[len(prefix):] if k.startswith(prefix) else k
-        out[k.replace(".base_layer.", ".")] = v
+        out[k.replace(".base_layer.", ".").replace(f".modules_to_save.{name}.", ".")] = v
+    stray = [k for k in out if ".modules_to_save." in k]
+    if stray:
+        raise ValueError(f"megatrain.export_pretrained: {stray[0]} belongs to another adapter than the active one "
+                         f"({name}); export the adapter (merge_adapter=False)")
     base = model.get_base_model()
     seen, tensors = set(), {}
     for n, p in base.named_parameters(remove_duplicate=False):  # tied weights saved once (as save_pretrained)
