@@ -440,6 +440,17 @@ def test_moe_aux_loss_rejected_with_clear_error():
     model = tiny("qwen2_moe", output_router_logits=True)
     with pytest.raises(megatrain.UnsupportedModelError, match="output_router_logits"):
         megatrain.wrap(model, device="cpu")
+    # asked for after wrap (the forward's argument, or the config): refused at that forward
+    model.config.output_router_logits = False
+    wrapped = megatrain.wrap(model, device="cpu")
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(megatrain.UnsupportedModelError, match="output_router_logits=True"):
+        wrapped(input_ids=x, labels=x, output_router_logits=True)
+    wrapped.config.output_router_logits = True
+    with pytest.raises(megatrain.UnsupportedModelError, match="output_router_logits=True"):
+        wrapped(input_ids=x, labels=x)
+    wrapped.config.output_router_logits = False
+    assert wrapped(input_ids=x, labels=x).loss.isfinite()
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine import Engine
 from .layer_call import _Block, _LayerCall, _LayerFunction, _streamed_class
-from .layers import _move_buffers, model_units
+from .layers import UnsupportedModelError, _move_buffers, model_units
 from .module_api import EngineModuleApi
 from .policies import ActivationPolicies, check_activation_policy
 from .units import Unit
@@ -139,7 +139,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         # autograd engine whether the running graph task reaches it, i.e. whether this backward
         # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
         self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
-        model.register_forward_pre_hook(lambda mod, args: self.begin_forward())
+        model.register_forward_pre_hook(lambda mod, args, kwargs: self.begin_forward(kwargs), with_kwargs=True)
 
     def _compute_from_masters(self, u: Unit) -> None:
         """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
@@ -273,7 +273,19 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
                         "the host store holds only its compute copy (no master weights or Adam moments); it cannot "
                         "be unfrozen now. Set requires_grad before megatrain.wrap / from_pretrained")
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, kwargs=None) -> None:
+        """At each forward of the wrapped model: the checks of what changed since wrap, then the resident load.
+
+        Raises:
+            UnsupportedModelError: the MoE router logits were asked for (``output_router_logits``).
+        """
+        cfg = getattr(self.model, "config", None)
+        if (kwargs or {}).get("output_router_logits") or getattr(cfg, "output_router_logits", False):
+            # captured from the streamed layers' graph-free forward: the auxiliary loss would get no gradient
+            raise UnsupportedModelError(
+                "megatrain: output_router_logits=True (the MoE auxiliary load-balancing loss) is not supported "
+                "through streamed layers yet: its router gradient would be lost. Leave it False (the argument and "
+                "model.config.output_router_logits)")
         self.check_frozen()
         self.check_resident_params("the forward")
         masters = getattr(self, "masters", None)
