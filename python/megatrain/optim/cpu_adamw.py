@@ -106,7 +106,9 @@ def _ref(p: torch.Tensor):
     if ref is None:
         raise ValueError(
             f"megatrain.optim.CPUAdamW: got a parameter of shape {tuple(p.shape)} that megatrain does not manage; "
-            "call megatrain.wrap(model) first and pass model.parameters() (or groups of them) to CPUAdamW")
+            "call megatrain.wrap(model) first and pass model.parameters() (or groups of them) to CPUAdamW; a parameter "
+            "added to the model after wrap (e.g. by peft.get_peft_model) is not in its store: apply PEFT before "
+            "megatrain.wrap, or use megatrain.from_config / from_pretrained(transform=...)")
     return ref
 
 
@@ -320,8 +322,9 @@ class CPUAdamW(torch.optim.Optimizer):
         """
         if same_backward:
             raise RuntimeError(
-                "megatrain: a decoder layer received a second gradient in the same backward pass (the layer is "
-                "called more than once per forward); without max_grad_norm its update starts at its first gradient. "
+                "megatrain: a decoder layer received a second gradient in the same backward pass (it was called more "
+                "than once in this backward's graph: twice in one forward, or two forwards summed into one loss); "
+                "without max_grad_norm its update starts at its first gradient. "
                 "Set max_grad_norm in CPUAdamW (updates then wait for step() and the gradients are summed)")
         raise RuntimeError(
             f"megatrain: more backward passes than gradient_accumulation_steps="
