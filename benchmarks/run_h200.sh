@@ -155,7 +155,7 @@ PY
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
         --systems $systems $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
     bg_start)  # BG_CMD in the background (its own session), for work longer than one call (a 6.74B step at 512K
-               # tokens: ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
+               # tokens: an estimated ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
                # it is held. Write results under build/bg/ (e.g. --out build/bg/long_context_7b.json), not docs/.
       rm -rf build/bg && mkdir -p build/bg
       setsid nohup bash -c "$BG_CMD; echo \$? > build/bg/rc" > build/bg/bg.log 2>&1 < /dev/null &
