@@ -114,20 +114,25 @@ def test_peft_lora_parity_with_plain_peft_training():
             assert torch.equal(p.detach(), frozen_before[n]), n
 
 
-def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path):
-    torch.manual_seed(0)
-    base = _tiny()
-    base_dir = str(tmp_path / "base")
-    base.save_pretrained(base_dir)
-    model = _lora(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
-    w = megatrain.wrap(model, device="cpu")
+def _wrap_and_train(peft_model):
+    """Wrap a PEFT model, train 2 steps on one batch; returns (wrapped, the batch, its logits after)."""
+    w = megatrain.wrap(peft_model, device="cpu")
     opt = megatrain.optim.CPUAdamW(w.parameters(), lr=1e-2)
     x = torch.randint(0, 96, (2, 12))
     for _ in range(2):
         w(input_ids=x, labels=x).loss.backward()
         opt.step(); opt.zero_grad()
     with torch.no_grad():
-        want = w(input_ids=x).logits
+        return w, x, w(input_ids=x).logits
+
+
+def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path):
+    torch.manual_seed(0)
+    base = _tiny()
+    base_dir = str(tmp_path / "base")
+    base.save_pretrained(base_dir)
+    model = _lora(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
+    w, x, want = _wrap_and_train(model)
     out = str(tmp_path / "adapter")
     megatrain.export_pretrained(w, out)
     assert os.path.isfile(os.path.join(out, "adapter_config.json"))
@@ -144,14 +149,7 @@ def test_export_of_peft_model_round_trips_through_peft_and_transformers(tmp_path
 def test_merged_export_takes_modules_to_save_and_refuses_other_adapter_kinds(tmp_path):
     torch.manual_seed(0)
     cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights="gaussian")
-    w = megatrain.wrap(peft.get_peft_model(_tiny(), cfg), device="cpu")
-    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=1e-2)
-    x = torch.randint(0, 96, (2, 12))
-    for _ in range(2):
-        w(input_ids=x, labels=x).loss.backward()
-        opt.step(); opt.zero_grad()
-    with torch.no_grad():
-        want = w(input_ids=x).logits
+    w, x, want = _wrap_and_train(peft.get_peft_model(_tiny(), cfg))
     megatrain.export_pretrained(w, str(tmp_path / "merged"), merge_adapter=True)
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     with torch.no_grad():  # the trained lm_head copy, not the original (nor a missing, random one)
