@@ -121,15 +121,11 @@ class _Masters:
                     f"megatrain: {u.entries[idx[0]].name} was written through a state_dict() tensor taken before "
                     "the last optimizer step, and its state is on the device (device_state_layers): that tensor "
                     "holds an older master. Take a new model.state_dict() after step(), or use model.load_state_dict")
-        with torch.no_grad():
-            for u, idx in units.values():
-                self.eng.wait_update(u)
-                for i in idx:
-                    if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
-                        self.eng.entry_view(u, i, "compute").copy_(self._views[(u.index, i)])
-                    self._seen[(u.index, i)] = self._views[(u.index, i)]._version
-                self.eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
-        self.eng.host_written([u for u, _ in units.values()])  # device-state units take the written masters
+        for u, idx in units.values():
+            self.eng.wait_update(u)
+            for i in idx:
+                self._seen[(u.index, i)] = self._views[(u.index, i)]._version
+        _compute_from_masters(self.eng, units.values())
 
     def for_load(self, u, i) -> torch.Tensor:
         """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value)."""
@@ -398,8 +394,21 @@ def _restore_placeholders(eng, where) -> None:
             with eng.state_window(write=bool(loaded)):  # a disk unit: its masters written back through the tier
                 for (i, name), t in loaded.items():
                     eng.entry_view(u, i, name).copy_(t)
-                for i in sorted(idx):
-                    if not u.direct[i]:  # a direct gradient held there: the update rebuilds it from the master
-                        eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
-            eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
+                _compute_from_masters(eng, [(u, idx)], refresh_device=False)
     eng.host_written([u for u, _ in units.values()])  # device-state layers take the loaded masters
+
+
+@torch.no_grad()
+def _compute_from_masters(eng, written, refresh_device: bool = True) -> None:
+    """The masters of ``written`` (``(unit, entry indices)`` pairs) changed: rebuild those entries'
+    compute copies (not where a direct gradient is held: the update rebuilds it from the master),
+    make the device copies reload (``invalidate``), and (``refresh_device``) hand the device-state
+    units their new masters (``host_written``)."""
+    written = list(written)
+    for u, idx in written:
+        for i in sorted(idx):
+            if not u.direct[i]:
+                eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+        eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
+    if refresh_device:
+        eng.host_written([u for u, _ in written])

@@ -140,7 +140,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
                          f"the next layer), got {num_slots!r}")
-    if grad_accumulator not in (None, True, False) or not isinstance(grad_accumulator, (bool, type(None))):
+    if not isinstance(grad_accumulator, (bool, type(None))):
         raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
                          f"or False, got {grad_accumulator!r}")
     if device is None:
