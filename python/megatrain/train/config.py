@@ -127,8 +127,10 @@ def _placement_count(key: str, value: Any) -> str:
         return str(value)
     if isinstance(value, str):
         v = value.strip().lower()
-        if v == "auto" or (v.isdigit() and int(v) >= 0):
-            return v if v == "auto" else str(int(v))
+        if v == "auto":
+            return v
+        if v.isdigit():  # (a number >= 0)
+            return str(int(v))
     raise UsageError(f"{key} must be auto or a number of decoder layers >= 0, got {_describe(value)}")
 
 
