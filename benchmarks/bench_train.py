@@ -242,7 +242,7 @@ def _device_sync(device):
 
 # megatrain variant options that are fields of megatrain.runtime.options.Options (the "before" of a ratio)
 VARIANT_OPTIONS = {"overlap": "overlap", "d2h": "d2h_overlap", "eager": "eager_updates", "threads": "adam_threads",
-                   "fusednorm": "fused_grad_norms", "cslots": "cpp_slots"}
+                   "fusednorm": "fused_grad_norms", "cslots": "cpp_slots", "replan": "replan"}
 
 
 def megatrain_variant(name: str) -> dict:
@@ -252,7 +252,8 @@ def megatrain_variant(name: str) -> dict:
     ``eager`` (0: ``Options.eager_updates=False``, no update starts during backward: all wait for step()),
     ``threads`` (``Options.adam_threads``: CPU threads of the fused Adam), ``fusednorm`` (0:
     ``Options.fused_grad_norms=False``, one norm launch per gradient tensor instead of one per layer), ``cslots``
-    (0: ``Options.cpp_slots=False``, the slot pool and the H2D / D2H copies in Python on torch streams), ``acc`` (0:
+    (0: ``Options.cpp_slots=False``, the slot pool and the H2D / D2H copies in Python on torch streams), ``replan``
+    (0: ``Options.replan=False``, the planner does not place again after the first step), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
     ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit).
@@ -266,7 +267,7 @@ def megatrain_variant(name: str) -> dict:
         k, sep, v = kv.partition("=")
         if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, acc=0|1, "
+                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
                              "devstate=K|auto")
         if k == "devstate" and v != "auto" and not v.isdigit():
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count or 'auto'")
@@ -321,6 +322,7 @@ def run_megatrain(spec):
 
     try:
         r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
+        placement = eng.placement()
         if spec.get("profile") and dev.startswith("cuda"):
             try:  # after the timed window: a profiler problem must not lose the timings
                 r["profile"] = profile_steps(step, batches[-2:], spec)
@@ -343,7 +345,8 @@ def run_megatrain(spec):
         bytes_per_param=b["bytes_per_param"],
         device_state_layers=b.get("device_state_layers", 0),
         device_state_gib=b.get("device_state_bytes", 0) / GiB,
-        auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()])
+        auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()],
+        replan=placement.get("replan"))
     r.update(settings=settings, n_params=n_params)
     return r
 

@@ -4,7 +4,8 @@
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
-#                                               before_build before_after (BEFORE_COMMIT: the commit in .before/)
+#                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
+#                                               cuda (CUDA_K: a pytest -k selection of the GPU tests)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
@@ -63,7 +64,7 @@ for s in "${stages[@]}"; do
           -DCMAKE_CXX_FLAGS=-I/tmp/gt/usr/include >/dev/null && cmake --build build/cmake >/dev/null &&
         ctest --test-dir build/cmake 2>&1 | tail -n 5' ;;
     cuda)
-      run cuda timeout ${CUDA_TIMEOUT:-270} python3 -m pytest -q -x -s -m cuda tests/python -p no:cacheprovider ;;
+      run cuda timeout ${CUDA_TIMEOUT:-270} python3 -m pytest -q -x -s -m cuda tests/python -p no:cacheprovider ${CUDA_K:+-k "$CUDA_K"} ;;
     cpu)
       run cpu python3 -m pytest -q -x tests/python -p no:cacheprovider ;;
     adam)
@@ -111,7 +112,7 @@ for s in "${stages[@]}"; do
     before_build)  # .before/: `git archive $BEFORE_COMMIT python csrc benchmarks setup.py pyproject.toml CMakeLists.txt`, carried (git-ignored)
       run before_build bash -c 'cd .before && python3 setup.py build_ext --inplace -q >/dev/null && PYTHONPATH=$PWD/python python3 -c "import megatrain._C as C; print(C.build_info()[\"git_sha\"] if \"git_sha\" in C.build_info() else \"built\")"' ;;
     before_after)  # 3.37B, 4 x 4096 tokens, megatrain streamed (recompute), without / with max_grad_norm: .before/ vs this tree, alternating
-      for clip in 0 1.0; do
+      for clip in ${BA_CLIPS:-0 1.0}; do
         for tree in before after; do
           dir=.; pp=; [ $tree = before ] && { dir=.before; pp=$PWD/.before/python; }
           extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
@@ -123,7 +124,8 @@ for s in "${stages[@]}"; do
       done
       python3 - <<'PY'
 import json
-for clip in ("0", "1.0"):
+import os
+for clip in os.environ.get("BA_CLIPS", "0 1.0").split():
     r = {t: json.load(open(f"docs/benchmarks/before_after_{t}_clip{clip}.json"))["rows"][0] for t in ("before", "after")}
     print(f"max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
           f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")

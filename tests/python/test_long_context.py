@@ -97,6 +97,7 @@ def test_chunked_loss_and_tiled_mlp_match_the_untiled_model_after_3_steps(arch, 
     w, last = run(arch, policy=policy, chunked_loss=rows, tile_mlp=rows)
     assert w.megatrain.long_context.last["loss_rows"] == rows
     assert w.megatrain.long_context.last["mlp_rows"] == rows
+    assert w.megatrain.long_context.last["norm_rows"] == rows  # Llama's RMSNorms, GPT-2's LayerNorms
     assert last.logits is None and "logits" not in last.keys()  # no full logits exist
 
 
@@ -150,17 +151,20 @@ class _Rows:
     def __init__(self, rows):
         self.rows = rows
 
-    def mlp_tile_rows(self, mlp, x):
+    def tile_rows(self, module, x):
         return self.rows
 
 
 @pytest.mark.parametrize("rows", [1, 5, 10 ** 6])
-def test_tiled_mlp_gradients_are_the_untiled_ones(rows):
+def test_tiled_mlp_and_norm_gradients_are_the_untiled_ones(rows):
     model = tiny("llama")
     tiled = copy.deepcopy(model)
     for layer in tiled.model.layers:
-        layer.mlp.__class__ = lc._tiled_class(type(layer.mlp))
-        layer.mlp._megatrain_long = _Rows(rows)
+        parts = [layer.mlp] + lc._norms_of(layer)
+        assert len(parts) == 3  # the MLP, input_layernorm, post_attention_layernorm
+        for m in parts:
+            m.__class__ = lc._tiled_class(type(m))
+            m._megatrain_long = _Rows(rows)
     x = torch.randint(0, VOCAB, (BATCH, SEQ))
     a = model(input_ids=x, labels=x).loss
     b = tiled(input_ids=x, labels=x).loss
@@ -183,6 +187,7 @@ def test_logits_are_there_without_labels_and_auto_is_off_at_short_context():
             expect = ref(input_ids=x, labels=x)
         assert w.megatrain.long_context.last["loss_rows"] is None
         assert w.megatrain.long_context.last["mlp_rows"] is None
+        assert w.megatrain.long_context.last["norm_rows"] is None
         assert out.logits is not None and out.logits.shape == (BATCH, SEQ, VOCAB)
         assert torch.allclose(out.logits, expect.logits, rtol=1e-5, atol=1e-6)
     finally:

@@ -30,12 +30,12 @@ def llama_1b(layers: int = 18, hidden: int = 2048, inter: int = 5632, vocab: int
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _run(debug: bool, **wrap_kw):
+def _run(debug: bool, max_grad_norm=1.0, **wrap_kw):
     model = llama_1b()
     n = sum(p.numel() for p in model.parameters())
     assert n > 0.9e9, n
     batches = make_batches(model.config.vocab_size, STEPS, 1, 4, 512, seed=3)
-    kw = dict(lr=3e-4, wd=0.1, betas=(0.9, 0.95), max_grad_norm=1.0, groups="two")
+    kw = dict(lr=3e-4, wd=0.1, betas=(0.9, 0.95), max_grad_norm=max_grad_norm, groups="two")
     ref = train_reference(copy.deepcopy(model), batches, device="cuda", autocast=torch.bfloat16, **kw)
     torch.cuda.empty_cache()
     old = os.environ.get("MEGATRAIN_DEBUG_RACES")
@@ -48,7 +48,7 @@ def _run(debug: bool, **wrap_kw):
         else:
             os.environ["MEGATRAIN_DEBUG_RACES"] = old
     stats = wrapped.megatrain.stats()
-    print(f"\nauto {list(wrapped.megatrain.auto_decisions.values())}")
+    print(f"\nauto {list(wrapped.megatrain.auto_decisions.values())}\nreplan {wrapped.megatrain.placement()['replan']}")
     wrapped.megatrain.close()
     return ref, got, stats
 
@@ -69,6 +69,33 @@ def _run(debug: bool, **wrap_kw):
         "auto_race_debug"])
 def test_bf16_parity_vs_gpu_resident_1b(debug, wrap_kw):
     ref, got, stats = _run(debug, **wrap_kw)
+    _check_parity(ref, got, stats, wrap_kw)
+
+
+@pytest.mark.parametrize("clip,K,k", [(1.0, 7, 10), (None, 5, 18)], ids=["clip", "noclip"])
+def test_bf16_parity_after_the_planner_moves_state_and_graphs_1b(monkeypatch, clip, K, k):
+    """The planner's second decision after step 1, forced to a mixed placement (K of 18 layers'
+    state on the device, k kept graphs): state copied back to the host store between steps, slots
+    made again; with the race switch."""
+    import importlib
+
+    planner = importlib.import_module("megatrain.runtime.planner")
+    seen = []
+
+    def plan(*args):
+        seen.append(args)
+        return dict(device_state_layers=K, store_layers=k, hide_layers=None, rule="forced by the test")
+
+    monkeypatch.setattr(planner, "plan_placement", plan)
+    ref, got, stats = _run(True, max_grad_norm=clip, activation_policy="auto")
+    assert len(seen) == 1
+    assert stats["device_state_layers"] == K
+    print(f"replanned: device_state_layers {stats['device_state_layers']}, measured (n, max, S, G, I, capacity, clip, "
+          f"adam_s, fwd_s, bwd_s) = {seen[0]}")
+    _check_parity(ref, got, stats, dict(activation_policy="auto"))
+
+
+def _check_parity(ref, got, stats, wrap_kw):
     if "device_state_layers" in wrap_kw:
         print(f"device_state_layers {stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
         assert stats["device_state_layers"] == wrap_kw["device_state_layers"]

@@ -176,6 +176,29 @@ class DeviceState:
             u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
         self.from_host()
 
+    @torch.no_grad()
+    def add(self, units: List) -> None:
+        """Put the training state of ``units`` (layers whose state is in the host store) on the device too."""
+        eng = self.eng
+        for u in units:
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda)
+            self.units.append(u)
+        self.from_host(units)
+
+    @torch.no_grad()
+    def remove(self, units: List) -> None:
+        """Give the training state of ``units`` back to the host store (copied there first) and free
+        their device buffers. Only between steps: no gradient of theirs may be accumulated or pending."""
+        for u in units:
+            if u.device_state.host_dirty:  # optimizer.state[p] was handed out: the host sections are the newer
+                u.device_state.host_stale = False
+        self.to_host(units)
+        for u in units:
+            du = u.device_state
+            self.eng.wait_task(du.grad_task)
+            u.device_state = None
+            self.units.remove(u)
+
     @property
     def layers(self) -> List:
         """The decoder-layer units among :attr:`units` (the resident unit may be there too, first)."""

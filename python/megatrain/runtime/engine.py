@@ -343,6 +343,40 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                 self.drop_slots(template)
         return layers
 
+    def resize_device_state(self, layers: int) -> None:
+        """Keep the training state of decoder layers ``0 .. layers-1`` on the device from now on (the
+        placement planner's second decision; see ``megatrain.runtime.planner``).
+
+        Only between optimizer steps, with no gradient accumulated: waits for every queued update,
+        copies the state of the layers given back to the host store and frees their device buffers,
+        or copies the new layers' state from the host store; the slots of a layer template come back
+        when a streamed layer uses it again and go when none does. The resident unit stays as it is.
+        """
+        from . import device_state as ds
+
+        self.flush()
+        have = self.device_state.layers if self.device_state is not None else []
+        k = len(have)
+        if layers == k:
+            return
+        if layers < k:
+            self.device_state.remove(have[layers:])
+            for u in have[layers:]:
+                if not self.slots.get(u.template):
+                    self.add_slots(u)
+            if not self.device_state.units:
+                self.device_state = None
+        else:
+            new = self.layers[k:layers]
+            if self.device_state is None:
+                self.device_state = ds.DeviceState(self, new)
+            else:
+                self.device_state.add(new)
+            for template in {u.template for u in new}:
+                if all(u.device_state is not None for u in self.layers if u.template == template):
+                    self.drop_slots(template)
+        self.invalidate(self.layers[min(k, layers):max(k, layers)])
+
     def check_resident_params(self, where: str, overwritten=()) -> None:
         """Raise if a parameter outside the store's control was written in place (:class:`~.wrapped.WrappedEngine`)."""
 

@@ -21,8 +21,11 @@ Two exact transformations of a wrapped model's forward/backward, both switched o
   logit scaling) or computes the loss without ``self.loss_function`` raises at once instead of
   training on the placeholder.
 
-* **Sequence-tiled MLP.** The MLP of a decoder layer is per token, so running it over row tiles
-  of the B*T tokens gives identical results. Without grad (the forward of ``recompute``) the tiles
+* **Sequence-tiled MLP and norms.** The MLP of a decoder layer is per token, so running it over row tiles
+  of the B*T tokens gives identical results. The same holds for the layer's norms (Llama's
+  ``input_layernorm`` / ``post_attention_layernorm``), which untiled keep an fp32 copy of their
+  input and of the normalised rows for backward (12 bytes per token per hidden unit each, 24 GiB
+  per layer call at 512K tokens and hidden 4096); tiled they keep only their input. Without grad (the forward of ``recompute``) the tiles
   run one after another; with grad (the layer re-run in backward, or ``store``),
   ``_TiledMLPFunction`` saves only the MLP input and, in backward, re-runs each tile with grad
   and back-propagates it at once, accumulating the weight gradients in fp32. The T x intermediate
@@ -48,7 +51,7 @@ from torch import nn
 from .layer_call import mixed_class
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
-    _rows_for, _TiledMLPFunction, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for)
+    _rows_for, _TiledMLPFunction, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for, norm_rows_for)
 
 
 class _TiledMixin:
@@ -59,7 +62,7 @@ class _TiledMixin:
         if (plan is None or getattr(_local, "bypass", False) or args or kwargs or not isinstance(x, torch.Tensor)
                 or x.dim() < 2):
             return self._megatrain_untiled_forward(x, *args, **kwargs)
-        rows = plan.mlp_tile_rows(self, x)
+        rows = plan.tile_rows(self, x)
         if rows is None:
             return self._megatrain_untiled_forward(x)
         shape = x.shape
@@ -92,6 +95,15 @@ def _mlp_of(layer: nn.Module) -> Optional[nn.Module]:
     return mlp
 
 
+def _norms_of(layer: nn.Module) -> list:
+    """The per-token norms among a decoder layer's direct children (``nn.LayerNorm`` and the models'
+    own ``*RMSNorm`` / ``*LayerNorm`` classes, e.g. Llama's ``input_layernorm`` and
+    ``post_attention_layernorm``), each with parameters."""
+    return [m for _, m in layer.named_children()
+            if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm")))
+            and any(True for _ in m.parameters())]
+
+
 def _has_active_dropout(mod: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in mod.modules())
 
@@ -114,7 +126,7 @@ class LongContext:
         self.engine = engine
         self.chunked_loss = _check_mode(chunked_loss, "chunked_loss")
         self.tile_mlp = _check_mode(tile_mlp, "tile_mlp")
-        self.last = dict(loss_rows=None, mlp_rows=None, tokens=None)
+        self.last = dict(loss_rows=None, mlp_rows=None, norm_rows=None, tokens=None)
         self._labels = None  # the current forward's labels (None: no loss in this forward)
         self._placeholder = None
         self._hidden = None
@@ -134,6 +146,11 @@ class LongContext:
                     continue
                 mlp.__class__ = _tiled_class(type(mlp))
                 mlp._megatrain_long = self
+            for u in engine.layers:  # the norms: per token too; untiled they keep fp32 copies of their input
+                for norm in _norms_of(u.module):
+                    norm.__class__ = _tiled_class(type(norm))
+                    norm._megatrain_long = self
+                    norm._megatrain_norm = True
         model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         model.register_forward_hook(self._post_forward)
 
@@ -195,6 +212,22 @@ class LongContext:
         n = hidden.numel() // hidden.shape[-1]
         return loss_rows_for(mode, n, self._head.out_features, hidden.element_size(), self._free())
 
+    def tile_rows(self, module: nn.Module, x: torch.Tensor) -> Optional[int]:
+        """Rows per tile for this call of a tiled MLP or norm, or None (untiled)."""
+        if getattr(module, "_megatrain_norm", False):
+            return self.norm_tile_rows(module, x)
+        return self.mlp_tile_rows(module, x)
+
+    def norm_tile_rows(self, norm: nn.Module, x: torch.Tensor) -> Optional[int]:
+        """Rows per tile for this norm call (``tile_mlp``'s mode; ``"auto"``: when its fp32 copies
+        would take a sizeable part of the free device memory), or None (untiled)."""
+        mode = self.tile_mlp
+        h = x.shape[-1]
+        rows = norm_rows_for(mode, x.numel() // h, h, self._free())
+        if rows is not None:
+            self.last["norm_rows"] = rows
+        return rows
+
     def mlp_tile_rows(self, mlp: nn.Module, x: torch.Tensor) -> Optional[int]:
         """Rows per tile for this MLP call, or None (untiled)."""
         mode = self.tile_mlp
@@ -229,6 +262,7 @@ class LongContext:
         self._consumed = False
         self.last["loss_rows"] = None
         self.last["mlp_rows"] = None
+        self.last["norm_rows"] = None
         ids = self._arg("input_ids", args, kwargs)
         emb = self._arg("inputs_embeds", args, kwargs)
         ref = ids if isinstance(ids, torch.Tensor) else emb

@@ -70,6 +70,21 @@ def mlp_rows_for(mode, rows: int, inter: int, elem: int, free: float) -> Optiona
     return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
 
 
+def norm_rows_for(mode, rows: int, hidden: int, free: float) -> Optional[int]:
+    """Rows per tile of a tiled norm (None: untiled) for ``rows`` = B*T tokens of width ``hidden``
+    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``free`` as :func:`loss_rows_for`). ``"auto"``
+    tiles when the untiled norm's fp32 copies (input, normalised rows, 2 x 4 B) and their
+    gradients would exceed ``AUTO_FRACTION`` of the free memory."""
+    if mode is False:
+        return None
+    if isinstance(mode, int) and mode is not True:
+        return mode
+    if mode == "auto" and rows * hidden * 4 * 4 <= AUTO_FRACTION * free:
+        return None
+    per_row = hidden * 4 * 6  # fp32 input, normalised rows, output and their gradients in flight
+    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+
+
 # ---------------------------------------------------------------------------------------------
 # the loss
 # ---------------------------------------------------------------------------------------------

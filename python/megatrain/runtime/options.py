@@ -64,6 +64,8 @@ class Options:
         cpp_slots: benchmark "before" switch. True: the slot pool, its H2D copies and events, and
             the gradient D2H copies are the C++ scheduler's (``megatrain._C.SlotPool``,
             ``_C.copy_to_host``); False: the same in Python on torch streams and events.
+        replan: benchmark "before" switch (no environment variable). False: the placement planner
+            does not place again after the first step (``megatrain.runtime.planner``).
         disk_buffers: ``MEGATRAIN_DISK_BUFFERS`` (default 2, at least 2): RAM buffers of the disk
             tier's pool (``wrap(offload_dir=...)``), each the fp32 state of the largest layer on disk:
             one is updated while the next is read ahead or the last is written behind.
@@ -85,6 +87,7 @@ class Options:
     eager_updates: bool = True
     fused_grad_norms: bool = True
     cpp_slots: bool = True
+    replan: bool = True
     disk_buffers: int = 2
     disk_io_threads: int = 4
     disk_fault: Optional[tuple] = None

@@ -72,14 +72,19 @@ class SlotPool:
         if self.cpp_slots:
             self._pool = _C.SlotPool(self.cuda, self.h2d_stream.cuda_stream if self.cuda else 0, self._device_index)
         for u in self.layers:
-            if u.template in self.slots:
-                continue
-            tid = self._template_ids[u.template] = len(self._template_ids)
-            if self._pool is None:
-                self.slots[u.template] = [Slot(u.numel, self.compute_dtype, self.device) for _ in range(num_slots)]
-                continue
-            bufs = [torch.empty(u.numel, dtype=self.compute_dtype, device=self.device) for _ in range(num_slots)]
-            self.slots[u.template] = [NativeSlot(b, self._pool.add_slot(tid, b)) for b in bufs]
+            if u.template not in self.slots:
+                self._template_ids[u.template] = len(self._template_ids)
+                self.add_slots(u)
+
+    def add_slots(self, unit: Unit) -> None:
+        """Allocate the ``num_slots`` device slots of ``unit``'s layer template (none may exist)."""
+        n = self.num_slots
+        if self._pool is None:
+            self.slots[unit.template] = [Slot(unit.numel, self.compute_dtype, self.device) for _ in range(n)]
+            return
+        tid = self._template_ids[unit.template]
+        bufs = [torch.empty(unit.numel, dtype=self.compute_dtype, device=self.device) for _ in range(n)]
+        self.slots[unit.template] = [NativeSlot(b, self._pool.add_slot(tid, b)) for b in bufs]
 
     def drop_slots(self, template) -> None:
         """No streamed layer uses layer template ``template`` any more: free its slots."""

@@ -53,7 +53,8 @@ class EngineStats:
         ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
         (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
         ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
-        for the other policies (``activation_policy`` says what every layer does).
+        for the other policies (``activation_policy`` says what every layer does); ``replan``: what
+        the planner measured in the first step and chose after it (``megatrain.runtime.planner``), or None.
         """
         k = len(self.device_state.layers) if self.device_state else 0
         decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
@@ -67,7 +68,8 @@ class EngineStats:
                     device_state_resident=bool(self.device_state and self.device_state.resident),
                     streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
                     activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
-                    disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None)
+                    disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
+                    replan=getattr(self, "replan_info", None))
 
     def stats(self) -> dict:
         """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.

@@ -15,11 +15,12 @@ from .engine import Engine
 from .layer_call import _Block, _LayerCall, _LayerFunction, _streamed_class
 from .layers import UnsupportedModelError, _move_buffers, model_units
 from .module_api import EngineModuleApi
+from .planner import PlacementReplan
 from .policies import ActivationPolicies, check_activation_policy
 from .units import Unit
 
 
-class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
+class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
@@ -88,6 +89,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it
             self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
         self.init_device_state(device_state_layers)
+        self._init_replan(device_state_layers == "auto" and self.auto_policy and self.options.replan)
 
         # Streamed layers: placeholders + streamed class.
         for u in self.layers:
@@ -300,6 +302,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         if self.disk is not None:
             self._disk_read_ahead()
         self.load_resident()
+        self._replan_begin_forward()
 
     def _disk_read_ahead(self) -> None:
         """With eager updates: read the disk layers the coming backward updates first, once no update of
@@ -351,6 +354,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         for i in diff_idx:
             stored[i] = None
         call = _LayerCall(layer, unit, stored, spec, diff_idx)
+        self._replan_mark("fwd")
         self._assign_block(call, diff)
         outs = _LayerFunction.apply(self, call, self._dummy, *diff)
         out_leaves = list(call.out_other)
@@ -392,6 +396,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, Engine):
         ``store``: re-stream the weights for the kept graph's saved-weight handles.
         """
         unit = call.unit
+        self._replan_mark("bwd")
         want_weights = self._weights_wanted()
         if call.stored is not None:
             out, bound, detached = call.stored

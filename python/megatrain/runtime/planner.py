@@ -1,0 +1,253 @@
+"""The placement planner's second decision: device-state layers against kept activations.
+
+``device_state_layers="auto"`` with ``activation_policy="auto"`` (the default on CUDA) first
+places by a fixed share of the free device memory (:func:`~.device_state.plan_device_state_layers`
+at wrap, then as many kept layer graphs as fit what is left at the first forward). After the
+first optimizer step, when the sizes and times that matter have been measured, the engine places
+again once (:meth:`~.wrapped.WrappedEngine.replan`) by :func:`plan_placement`:
+
+* one more device-state layer costs its state bytes ``S`` (compute copy + fp32 master,
+  exp_avg, exp_avg_sq, grad accumulator) and takes that layer's CPU AdamW (``adam_s`` per layer,
+  measured on the CPU worker) off the host;
+* one more kept graph (``store``) costs ``G - I`` (its graph bytes minus the saved input a
+  recomputed layer keeps anyway) and saves one layer forward in backward.
+
+Without clipping a host layer's update runs on the CPU worker while the GPU goes on: the deepest
+layers' gradients come first in backward, and layer ``j``'s update must be done before the next
+forward reaches layer ``j``. With the deepest ``n - K`` layers on the host, the worker's
+``(n - K) * adam_s`` seconds fit in ``(n - 1) * bwd_s + K * fwd_s`` (the rest of the backward, then
+the forward of the device-state layers), so the smallest such ``K`` hides the CPU work
+(``hide_layers``); beyond it a device-state layer saves nothing, while a kept graph saves a
+forward. The planner therefore keeps ``K >= hide_layers`` device-state layers, then every
+layer's graph if it fits, then more device-state layers in what is left (fewer streamed weights).
+
+With clipping every update waits for the global norm, after the whole backward: a host layer's
+CPU AdamW (tens of ms per 7B-class layer) is exposed almost in full, several times what a kept
+graph saves (one layer forward). The planner puts the state of as many layers on the device as
+fit next to the saved inputs of all layers, then keeps graphs in what is left.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+# Margin on the measured CPU AdamW time per layer in the hiding condition (the worker also copies
+# gradients and contends with the H2D / D2H copies for host memory bandwidth).
+ADAM_MARGIN = 1.25
+
+
+def hide_layers(n: int, adam_s: float, fwd_s: float, bwd_s: float) -> int:
+    """Smallest ``K`` (device-state layers ``0 .. K-1``) whose host layers' CPU AdamW hides behind
+    the GPU without clipping: ``(n - K) * ADAM_MARGIN * adam_s <= (n - 1) * bwd_s + K * fwd_s``.
+
+    Args:
+        n: decoder layers.
+        adam_s: measured CPU AdamW seconds of one layer.
+        fwd_s / bwd_s: measured seconds of one layer's forward / backward on the device.
+
+    Returns:
+        ``K`` in ``0 .. n`` (``n``: the CPU cannot keep up even with one host layer).
+    """
+    a = ADAM_MARGIN * max(0.0, adam_s)
+    if a <= 0.0:
+        return 0
+    k = math.ceil((n * a - (n - 1) * max(0.0, bwd_s)) / (a + max(0.0, fwd_s)))
+    return min(n, max(0, k))
+
+
+def plan_placement(n: int, max_device_layers: int, state_bytes: int, graph_bytes: int, input_bytes: int,
+                   capacity: int, clip: bool, adam_s: Optional[float], fwd_s: float, bwd_s: float) -> dict:
+    """Device-state layers ``K`` and kept graphs ``k`` for one input shape, within ``capacity``.
+
+    Args:
+        n: decoder layers.
+        max_device_layers: the most layers whose state may go to the device (layers on disk never).
+        state_bytes: device bytes of one layer's training state (``S``).
+        graph_bytes / input_bytes: measured bytes one layer's kept graph / saved input holds (``G``, ``I``).
+        capacity: device bytes for the state of the ``K`` layers and every layer's activations.
+        clip: whether the optimizer clips (``max_grad_norm``).
+        adam_s: measured CPU AdamW seconds per layer, or None when no layer updated on the host
+            (then ``K`` does not shrink below what fits with every graph kept).
+        fwd_s / bwd_s: measured seconds per layer forward / backward.
+
+    Returns:
+        ``dict(device_state_layers=K, store_layers=k, hide_layers=..., rule=...)``: ``K * S`` plus
+        ``k`` graphs and ``n - k`` saved inputs fit ``capacity`` (``K`` may be 0 and ``k`` 0 when
+        nothing fits: the recompute engine).
+    """
+    S, G, I = max(1, int(state_bytes)), max(0, int(graph_bytes)), max(0, int(input_bytes))
+    extra = max(1, G - I)  # a kept graph replaces the layer's saved input
+    kmax = max(0, min(n, int(max_device_layers)))
+
+    def fit_state(room: int) -> int:
+        return max(0, min(kmax, room // S))
+
+    def fit_graphs(room: int) -> int:
+        return max(0, min(n, room // extra))
+
+    inputs = n * I
+    if clip:
+        K = fit_state(capacity - inputs)
+        k = fit_graphs(capacity - inputs - K * S)
+        return dict(device_state_layers=K, store_layers=k, hide_layers=None, rule="clip: device state first")
+    hide = kmax if adam_s is None else min(kmax, hide_layers(n, adam_s, fwd_s, bwd_s))
+    all_graphs = inputs + n * extra
+    if all_graphs + hide * S <= capacity:
+        K = max(hide, fit_state(capacity - all_graphs)) if adam_s is not None else fit_state(capacity - all_graphs)
+        return dict(device_state_layers=K, store_layers=n, hide_layers=hide,
+                    rule="no clip: every graph kept, device state in what is left")
+    K = min(hide, fit_state(capacity - inputs))
+    k = fit_graphs(capacity - inputs - K * S)
+    return dict(device_state_layers=K, store_layers=k, hide_layers=hide,
+                rule="no clip: device state to hide the CPU AdamW, graphs in what is left")
+
+
+# Device bytes kept free when placing again: fragmentation, cuBLAS workspaces, what a later step's
+# batch adds (a share of the device's memory, plus a constant).
+REPLAN_MARGIN_FRACTION = 0.04
+REPLAN_MARGIN_BYTES = 1 << 30
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def scratch_adam_seconds(numel: int, probe: int = 1 << 24) -> float:
+    """CPU AdamW seconds for ``numel`` parameters, from two timed runs of the fused kernel on
+    ``probe`` scratch parameters (fp32 state, bf16 compute copy; memory bound, so linear in size)."""
+    import time
+
+    from .. import ops
+
+    n = int(max(1, min(numel, probe)))
+    t = [torch.zeros(n, dtype=torch.float32) for _ in range(4)]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    best = math.inf
+    for _ in range(2):
+        t0 = time.perf_counter()
+        ops.adamw_step_(t[0], t[1], t[2], t[3], out, lr=1e-3, step=1)
+        best = min(best, time.perf_counter() - t0)
+    return best * numel / n
+
+
+class PlacementReplan:
+    """Mixin of :class:`~megatrain.runtime.wrapped.WrappedEngine`: measures the first optimizer step
+    (per-layer forward / backward time on the compute stream, CPU AdamW time per host layer, the
+    device memory beyond the planned activations) and then places once more by :func:`plan_placement`
+    (``device_state_layers="auto"`` with ``activation_policy="auto"``; see the module docstring).
+
+    ``self.replan_info``: None until it ran; then what it measured and chose (in ``placement()``).
+    """
+
+    def _init_replan(self, enabled: bool) -> None:
+        self._replan_state = "measure" if enabled else "off"
+        self._replan_marks = {"fwd": [], "bwd": []}
+        self._replan_base = None
+        self.replan_info: Optional[dict] = None
+
+    def _replan_mark(self, kind: str) -> None:
+        """A layer call of the measured step starts (``"fwd"``: with grad; ``"bwd"``: its backward)."""
+        if self._replan_state != "measuring" or len(self._replan_marks[kind]) >= 8 * max(1, len(self.layers)):
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.compute_stream())
+            self._replan_marks[kind].append(ev)
+        else:
+            import time
+            self._replan_marks[kind].append(time.perf_counter())
+
+    def _replan_begin_forward(self) -> None:
+        """At a training forward: start measuring (the first step), or place again after it."""
+        state = self._replan_state
+        if state == "off" or state == "done" or not torch.is_grad_enabled():
+            return
+        opt = self.optimizer
+        steps = getattr(opt, "steps_called", 0) if opt is not None else 0
+        if steps == 0:
+            if state == "measure":
+                self._replan_state = "measuring"
+                stats = self.stats()
+                if self.cuda:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                self._replan_base = dict(adam_time_s=stats["adam_time_s"],
+                                         allocated=torch.cuda.memory_allocated(self.device) if self.cuda else 0)
+            return
+        if state != "measuring":
+            self._replan_state = "done"
+            return
+        if any(b for u in self.units for b in u.batches):
+            return  # gradients accumulated since the step (no zero_grad yet): at a later forward
+        self._replan_state = "done"
+        self.replan()
+
+    def _layer_seconds(self, kind: str) -> float:
+        marks = self._replan_marks[kind]
+        n = len(self.layers)
+        if len(marks) < 2:
+            return 0.0
+        if self.cuda:
+            marks[-1].synchronize()
+            diffs = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            diffs = [b - a for a, b in zip(marks, marks[1:])]
+        # consecutive calls of one pass (n - 1 gaps per forward / backward; the step boundary dropped)
+        per_pass = [d for i, d in enumerate(diffs) if (i + 1) % n != 0]
+        return _median(per_pass)
+
+    def replan(self) -> Optional[dict]:
+        """Place the device-state layers and kept graphs again from the first step's measurements.
+
+        Called once, at the first training forward after the first ``optimizer.step()`` with no
+        gradient accumulated since. Does nothing for a shape decided as ``block:K`` (long context),
+        under data parallel or the disk tier, or before an ``auto`` decision was measured.
+        Returns ``self.replan_info``.
+        """
+        from . import device_state as ds
+
+        decisions = [d for d in self.auto_decisions.values() if d.get("block_k", 1) == 1]
+        fwd_s, bwd_s = self._layer_seconds("fwd"), self._layer_seconds("bwd")
+        self._replan_marks = {"fwd": [], "bwd": []}
+        if not decisions or self.dp is not None or self.disk is not None or not self.layers:
+            return None
+        d = max(decisions, key=lambda x: x["bytes_per_layer"])
+        n = len(self.layers)
+        G, I, k_now = int(d["bytes_per_layer"]), int(d["bytes_per_input"]), int(d["store_layers"])
+        if k_now < n:  # the backward diffs of recomputed layers hold one forward too
+            bwd_s = max(0.0, bwd_s - fwd_s * (n - k_now) / n)
+        S = ds.unit_device_bytes(self.layers[0], self.compute_dtype)
+        dev_layers = self.device_state.layers if self.device_state is not None else []
+        K_now = len(dev_layers)
+        host_layers = n - K_now
+        opt = self.optimizer
+        steps = max(1, getattr(opt, "steps_called", 1))  # measured since the first forward (step count 0)
+        adam_delta = (self.stats()["adam_time_s"] - self._replan_base["adam_time_s"]) / steps
+        if host_layers > 0 and adam_delta > 0:
+            adam_s, adam_from = adam_delta / host_layers, "measured"
+        else:
+            adam_s, adam_from = scratch_adam_seconds(self.layers[0].state_numel), "scratch kernel"
+        acts = k_now * G + (n - k_now) * I
+        free = self.free_device_bytes()
+        if self.cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            transient = max(0, torch.cuda.max_memory_allocated(self.device) - self._replan_base["allocated"] - acts)
+        else:
+            total, transient = free, 0
+        margin = int(REPLAN_MARGIN_FRACTION * total) + REPLAN_MARGIN_BYTES if self.cuda else 0
+        capacity = free + sum(ds.unit_device_bytes(u, self.compute_dtype) for u in dev_layers) - transient - margin
+        clip = opt is not None and opt.max_grad_norm is not None
+        plan = plan_placement(n, n, S, G, I, capacity, clip, adam_s, fwd_s, bwd_s)
+        K, k = plan["device_state_layers"], plan["store_layers"]
+        self.resize_device_state(K)
+        for dd in decisions:
+            kk = k if dd is d else min(n, k if dd["bytes_per_layer"] <= G else dd["store_layers"])
+            dd.update(store=kk == n, store_layers=kk, recompute_layers=n - kk)
+        self.replan_info = dict(before=dict(device_state_layers=K_now, store_layers=k_now), **plan,
+                                clip=clip, state_bytes_per_layer=S, capacity_bytes=int(capacity),
+                                transient_bytes=int(transient), adam_s_per_layer=adam_s, adam_from=adam_from,
+                                fwd_s_per_layer=fwd_s, bwd_s_per_layer=bwd_s)
+        return self.replan_info
