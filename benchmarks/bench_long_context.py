@@ -103,7 +103,7 @@ def run_train(spec) -> dict:
     fl = model_flops_per_step(n_params, m, spec["batch"], spec["seq"])
     return dict(step_s=step_s, setup_s=setup_s, loss=loss, n_params=n_params, policy=policy,
                 model_flops_per_step=fl, model_tflops=fl / step_s / 1e12, tokens_per_s=spec["batch"] * spec["seq"] / step_s,
-                loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), layers=m["layers"], hidden=m["hidden"],
+                loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), norm_rows=last.get("norm_rows"), layers=m["layers"], hidden=m["hidden"],
                 auto_decisions=auto, offload_host_gib=parked)
 
 
