@@ -32,12 +32,12 @@ def test_without_clipping_every_graph_is_kept_when_it_fits_next_to_the_hiding_st
     n, S, G, I = 32, 3 * GiB, 3 * GiB, GiB // 4
     hide = planner.hide_layers(n, 0.06, 0.016, 0.033)
     cap = n * G + hide * S + S // 2  # room for all graphs, the hiding layers and half a layer more
-    p = planner.plan_placement(n, n, S, G, I, cap, False, 0.06, 0.016, 0.033)
+    p = planner.plan_placement(n, n, S, G, I, cap, 0.06, 0.016, 0.033)
     assert p["store_layers"] == n and p["device_state_layers"] == hide == p["hide_layers"]
     used = p["device_state_layers"] * S + n * I + n * (G - I)
     assert used <= cap
     # more room: more device-state layers (fewer streamed weights), every graph still kept
-    p2 = planner.plan_placement(n, n, S, G, I, cap + 5 * S, False, 0.06, 0.016, 0.033)
+    p2 = planner.plan_placement(n, n, S, G, I, cap + 5 * S, 0.06, 0.016, 0.033)
     assert p2["store_layers"] == n and p2["device_state_layers"] == hide + 5
 
 
@@ -45,7 +45,7 @@ def test_without_clipping_and_too_little_room_the_hiding_state_comes_first_then_
     n, S, G, I = 32, 3 * GiB, 3 * GiB, GiB // 4
     hide = planner.hide_layers(n, 0.06, 0.016, 0.033)
     cap = 100 * GiB
-    p = planner.plan_placement(n, n, S, G, I, cap, False, 0.06, 0.016, 0.033)
+    p = planner.plan_placement(n, n, S, G, I, cap, 0.06, 0.016, 0.033)
     assert p["device_state_layers"] == hide
     k = p["store_layers"]
     assert 0 < k < n
@@ -53,23 +53,28 @@ def test_without_clipping_and_too_little_room_the_hiding_state_comes_first_then_
     assert used <= cap < used + (G - I)  # one more graph would not fit
 
 
-def test_with_clipping_the_state_of_as_many_layers_as_fit_comes_first():
+def test_the_layers_that_may_go_to_the_device_bound_k_and_nothing_fitting_is_the_recompute_engine():
     n, S, G, I = 32, 3 * GiB, 3 * GiB, GiB // 4
-    cap = 130 * GiB
-    p = planner.plan_placement(n, n, S, G, I, cap, True, 0.06, 0.016, 0.033)
-    K, k = p["device_state_layers"], p["store_layers"]
-    assert K == min(n, (cap - n * I) // S)
-    assert K * S + n * I + k * (G - I) <= cap < K * S + n * I + (k + 1) * (G - I)
-    # the layers whose state may go to the device bound K (disk layers never)
-    assert planner.plan_placement(n, 10, S, G, I, cap, True, 0.06, 0.016, 0.033)["device_state_layers"] == 10
-    # nothing fits: the recompute engine
-    p0 = planner.plan_placement(n, n, S, G, I, n * I - 1, True, 0.06, 0.016, 0.033)
+    p = planner.plan_placement(n, 10, S, G, I, 400 * GiB, 0.06, 0.016, 0.033)
+    assert p["device_state_layers"] == 10 and p["store_layers"] == n  # disk layers never go to the device
+    p0 = planner.plan_placement(n, n, S, G, I, n * I - 1, 0.06, 0.016, 0.033)
     assert p0["device_state_layers"] == 0 and p0["store_layers"] == 0
+
+
+def test_with_clipping_the_first_placement_is_kept():
+    m = dict(clip=True, before=dict(device_state_layers=19, store_layers=13))
+    p = planner.choose_placement(m)
+    assert (p["device_state_layers"], p["store_layers"]) == (19, 13) and p["rule"].startswith("clip")
+    m = dict(m, clip=False, layers=32, max_device_layers=32, state_bytes_per_layer=3 * GiB,
+             graph_bytes_per_layer=3 * GiB, input_bytes_per_layer=GiB // 4, capacity_bytes=130 * GiB,
+             adam_s_per_layer=0.06, fwd_s_per_layer=0.016, bwd_s_per_layer=0.033)
+    assert planner.choose_placement(m) == planner.plan_placement(32, 32, 3 * GiB, 3 * GiB, GiB // 4, 130 * GiB,
+                                                                 0.06, 0.016, 0.033)
 
 
 def test_unknown_cpu_adam_time_keeps_as_much_state_as_fits():
     n, S, G, I = 8, GiB, GiB, GiB // 8
-    p = planner.plan_placement(n, n, S, G, I, 6 * GiB, False, None, 0.01, 0.02)
+    p = planner.plan_placement(n, n, S, G, I, 6 * GiB, None, 0.01, 0.02)
     assert p["device_state_layers"] == (6 * GiB - n * I) // S == 5
     assert p["device_state_layers"] * S + n * I + p["store_layers"] * (G - I) <= 6 * GiB
 
@@ -77,11 +82,11 @@ def test_unknown_cpu_adam_time_keeps_as_much_state_as_fits():
 def _force_plan(monkeypatch, K, k):
     seen = []
 
-    def plan(n, max_device_layers, S, G, I, capacity, clip, adam_s, fwd_s, bwd_s):
-        seen.append(dict(n=n, S=S, G=G, I=I, clip=clip, adam_s=adam_s, fwd_s=fwd_s, bwd_s=bwd_s))
+    def choose(m):
+        seen.append(m)
         return dict(device_state_layers=K, store_layers=k, hide_layers=None, rule="forced by the test")
 
-    monkeypatch.setattr(planner, "plan_placement", plan)
+    monkeypatch.setattr(planner, "choose_placement", choose)
     return seen
 
 
@@ -101,8 +106,9 @@ def test_replan_after_the_first_step_moves_state_and_graphs_with_parity(monkeypa
     eng = wrapped.megatrain
     assert len(seen) == 1, "placed again exactly once"
     s = seen[0]
-    assert s["n"] == 3 and s["G"] > s["I"] > 0 and s["clip"] == (clip is not None)
-    assert s["adam_s"] > 0 and s["fwd_s"] > 0 and s["bwd_s"] >= 0
+    assert s["layers"] == 3 and s["graph_bytes_per_layer"] > s["input_bytes_per_layer"] > 0
+    assert s["clip"] == (clip is not None) and s["before"]["device_state_layers"] == start
+    assert s["adam_s_per_layer"] > 0 and s["fwd_s_per_layer"] > 0 and s["bwd_s_per_layer"] >= 0
     assert _device_layers(wrapped) == list(range(K))
     (d,) = eng.auto_decisions.values()
     assert d["store_layers"] == k and d["recompute_layers"] == 3 - k
@@ -120,12 +126,15 @@ def test_no_replan_for_an_explicit_placement(monkeypatch):
     assert _device_layers(wrapped) == [0, 1]
 
 
-def test_replan_with_the_real_rule_keeps_parity(monkeypatch):
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_replan_with_the_real_rule_keeps_parity(monkeypatch, clip):
     """The unforced rule on CPU (capacity: the host's available memory) still trains as torch."""
     _limit_device_room(monkeypatch, 1)
-    ref, got, wrapped, _ = run_pair(tiny("llama"), micro_batches=2, max_grad_norm=None,
+    ref, got, wrapped, _ = run_pair(tiny("llama"), micro_batches=2, max_grad_norm=clip,
                                     device_state_layers="auto", policy="auto")
     info = wrapped.megatrain.placement()["replan"]
-    assert info is not None and info["rule"].startswith("no clip")
+    assert info is not None and info["rule"].startswith("clip" if clip else "no clip")
     assert info["store_layers"] == 3  # the CPU has room for every graph
+    if clip:  # the first placement kept
+        assert info["device_state_layers"] == 1 == len(_device_layers(wrapped))
     check(ref, got, wrapped, rtol=HOST_RTOL)
