@@ -174,26 +174,25 @@ class PlacementReplan:
             self._replan_marks[kind].append(time.perf_counter())
 
     def _replan_begin_forward(self) -> None:
-        """At a training forward: start measuring (the first step), or place again after it."""
+        """At a training forward: start measuring (at a step's first forward: the first step of a
+        run, or of a resumed one), or, once that step is done, place again."""
         state = self._replan_state
         if state == "off" or state == "done" or not torch.is_grad_enabled():
             return
         opt = self.optimizer
         steps = getattr(opt, "steps_called", 0) if opt is not None else 0
-        if steps == 0:
-            if state == "measure":
-                self._replan_state = "measuring"
-                stats = self.stats()
-                if self.cuda:
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                self._replan_base = dict(adam_time_s=stats["adam_time_s"],
-                                         allocated=torch.cuda.memory_allocated(self.device) if self.cuda else 0)
-            return
-        if state != "measuring":
-            self._replan_state = "done"
-            return
         if any(b for u in self.units for b in u.batches):
-            return  # gradients accumulated since the step (no zero_grad yet): at a later forward
+            return  # gradients accumulated since the last step: inside a step
+        if state == "measure":
+            self._replan_state = "measuring"
+            stats = self.stats()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._replan_base = dict(adam_time_s=stats["adam_time_s"], steps=steps,
+                                     allocated=torch.cuda.memory_allocated(self.device) if self.cuda else 0)
+            return
+        if steps == self._replan_base["steps"]:
+            return  # the measured step has not been taken yet
         self._replan_state = "done"
         self.replan()
 
@@ -214,8 +213,8 @@ class PlacementReplan:
     def replan(self) -> Optional[dict]:
         """Place the device-state layers and kept graphs again from the first step's measurements.
 
-        Called once, at the first training forward after the first ``optimizer.step()`` with no
-        gradient accumulated since. Does nothing for a shape decided as ``block:K`` (long context),
+        Called once, at the first training forward after the measured step (the first step of the
+        run, or of a resumed run), with no gradient accumulated since. Does nothing for a shape decided as ``block:K`` (long context),
         under data parallel or the disk tier, or before an ``auto`` decision was measured.
         Returns ``self.replan_info``.
         """
@@ -237,7 +236,7 @@ class PlacementReplan:
         host_layers = n - K_now
         opt = self.optimizer
         self.flush()  # the first step's CPU updates, all of them timed
-        steps = max(1, getattr(opt, "steps_called", 1))  # measured since the first forward (step count 0)
+        steps = max(1, getattr(opt, "steps_called", 1) - self._replan_base["steps"])  # steps measured
         adam_delta = (self.stats()["adam_time_s"] - self._replan_base["adam_time_s"]) / steps
         if host_layers > 0 and adam_delta > 0:
             adam_s, adam_from = adam_delta / host_layers, "measured"
