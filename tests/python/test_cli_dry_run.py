@@ -154,7 +154,8 @@ def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path
 @pytest.mark.parametrize("flags,expect", [
     ([], "long context: loss over chunks of"),
     (["--chunked-loss", "false", "--tile-mlp", "4096"],
-     "long context: full logits (chunked_loss=false); MLP over tiles of 4,096 rows (tile_mlp=4096)"),
+     "long context: full logits (chunked_loss=false); MLP over tiles of 4,096 rows, norms over tiles of 4,096 rows "
+     "(tile_mlp=4096)"),
 ])
 def test_dry_run_at_512k_tokens_says_how_the_loss_and_mlp_are_split(tmp_path, capsys, monkeypatch, flags, expect):
     """The dry run prints how the loss and the MLP are split; on the CPU device the 8 x 524288 tokens'

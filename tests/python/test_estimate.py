@@ -189,8 +189,11 @@ def test_estimate_says_what_chunked_loss_and_tile_mlp_use_and_refuses_what_wrap_
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=11008, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
     est = megatrain.estimate(cfg, device="cpu", seq_len=4096, chunked_loss=7, tile_mlp=False)
-    assert (est.loss_rows, est.mlp_rows) == (7, None)
+    assert (est.loss_rows, est.mlp_rows, est.norm_rows) == (7, None, None)
     assert "loss over chunks of 7 rows, no full logits (chunked_loss=7); MLP untiled (tile_mlp=false)" in str(est)
+    tiled = megatrain.estimate(cfg, device="cpu", seq_len=4096, tile_mlp=9)
+    assert (tiled.mlp_rows, tiled.norm_rows) == (9, 9)  # the layers' RMSNorms under the same switch
+    assert "MLP over tiles of 9 rows, norms over tiles of 9 rows (tile_mlp=9)" in str(tiled)
     full = megatrain.estimate(cfg, device="cpu", seq_len=4096, chunked_loss=False)
     assert full.loss_rows is None and full.logits_bytes == 4096 * 32000 * 12 > est.logits_bytes
     moe = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -81,11 +81,11 @@ def _logits_bytes(config, tokens: int, elem: int, loss_rows: Optional[int]) -> i
 
 def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Optional[int], chunked_loss,
                        tile_mlp) -> tuple:
-    """``(loss_rows, mlp_rows)`` that ``wrap``'s ``chunked_loss`` / ``tile_mlp`` would use at ``tokens``."""
+    """``(loss_rows, mlp_rows, norm_rows)`` that ``wrap``'s ``chunked_loss`` / ``tile_mlp`` would use at ``tokens``."""
     from . import long_context as lc
 
     if not tokens or config is None:
-        return None, None
+        return None, None, None
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=0)
     inter = _cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h
@@ -94,7 +94,9 @@ def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Opt
     loss_rows = lc.loss_rows_for(chunked_loss, tokens, vocab, elem, room) if lc.loss_supported(module)[0] else None
     has_mlp = any(lc._mlp_of(layer) is not None for layer in layers)
     mlp_rows = lc.mlp_rows_for(tile_mlp, tokens, inter, elem, room) if has_mlp else None
-    return loss_rows, mlp_rows
+    has_norms = any(lc._norms_of(layer) for layer in layers)
+    norm_rows = lc.norm_rows_for(tile_mlp, tokens, h, room) if has_norms else None
+    return loss_rows, mlp_rows, norm_rows
 
 
 def _model_and_kind(model, model_kwargs, transform):
@@ -162,7 +164,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             no activation estimate).
         staging_buffers: the engine's gradient staging buffers (4).
         chunked_loss, tile_mlp: as :func:`megatrain.wrap`; the estimate says what they would use
-            at this batch (``loss_rows`` / ``mlp_rows``) and counts it.
+            at this batch (``loss_rows`` / ``mlp_rows`` / ``norm_rows``) and counts it.
         offload_dir, host_memory_limit: as :func:`megatrain.wrap`: which layers' fp32 state would
             go to disk (the same planning, :func:`megatrain.runtime.disk_offload.plan_offload`), the
             disk bytes against the free space of ``offload_dir``'s filesystem, and the tier's RAM
@@ -281,7 +283,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     elif not cuda and limits["mem_available_bytes"] is not None:  # the CPU device's memory is the host's:
         free = max(0, limits["mem_available_bytes"] - host)           # what the host store leaves
     tokens = micro_batch_size * seq_len if seq_len else 0
-    loss_rows, mlp_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss, tile_mlp)
+    loss_rows, mlp_rows, norm_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss,
+                                                        tile_mlp)
     act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free, mlp_rows)
     logits = _logits_bytes(config, tokens, elem, loss_rows)
     gpu = slot_bytes + resident_bytes + act + logits
@@ -307,7 +310,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         disk_fits=None if offload_dir is None else oplan.disk_total_bytes <= (oplan.free_bytes or 0),
         slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
         gpu_bytes=gpu, gpu_free_bytes=free if gpu_fits is not None else None, gpu_fits=gpu_fits,
-        chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows)
+        chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows,
+        norm_rows=norm_rows)
     if cuda and not torch.cuda.is_available():
         est.notes.append("CUDA is not available here: GPU memory not checked")
 

@@ -72,6 +72,7 @@ class MemoryEstimate:
     tile_mlp: str = "auto"
     loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
     mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
+    norm_rows: Optional[int] = None  # rows per tile of the layers' norms (None: untiled)
     host_memory_limit: Optional[int] = None  # as wrap's (None: the budget check's limits alone)
     offload_dir: Optional[str] = None  # the disk tier's directory (None: no disk tier)
     disk_layers: int = 0  # decoder layers whose fp32 state goes to disk
@@ -154,6 +155,8 @@ class MemoryEstimate:
             loss = (f"loss over chunks of {self.loss_rows:,} rows, no full logits" if self.loss_rows
                     else "full logits")
             mlp = f"MLP over tiles of {self.mlp_rows:,} rows" if self.mlp_rows else "MLP untiled"
+            if self.norm_rows:
+                mlp += f", norms over tiles of {self.norm_rows:,} rows"
             L.append(f"  long context: {loss} (chunked_loss={self.chunked_loss}); {mlp} (tile_mlp={self.tile_mlp})")
         free = f"; {_fmt(self.gpu_free_bytes)} free: " + ("fits" if self.gpu_fits else "DOES NOT FIT") \
             if self.gpu_free_bytes is not None and self.gpu_fits is not None else ""
