@@ -42,16 +42,16 @@ from __future__ import annotations
 
 import collections
 import inspect
-import math
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .layer_call import mixed_class
-from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss: public here too
+from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss, checkpoint_spacing: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
-    _rows_for, _TiledMLPFunction, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for, norm_rows_for)
+    _rows_for, _TiledMLPFunction, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
+    norm_rows_for)
 
 
 class _TiledMixin:
@@ -321,27 +321,6 @@ class LongContext:
                 f"B x 1 x T x T mask ({b * t * t / GiB:.1f} GiB) for {impl} attention; pack sequences without "
                 "padding (attention_mask=None, or all ones, and labels -100 where no loss is wanted), or use "
                 "attn_implementation='flash_attention_2'")
-
-
-def checkpoint_spacing(num_layers: int, checkpoint_bytes: int, budget_bytes: float) -> int:
-    """K of ``activation_policy="block:K"`` for long context: the smallest K whose checkpoints fit.
-
-    Under ``block:K`` one layer input of every K is kept through the forward ((L / K) rounded up)
-    and, while a block runs its backward, up to K - 1 more recomputed inputs of that block.
-
-    Args:
-        num_layers: L, decoder layers. checkpoint_bytes: bytes of one layer input (B x T x hidden x
-            element size). budget_bytes: device memory granted to the checkpoints.
-
-    Returns:
-        The smallest K in 1..L with ``(ceil(L / K) + K - 1) * checkpoint_bytes <= budget_bytes``;
-        when none fits, the K with the fewest checkpoints (about sqrt(L)).
-    """
-    count = {k: math.ceil(num_layers / k) + k - 1 for k in range(1, max(1, num_layers) + 1)}
-    for k in sorted(count):
-        if count[k] * checkpoint_bytes <= budget_bytes:
-            return k
-    return min(count, key=lambda k: (count[k], k))
 
 
 def _head_owner(model: nn.Module, head: nn.Module) -> nn.Module:

@@ -3,6 +3,7 @@ and the sizes they are chunked by (see :mod:`.long_context` for how a model gets
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Optional
 
@@ -83,6 +84,27 @@ def norm_rows_for(mode, rows: int, hidden: int, free: float) -> Optional[int]:
         return None
     per_row = hidden * 4 * 6  # fp32 input, normalised rows, output and their gradients in flight
     return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+
+
+def checkpoint_spacing(num_layers: int, checkpoint_bytes: int, budget_bytes: float) -> int:
+    """K of ``activation_policy="block:K"`` for long context: the smallest K whose checkpoints fit.
+
+    Under ``block:K`` one layer input of every K is kept through the forward ((L / K) rounded up)
+    and, while a block runs its backward, up to K - 1 more recomputed inputs of that block.
+
+    Args:
+        num_layers: L, decoder layers. checkpoint_bytes: bytes of one layer input (B x T x hidden x
+            element size). budget_bytes: device memory granted to the checkpoints.
+
+    Returns:
+        The smallest K in 1..L with ``(ceil(L / K) + K - 1) * checkpoint_bytes <= budget_bytes``;
+        when none fits, the K with the fewest checkpoints (about sqrt(L)).
+    """
+    count = {k: math.ceil(num_layers / k) + k - 1 for k in range(1, max(1, num_layers) + 1)}
+    for k in sorted(count):
+        if count[k] * checkpoint_bytes <= budget_bytes:
+            return k
+    return min(count, key=lambda k: (count[k], k))
 
 
 # ---------------------------------------------------------------------------------------------
