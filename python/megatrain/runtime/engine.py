@@ -20,9 +20,13 @@ copies (the "CPU backend"), so every path is exercised by CPU tests.
 
 :class:`Engine` is the one interface the other parts of megatrain use. Its methods come from:
 
-* this module: construction (budget check, store), host-store views and the fp32 accumulator,
-  device-state layers, ``sync_host`` / ``host_written``, waiting for the worker (``flush``,
-  ``wait_grads``, ``wait_event``);
+* this module: construction (budget check, store), host-store views, ``sync_host`` /
+  ``host_written``, the attached optimizer and ``locate``;
+* :mod:`.engine_memory` (:class:`~.engine_memory.EngineMemory`): the fp32 accumulator
+  (``enable_accumulator``), ``finish_fill``, device-state layers (``init_device_state``,
+  ``resize_device_state``), ``free_device_bytes``;
+* :mod:`.engine_waits` (:class:`~.engine_waits.EngineWaits`): waiting for the worker (``flush``,
+  ``wait_grads``, ``wait_task``, ``wait_event``);
 * :mod:`.slots` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): ``acquire`` /
   ``prefetch`` / ``release``, ``copy_h2d``, ``wait_update``, ``bind`` / ``unbind``, ``drop_slots``;
 * :mod:`.grads` (:class:`~.grads.GradLedger`): ``submit_grads`` (hand-over + accumulation), ``settle``;
@@ -38,11 +42,8 @@ Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sec
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
-import time
 import weakref
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 import torch
 
@@ -50,6 +51,8 @@ from .._loader import load_extension
 from . import data_parallel
 from .grad_copies import GradCopies
 from .disk_offload import DiskOffload, check_offload_args, plan_offload
+from .engine_memory import EngineMemory
+from .engine_waits import EngineWaits
 from .grads import GradLedger
 from .host_memory import check_host_budget
 from .options import Options, options
@@ -143,7 +146,7 @@ def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
     return getattr(param, "_megatrain", None)
 
 
-class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
+class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
     """Streams units between a ``HostStore`` and a compute device (see module docstring).
 
     Args:
@@ -247,155 +250,6 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
         self._optimizer: Optional[EngineOptimizer] = None
         self.device_state = None  # DeviceState of the device-state layers (init_device_state)
 
-    # ------------------------------------------------------------------ memory helpers
-    @property
-    def has_accumulator(self) -> bool:
-        """Whether a second gradient before ``step()`` can be summed (accumulator present or allocatable)."""
-        return self.accumulator_mode is not False
-
-    @property
-    def accumulator_allocated(self) -> bool:
-        return self.accumulator_mode is True or self._accum is not None
-
-    def enable_accumulator(self) -> None:
-        """Allocate the fp32 gradient accumulator now (auto mode; no-op when present).
-
-        4 bytes per trainable parameter, outside the store (CPU only: it is never DMA'd), zeroed.
-
-        Raises:
-            RuntimeError: the model was wrapped with ``grad_accumulator=False``.
-            HostMemoryError: it does not fit in host memory (nothing allocated).
-        """
-        if self.accumulator_allocated:
-            return
-        if self.accumulator_mode is False:
-            raise RuntimeError("megatrain: the model was wrapped with grad_accumulator=False; gradient accumulation "
-                               "needs the fp32 accumulator: wrap with grad_accumulator=None (auto) or True")
-        need = self.host_plan["accumulator_bytes"]
-        check_host_budget(need, 0, "gradient accumulator")
-        plan = self.offload_plan
-        if plan.host_memory_limit is not None and not plan.with_accumulator:
-            total = plan.host_bytes + need + (_C.DiskTier.pool_bytes(plan.accum_layouts, plan.num_buffers)
-                                              if plan.disk_units else 0)
-            if total > plan.host_memory_limit:
-                e = _C.HostMemoryError(
-                    f"megatrain: the fp32 gradient accumulator needs {need} more bytes of host memory ({total} in all) "
-                    f"but host_memory_limit is {plan.host_memory_limit}: wrap with grad_accumulator=True (then the "
-                    "layers put on disk leave room for it), or raise host_memory_limit")
-                e.needed_bytes, e.available_bytes, e.limit = total, plan.host_memory_limit, "host_memory_limit"
-                raise e
-        if self.disk is not None:  # the disk units' accumulators: a tier of their own (offload_dir/grad_accum)
-            self.disk.enable_accumulator()
-        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units if u.disk is None}
-
-    def accumulator_bytes(self) -> int:
-        """Host bytes of the fp32 gradient accumulator now allocated (store section or separate)."""
-        if self.accumulator_mode is True:
-            return int(self.store.section_bytes.get("grad_accum", 0))
-        if self._accum is None:
-            return 0
-        return sum(t.numel() * 4 for t in self._accum.values())
-
-    def finish_fill(self) -> None:
-        """The store is filled: page-lock it now (pin-after-fill, the default on CUDA)."""
-        if self.cuda and self.pin_after_fill and not self.store.is_pinned:
-            self.store.pin()
-
-    def init_device_state(self, layers) -> int:
-        """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``) on the device.
-
-        Called once, after the store is filled. ``"auto"``: first the resident unit (embedding, final
-        norm, LM head: what the next forward needs first, and the last gradients of a backward) when
-        :meth:`device_state_resident` offers it and it fits, then as many layers as fit in
-        ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
-        (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16;
-        16 for the resident unit, whose compute copy is its existing device buffer).
-        Returns K (decoder layers). See ``megatrain.runtime.device_state``.
-
-        Raises:
-            ValueError: ``layers`` is not an int >= 0 or ``"auto"``, or more than the model has.
-        """
-        from . import device_state as ds
-
-        ds.check_device_state_layers(layers)
-        on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
-        resident = []
-        if layers == "auto":  # never a layer whose state is on disk
-            free = self.free_device_bytes()
-            res = self.device_state_resident()
-            if res is not None:  # what the next forward needs first; its compute copy is already on the device
-                need = ds.unit_device_bytes(res, self.compute_dtype, with_compute=False)
-                if need <= ds.AUTO_DEVICE_STATE_FRACTION * free:
-                    resident, free = [res], free - need / ds.AUTO_DEVICE_STATE_FRACTION
-            layers = ds.plan_device_state_layers(on_host, self.compute_dtype, free)
-        elif self.disk is not None and layers > len(on_host):
-            raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but layers {len(on_host)} and above keep "
-                             f"their fp32 state on disk (offload_dir); use at most {len(on_host)}")
-        if layers > len(self.layers):
-            raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
-                             f"decoder layers; use at most {len(self.layers)} (or 'auto')")
-        if layers == 0 and not resident:
-            return 0
-        chosen = resident + self.layers[:layers]
-        self.device_state = ds.DeviceState(self, chosen)
-        for template in list(self.slots):  # slots of a layer shape no streamed layer uses any more
-            if all(u.device_state is not None for u in self.layers if u.template == template):
-                self.drop_slots(template)
-        return layers
-
-    def resize_device_state(self, layers: int) -> None:
-        """Keep the training state of decoder layers ``0 .. layers-1`` on the device from now on (the
-        placement planner's second decision; see ``megatrain.runtime.planner``).
-
-        Only between optimizer steps, with no gradient accumulated: waits for every queued update,
-        copies the state of the layers given back to the host store and frees their device buffers,
-        or copies the new layers' state from the host store; the slots of a layer template come back
-        when a streamed layer uses it again and go when none does. The resident unit stays as it is.
-        """
-        from . import device_state as ds
-
-        self.flush()
-        have = self.device_state.layers if self.device_state is not None else []
-        k = len(have)
-        if layers == k:
-            return
-        if layers < k:
-            self.device_state.remove(have[layers:])
-            for u in have[layers:]:
-                if not self.slots.get(u.template):
-                    self.add_slots(u)
-            if not self.device_state.units:
-                self.device_state = None
-        else:
-            new = self.layers[k:layers]
-            if self.device_state is None:
-                self.device_state = ds.DeviceState(self, new)
-            else:
-                self.device_state.add(new)
-            for template in {u.template for u in new}:
-                if all(u.device_state is not None for u in self.layers if u.template == template):
-                    self.drop_slots(template)
-        self.invalidate(self.layers[min(k, layers):max(k, layers)])
-
-    def check_resident_params(self, where: str, overwritten=()) -> None:
-        """Raise if a parameter outside the store's control was written in place (:class:`~.wrapped.WrappedEngine`)."""
-
-    def note_resident_params(self) -> None:
-        """Record the state :meth:`check_resident_params` compares against (:class:`~.wrapped.WrappedEngine`)."""
-
-    def device_state_resident(self) -> Optional[Unit]:
-        """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
-        (its compute copy must already be a device buffer: :class:`~.wrapped.WrappedEngine`), or None."""
-        return None
-
-    def free_device_bytes(self) -> int:
-        """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""
-        if self.cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-        from .host_memory import host_memory_limits
-        return int(host_memory_limits().get("mem_available_bytes") or 0)
-
     def state_window(self, write: bool = False):
         """Context in which ``entry_view`` / ``section`` reach the disk units' fp32 state (one unit at a
         time: see :meth:`~.disk_offload.DiskOffload.window`); a no-op context without a disk tier.
@@ -472,51 +326,6 @@ class Engine(SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
                 raise ValueError(f"megatrain: entry {e.name} is frozen: it has no gradient accumulator")
             return self._accum[unit.index][e.state_offset:e.state_offset + e.numel].view(e.shape)
         return self.store.view(unit.index, i, name)
-
-    # ------------------------------------------------------------------ streams
-    def _wait_for(self, get: Callable):
-        """Call a blocking ``get(timeout=...)`` until it succeeds, re-raising a CPU worker failure meanwhile."""
-        while True:
-            try:
-                return get(timeout=1.0)
-            except queue.Empty:
-                self._worker.check()
-
-    def wait_task(self, task) -> None:
-        """Wait for a worker task (a ``_C.TaskHandle``, or None: nothing), re-raising a CPU worker failure."""
-        if task is not None and not task.done:
-            self._worker.wait(task)
-        self._worker.check()
-
-    def wait_event(self, ev: threading.Event) -> None:
-        """Wait for ``ev`` (set by a worker task), re-raising a CPU worker failure instead of hanging."""
-        while not ev.wait(timeout=1.0):
-            self._worker.check()
-
-    def flush(self) -> None:
-        """Wait until every submitted gradient has been accumulated and every update applied."""
-        t0 = time.perf_counter()
-        self._worker.drain()
-        with self._stats_lock:
-            self._stats["adam_exposed_s"] += time.perf_counter() - t0
-        self.settle()
-        if self.disk is not None:
-            self.disk.check()  # a write behind that failed after the last task
-
-    def wait_grads(self) -> None:
-        """Wait until every submitted gradient has landed (D2H done, accumulated, norms known).
-
-        Updates already queued (eager ones) may still be running: loads wait for them per unit.
-        """
-        if not self.overlap:
-            return self.flush()
-        t0 = time.perf_counter()
-        self._worker.wait_grads()
-        with self._stats_lock:  # mostly the GPU finishing backward: not CPU Adam time
-            self._stats["grad_wait_s"] += time.perf_counter() - t0
-        self.settle()
-        if self.disk is not None:
-            self.disk.check()
 
     # ------------------------------------------------------------------ the other parts
     @property

@@ -23,7 +23,8 @@ script read and write those masters:
 * ``torch.nn.utils.clip_grad_norm_`` over a wrapped model's parameters: the exact global norm
   from the engine's per-parameter squared norms, and the clip coefficient applied inside the
   next ``CPUAdamW.step()`` (:func:`megatrain.runtime.clip_grad.clip_grad_norm_`, installed at import).
-* ``torch.save(model)`` / ``copy.deepcopy(model)``: refused with one line naming what to use.
+* ``torch.save(model)`` / ``copy.deepcopy(model)``: refused with one line naming what to use; so are
+  casts and moves of the resident weights, PEFT's merges and embedding resizes (:mod:`.module_guards`).
 
 Every read waits for the CPU updates in flight and copies the device-state layers' state to the host
 store first (``engine.sync_host()``); every write refreshes them after (``engine.host_written()``).
@@ -38,6 +39,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from .module_guards import _install_cast_guard, _install_peft_merge_guard, _install_resize_guard
 from .save_pretrained import _save_pretrained
 
 
@@ -217,92 +219,6 @@ def install(eng, model: nn.Module) -> None:
     d.clear()
     d["megatrain"] = eng_ref
     d.update(rest)
-
-
-_CAST_MSG = ("megatrain: {call} would change the {what} of a model wrapped by megatrain.wrap (its resident weights "
-             "are views of megatrain's {dtype} buffer on {device}; the streamed layers live in the host store): "
-             "choose them at wrap: megatrain.wrap(model, compute_dtype=..., device=...)")
-
-
-def _install_cast_guard(eng, model: nn.Module) -> None:
-    """``model.half()`` / ``.to(torch.bfloat16)`` / ``.to(other_device)`` on the model or a module holding
-    resident weights raise before any tensor is converted (torch would cast only the resident part and
-    detach it from the engine's buffer). Calls that change nothing (``.to(its device)``, the
-    Trainer's placement) still run."""
-    u = getattr(eng, "resident", None)
-    if u is None:
-        return
-    owners = [(mod, attr) for e in u.entries for mod, attr in e.owners]
-    holders = {id(mod) for mod, _ in owners}
-
-    def holds_resident(m: nn.Module) -> bool:
-        return any(id(x) in holders for x in m.modules())
-
-    def make(m: nn.Module):
-        orig = m._apply
-
-        def _apply(fn, recurse=True):
-            for mod, attr in owners:
-                p = mod._parameters.get(attr)
-                if p is None or not (mod is m or (recurse and any(mod is x for x in m.modules()))):
-                    continue
-                out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-                if isinstance(out, torch.Tensor) and (out.dtype != p.dtype or out.device != p.device):
-                    what = "dtype" if out.dtype != p.dtype else "device"
-                    call = f"casting to {out.dtype}" if what == "dtype" else f"moving to {out.device}"
-                    raise TypeError(_CAST_MSG.format(call=call, what=what, dtype=p.dtype, device=p.device))
-            return orig(fn, recurse)
-        return _apply
-
-    for m in model.modules():
-        if holds_resident(m):
-            object.__setattr__(m, "_apply", make(m))
-
-
-_MERGE_MSG = ("megatrain: PEFT's {name}() cannot run on a model wrapped by megatrain.wrap (it would merge or remove the "
-              "adapter on the streamed layers' meta placeholders and return a wrong model); use "
-              "megatrain.export_pretrained(model, dir, merge_adapter=True) for the merged model, or "
-              "export_pretrained(model, dir) for the adapter")
-
-
-def _install_peft_merge_guard(model: nn.Module) -> None:
-    """PEFT's merge_and_unload / merge_adapter / unmerge_adapter / unload on a wrapped model raise at once."""
-    try:
-        from peft.tuners.tuners_utils import BaseTuner
-    except Exception:  # peft not installed: nothing to guard
-        return
-
-    def refuse(name):
-        def f(*args, **kwargs):
-            raise RuntimeError(_MERGE_MSG.format(name=name))
-        return f
-
-    targets = [m for m in model.modules() if isinstance(m, BaseTuner)]
-    if targets and hasattr(model, "peft_config"):
-        targets.append(model)
-    for t in targets:
-        for name in ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload"):
-            if hasattr(t, name):
-                object.__setattr__(t, name, refuse(name))
-
-
-_RESIZE_MSG = ("megatrain: {name}() cannot change a model wrapped by megatrain.wrap (the new embedding would not be in "
-               "the host store: not trained, not saved); resize first, then wrap: "
-               "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32); model.{name}(...); "
-               "model = megatrain.wrap(model)")
-
-
-def _install_resize_guard(model: nn.Module) -> None:
-    """transformers' resize_token_embeddings / set_input_embeddings / set_output_embeddings raise at once."""
-    def refuse(name):
-        def f(*args, **kwargs):
-            raise RuntimeError(_RESIZE_MSG.format(name=name))
-        return f
-
-    for m in model.modules():
-        for name in ("resize_token_embeddings", "set_input_embeddings", "set_output_embeddings"):
-            if callable(getattr(type(m), name, None)):
-                object.__setattr__(m, name, refuse(name))
 
 
 def _make_sd_hook(eng, masters, items):

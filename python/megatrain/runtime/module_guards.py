@@ -1,0 +1,101 @@
+"""Refusals :func:`~.module_api.install` puts on a wrapped model: the calls that would change it behind
+the host store's back raise at once, with one line naming what to do instead.
+
+* ``model.half()`` / ``.to(dtype)`` / ``.to(other_device)`` on a module holding resident weights
+  (:func:`_install_cast_guard`);
+* PEFT's ``merge_and_unload`` / ``merge_adapter`` / ``unmerge_adapter`` / ``unload``
+  (:func:`_install_peft_merge_guard`);
+* transformers' ``resize_token_embeddings`` / ``set_input_embeddings`` / ``set_output_embeddings``
+  (:func:`_install_resize_guard`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+_CAST_MSG = ("megatrain: {call} would change the {what} of a model wrapped by megatrain.wrap (its resident weights "
+             "are views of megatrain's {dtype} buffer on {device}; the streamed layers live in the host store): "
+             "choose them at wrap: megatrain.wrap(model, compute_dtype=..., device=...)")
+
+
+def _install_cast_guard(eng, model: nn.Module) -> None:
+    """``model.half()`` / ``.to(torch.bfloat16)`` / ``.to(other_device)`` on the model or a module holding
+    resident weights raise before any tensor is converted (torch would cast only the resident part and
+    detach it from the engine's buffer). Calls that change nothing (``.to(its device)``, the
+    Trainer's placement) still run."""
+    u = getattr(eng, "resident", None)
+    if u is None:
+        return
+    owners = [(mod, attr) for e in u.entries for mod, attr in e.owners]
+    holders = {id(mod) for mod, _ in owners}
+
+    def holds_resident(m: nn.Module) -> bool:
+        return any(id(x) in holders for x in m.modules())
+
+    def make(m: nn.Module):
+        orig = m._apply
+
+        def _apply(fn, recurse=True):
+            for mod, attr in owners:
+                p = mod._parameters.get(attr)
+                if p is None or not (mod is m or (recurse and any(mod is x for x in m.modules()))):
+                    continue
+                out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if isinstance(out, torch.Tensor) and (out.dtype != p.dtype or out.device != p.device):
+                    what = "dtype" if out.dtype != p.dtype else "device"
+                    call = f"casting to {out.dtype}" if what == "dtype" else f"moving to {out.device}"
+                    raise TypeError(_CAST_MSG.format(call=call, what=what, dtype=p.dtype, device=p.device))
+            return orig(fn, recurse)
+        return _apply
+
+    for m in model.modules():
+        if holds_resident(m):
+            object.__setattr__(m, "_apply", make(m))
+
+
+_MERGE_MSG = ("megatrain: PEFT's {name}() cannot run on a model wrapped by megatrain.wrap (it would merge or remove the "
+              "adapter on the streamed layers' meta placeholders and return a wrong model); use "
+              "megatrain.export_pretrained(model, dir, merge_adapter=True) for the merged model, or "
+              "export_pretrained(model, dir) for the adapter")
+
+
+def _install_peft_merge_guard(model: nn.Module) -> None:
+    """PEFT's merge_and_unload / merge_adapter / unmerge_adapter / unload on a wrapped model raise at once."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except Exception:  # peft not installed: nothing to guard
+        return
+
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise RuntimeError(_MERGE_MSG.format(name=name))
+        return f
+
+    targets = [m for m in model.modules() if isinstance(m, BaseTuner)]
+    if targets and hasattr(model, "peft_config"):
+        targets.append(model)
+    for t in targets:
+        for name in ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload"):
+            if hasattr(t, name):
+                object.__setattr__(t, name, refuse(name))
+
+
+_RESIZE_MSG = ("megatrain: {name}() cannot change a model wrapped by megatrain.wrap (the new embedding would not be in "
+               "the host store: not trained, not saved); resize first, then wrap: "
+               "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32); model.{name}(...); "
+               "model = megatrain.wrap(model)")
+
+
+def _install_resize_guard(model: nn.Module) -> None:
+    """transformers' resize_token_embeddings / set_input_embeddings / set_output_embeddings raise at once."""
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise RuntimeError(_RESIZE_MSG.format(name=name))
+        return f
+
+    for m in model.modules():
+        for name in ("resize_token_embeddings", "set_input_embeddings", "set_output_embeddings"):
+            if callable(getattr(type(m), name, None)):
+                object.__setattr__(m, name, refuse(name))
