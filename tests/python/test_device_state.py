@@ -417,3 +417,33 @@ def test_extra_backward_on_device_state_units_raises_as_on_the_host():
         model(input_ids=x, labels=x).loss.backward()
     with pytest.raises(RuntimeError, match="more backward passes than gradient_accumulation_steps=2"):
         model(input_ids=x, labels=x).loss.backward()
+
+
+@pytest.mark.parametrize("k", [1, "auto"])
+def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_step_is_refused(k):
+    """A device-state unit's ``optimizer.state[p]["exp_avg"]`` is a host copy refreshed at each lookup:
+    written through a tensor taken before the last ``step()``, it would put back older moments, so
+    the next ``step()`` refuses before it touches anything; a fresh lookup's write is taken."""
+    batches = make_batches(96, 4, 1, 2, 12, seed=6)
+    model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=k)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
+    name = "model.layers.0.mlp.up_proj.weight"
+    p = dict(model.named_parameters())[name]
+
+    def step(x):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(batches[0][0])
+    held = opt.state[p]["exp_avg"]
+    step(batches[1][0])
+    opt.state[p]["exp_avg"].mul_(0.5)  # a fresh lookup: taken
+    step(batches[2][0])
+    held.mul_(0.5)  # taken two steps ago
+    model(input_ids=batches[3][0], labels=batches[3][0]).loss.backward()
+    before = {n: t.clone() for n, t in megatrain.master_state_dict(model).items()}
+    with pytest.raises(RuntimeError, match="written through a tensor taken before the last optimizer.step"):
+        opt.step()
+    after = megatrain.master_state_dict(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing of the step was applied

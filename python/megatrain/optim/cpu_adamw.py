@@ -196,6 +196,7 @@ class CPUAdamW(torch.optim.Optimizer):
                         foreach=foreach, fused=fused, capturable=capturable, differentiable=False)
         self.engine = None
         self._entry = {}  # (unit index, entry index) -> (group, param)
+        self._moment_versions = {}  # (unit, entry, "exp_avg" | "exp_avg_sq") -> the handed-out tensor's _version seen
         # torch's p.grad, per entry: "alive" (a tensor, maybe all zeros: zero_grad(set_to_none=False))
         # or None; "zero": alive and all zeros; "consumed": the last step() applied gradients and
         # no backward / zero_grad came since (a second step() would re-apply them in torch).
@@ -235,6 +236,36 @@ class CPUAdamW(torch.optim.Optimizer):
     def steps_called(self) -> int:
         """``step()`` calls that returned (the step running, or the next one, is this number + 1)."""
         return self._steps_called
+
+    def moments_written(self, unit) -> bool:
+        """Whether a tensor handed out as ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` of one of
+        ``unit``'s parameters was written in place since the last call (its version counter moved)."""
+        written = False
+        for i in range(len(unit.entries)):
+            gp = self._entry.get((unit.index, i))
+            if gp is None:
+                continue
+            st = self.state[gp[1]]
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = dict.get(st, k)
+                if isinstance(t, torch.Tensor) and self._moment_versions.get((unit.index, i, k), 0) != t._version:
+                    self._moment_versions[(unit.index, i, k)] = t._version
+                    written = True
+        return written
+
+    def _check_held_moments(self) -> None:
+        """Refuse a write into ``optimizer.state[p]["exp_avg"]`` of a device-state unit through a tensor
+        taken before its last update (the host copy it views was not refreshed since: the write would
+        put back the older moments), before anything of this step is touched."""
+        for u in self.engine.units:
+            du = getattr(u, "device_state", None)
+            if du is None or du.host_dirty or not self.moments_written(u):
+                continue
+            raise RuntimeError(
+                f"megatrain: optimizer.state[p]['exp_avg'] / ['exp_avg_sq'] of {u.entries[0].name} (its state is on the "
+                "device) was written through a tensor taken before the last optimizer.step(); that tensor holds the "
+                "moments of that time, so the write would undo the steps since. Look the tensor up again "
+                "(optimizer.state[p]['exp_avg']) after each step() before writing into it")
 
     def skip_unit_update(self, unit, items, step_number: int) -> None:
         """The CPU worker skipped ``unit``'s update (a non-finite gradient): undo the step counts.
@@ -295,6 +326,8 @@ class CPUAdamW(torch.optim.Optimizer):
                            for k in ("exp_avg", "exp_avg_sq")}
             else:
                 moments = {k: eng.entry_view(unit, i, k) for k in ("exp_avg", "exp_avg_sq")}
+                for k, t in moments.items():
+                    self._moment_versions[(unit.index, i, k)] = t._version
             self.state[p] = _ParamState(lambda u=unit, e=eng: e.sync_host([u], for_write=True),
                                         {"step": torch.tensor(0.0), **moments})
 
@@ -385,6 +418,7 @@ class CPUAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         eng = self.engine
+        self._check_held_moments()
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
         views = {u.index: (u.has_grad, u.eager, u.grad_sq, u.direct) for u in eng.units}  # one ledger snapshot each
         got = {(u.index, i) for u in eng.units for i, (h, e) in enumerate(zip(*views[u.index][:2])) if h or e}

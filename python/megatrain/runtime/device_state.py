@@ -239,9 +239,13 @@ class DeviceState:
 
     @torch.no_grad()
     def from_host(self, units=None) -> None:
-        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) from the host store."""
+        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) from the host store
+        (the writes into the optimizer's handed-out moment tensors until now are taken)."""
         eng = self.eng
+        opt = eng.optimizer
         for u in self._select(units):
+            if opt is not None and hasattr(opt, "moments_written"):
+                opt.moments_written(u)
             du = u.device_state
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel:
