@@ -163,7 +163,7 @@ class DeviceState:
 
     def __init__(self, eng, units: List):
         self.eng = eng
-        self.units = list(units)
+        self.units = []
         impl = eng.options.device_adam
         if impl not in ("", "fused", "foreach"):
             raise ValueError(f"MEGATRAIN_DEVICE_ADAM must be 'fused' or 'foreach', got {impl!r}")
@@ -171,17 +171,15 @@ class DeviceState:
         # formulation of torch.optim.AdamW elsewhere. Both are torch's own AdamW math.
         self.impl = impl or ("fused" if eng.cuda else "foreach")
         self._skipped = False
-        for u in self.units:
-            buf = eng.resident_buf if u.kind == "resident" else None
-            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
-        self.from_host()
+        self.add(units)
 
     @torch.no_grad()
     def add(self, units: List) -> None:
-        """Put the training state of ``units`` (layers whose state is in the host store) on the device too."""
+        """Put the training state of ``units`` (units whose state is in the host store) on the device too."""
         eng = self.eng
         for u in units:
-            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda)
+            buf = eng.resident_buf if u.kind == "resident" else None  # the resident unit's existing compute copy
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
             self.units.append(u)
         self.from_host(units)
 

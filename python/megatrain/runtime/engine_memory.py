@@ -119,10 +119,14 @@ class EngineMemory:
             return 0
         chosen = resident + self.layers[:layers]
         self.device_state = ds.DeviceState(self, chosen)
-        for template in list(self.slots):  # slots of a layer shape no streamed layer uses any more
+        self._drop_unused_slots(list(self.slots))
+        return layers
+
+    def _drop_unused_slots(self, templates) -> None:
+        """Free the slots of those layer ``templates`` no streamed layer uses any more."""
+        for template in templates:
             if all(u.device_state is not None for u in self.layers if u.template == template):
                 self.drop_slots(template)
-        return layers
 
     def resize_device_state(self, layers: int) -> None:
         """Keep the training state of decoder layers ``0 .. layers-1`` on the device from now on (the
@@ -153,9 +157,7 @@ class EngineMemory:
                 self.device_state = ds.DeviceState(self, new)
             else:
                 self.device_state.add(new)
-            for template in {u.template for u in new}:
-                if all(u.device_state is not None for u in self.layers if u.template == template):
-                    self.drop_slots(template)
+            self._drop_unused_slots({u.template for u in new})
         self.invalidate(self.layers[min(k, layers):max(k, layers)])
 
     def check_resident_params(self, where: str, overwritten=()) -> None:
