@@ -41,6 +41,19 @@ def _rows_for(budget_bytes: float, bytes_per_row: float) -> int:
     return rows - rows % 128 if rows >= 256 else rows
 
 
+def _tiles(mode, untiled_bytes: float, per_row_bytes: float, free: float) -> Optional[int]:
+    """Rows per chunk / tile for ``mode`` (False | True | "auto" | rows), or None (not split): ``"auto"``
+    splits only when the unsplit working memory ``untiled_bytes`` exceeds ``AUTO_FRACTION`` of ``free``;
+    a chunk takes at most min(``MAX_WORK_BYTES``, free / 16) at ``per_row_bytes`` per row."""
+    if mode is False:
+        return None
+    if isinstance(mode, int) and mode is not True:
+        return mode
+    if mode == "auto" and untiled_bytes <= AUTO_FRACTION * free:
+        return None
+    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row_bytes)
+
+
 def loss_rows_for(mode, rows: int, vocab: int, elem: int, free: float) -> Optional[int]:
     """Rows per chunk of the chunked loss (None: full logits) for ``rows`` = B*T positions.
 
@@ -48,27 +61,15 @@ def loss_rows_for(mode, rows: int, vocab: int, elem: int, free: float) -> Option
         mode: ``chunked_loss`` of :func:`megatrain.wrap` (False | True | "auto" | rows).
         vocab: V. elem: bytes per element of the compute dtype. free: free device bytes.
     """
-    if mode is False:
-        return None
-    if isinstance(mode, int) and mode is not True:
-        return mode
-    if mode == "auto" and rows * vocab * 4 <= AUTO_FRACTION * free:
-        return None
-    per_row = vocab * (2 * elem + 20)  # logits and their gradient, fp32 copies in flight
-    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+    # untiled: the fp32 logits; per row: logits and their gradient, fp32 copies in flight
+    return _tiles(mode, rows * vocab * 4, vocab * (2 * elem + 20), free)
 
 
 def mlp_rows_for(mode, rows: int, inter: int, elem: int, free: float) -> Optional[int]:
     """Rows per tile of the tiled MLP (None: untiled) for ``rows`` = B*T tokens, MLP width ``inter``
     (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``elem``, ``free`` as :func:`loss_rows_for`)."""
-    if mode is False:
-        return None
-    if isinstance(mode, int) and mode is not True:
-        return mode
-    if mode == "auto" and rows * inter * elem * 4 <= AUTO_FRACTION * free:
-        return None
-    per_row = inter * elem * 6  # gate, up, activation, product, and their gradients in flight
-    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+    # per row: gate, up, activation, product, and their gradients in flight
+    return _tiles(mode, rows * inter * elem * 4, inter * elem * 6, free)
 
 
 def norm_rows_for(mode, rows: int, hidden: int, free: float) -> Optional[int]:
@@ -76,14 +77,8 @@ def norm_rows_for(mode, rows: int, hidden: int, free: float) -> Optional[int]:
     (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``free`` as :func:`loss_rows_for`). ``"auto"``
     tiles when the untiled norm's fp32 copies (input, normalised rows, 2 x 4 B) and their
     gradients would exceed ``AUTO_FRACTION`` of the free memory."""
-    if mode is False:
-        return None
-    if isinstance(mode, int) and mode is not True:
-        return mode
-    if mode == "auto" and rows * hidden * 4 * 4 <= AUTO_FRACTION * free:
-        return None
-    per_row = hidden * 4 * 6  # fp32 input, normalised rows, output and their gradients in flight
-    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row)
+    # per row: fp32 input, normalised rows, output and their gradients in flight
+    return _tiles(mode, rows * hidden * 4 * 4, hidden * 4 * 6, free)
 
 
 def checkpoint_spacing(num_layers: int, checkpoint_bytes: int, budget_bytes: float) -> int:

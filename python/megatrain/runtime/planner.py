@@ -37,6 +37,8 @@ Side effect: the first step resets the device's peak-memory statistics
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from typing import Optional
 
 import torch
@@ -123,16 +125,9 @@ REPLAN_MARGIN_FRACTION = 0.04
 REPLAN_MARGIN_BYTES = 1 << 30
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else 0.0
-
-
 def scratch_adam_seconds(numel: int, probe: int = 1 << 24) -> float:
     """CPU AdamW seconds for ``numel`` parameters, from two timed runs of the fused kernel on
     ``probe`` scratch parameters (fp32 state, bf16 compute copy; memory bound, so linear in size)."""
-    import time
-
     from .. import ops
 
     n = int(max(1, min(numel, probe)))
@@ -170,7 +165,6 @@ class PlacementReplan:
             ev.record(self.compute_stream())
             self._replan_marks[kind].append(ev)
         else:
-            import time
             self._replan_marks[kind].append(time.perf_counter())
 
     def _replan_begin_forward(self) -> None:
@@ -208,7 +202,7 @@ class PlacementReplan:
             diffs = [b - a for a, b in zip(marks, marks[1:])]
         # consecutive calls of one pass (n - 1 gaps per forward / backward; the step boundary dropped)
         per_pass = [d for i, d in enumerate(diffs) if (i + 1) % n != 0]
-        return _median(per_pass)
+        return statistics.median_high(per_pass) if per_pass else 0.0
 
     def replan(self) -> Optional[dict]:
         """Place the device-state layers and kept graphs again from the first step's measurements.
