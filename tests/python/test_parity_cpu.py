@@ -225,6 +225,31 @@ def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatc
     assert calls == [0, 1, 2, 3, 2, 3, 2, 0, 1, 0]
 
 
+@pytest.mark.parametrize("room,layers,store_layers,block_k,reruns", [
+    (lambda g, i: g * 2.5, 3, 2, 1, [2]),  # graphs of layers 0, 1 kept, layer 2 recomputed
+    (lambda g, i: i * 3.5, 4, 0, 2, [2, 3, 2, 0, 1, 0]),  # blocks [0, 1] and [2, 3]
+])
+def test_parity_auto_policy_after_a_frozen_embedding_decides_once_by_the_hidden_states(
+        monkeypatch, room, layers, store_layers, block_k, reruns):
+    # A frozen embedding: the first layer's hidden states need no gradient, so that call has no
+    # differentiable inputs. It shares the one decision of the layers after it (keyed by the hidden
+    # states' shape, measured by layer 1, whose graph also saves its input) and follows it.
+    limit_auto_room(monkeypatch, room)
+    model = tiny("llama", num_hidden_layers=layers)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    ref, got, wrapped, _ = run_pair(model, policy="auto", max_grad_norm=1.0, steps=4)
+    check(ref, got)
+    (acts,) = wrapped.megatrain.placement()["activations"]
+    assert acts["input_shapes"] == [[2, 16, 32]] and acts["bytes_per_input"] == 2 * 16 * 32 * 4
+    assert (acts["store_layers"], acts["recompute_layers"], acts["block_k"]) == (store_layers, layers - store_layers,
+                                                                                 block_k)
+    calls = _count_layer_forwards(monkeypatch, wrapped)
+    x = torch.randint(0, 96, (2, 16))
+    loss = wrapped(input_ids=x, labels=x).loss
+    loss.backward()
+    assert calls == list(range(layers)) + reruns
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_parity_offload_policy(monkeypatch, micro_batches):
     # offload: every saved layer input goes through a host buffer (on the CPU a copy to another CPU

@@ -110,8 +110,21 @@ def _rng_state(device: torch.device):
 
 
 def _shape_key(tensors) -> tuple:
-    """``auto`` policy: decisions are per shape of a layer call's differentiable inputs."""
+    """``auto`` policy: decisions are per shape of a layer call's activation inputs (:func:`_auto_inputs`)."""
     return tuple(tuple(x.shape) for x in tensors)
+
+
+def _auto_inputs(call: _LayerCall, diff_inputs) -> tuple:
+    """``auto`` policy: the inputs a layer call's decision is keyed by and measured on.
+
+    Its differentiable inputs; for a call with none (the first layer after a frozen embedding,
+    whose hidden states need no gradient), its first floating-point tensor argument, so that it
+    shares the decision of the layers after it.
+    """
+    if diff_inputs:
+        return tuple(diff_inputs)
+    first = next((x for x in call.leaves if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+    return () if first is None else (first,)
 
 
 class _WeightRef:

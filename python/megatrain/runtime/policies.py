@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import long_context
-from .layer_call import _Block, _LayerCall, _shape_key, _WeightRef
+from .layer_call import _auto_inputs, _Block, _LayerCall, _shape_key, _WeightRef
 
 _POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
 
@@ -50,7 +50,7 @@ class ActivationPolicies:
         """Place ``call`` in the current block (block:K) if its inputs are exactly the last layer's outputs."""
         k = self.block_k
         if self.auto_policy:  # auto: block:K once the first call chose it (checkpoint spacing from free memory)
-            d = self.auto_decisions.get(_shape_key(diff))
+            d = self.auto_decisions.get(_shape_key(_auto_inputs(call, diff)))
             k = 1 if d is None else d.get("block_k", 1)
         if k == 1:
             return
@@ -90,8 +90,9 @@ class ActivationPolicies:
         """Whether this layer call keeps its graph (``store``), or saves only its input.
 
         ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
-        its graph saved); then as many layers as fit in ``AUTO_STORE_FRACTION`` of the free device
-        memory, next to the saved inputs of the others (layers ``0 .. store_layers - 1``), keep
+        its graph saved; a call without differentiable inputs, after a frozen embedding, is keyed by
+        its hidden states and left to the next layer to measure); then as many layers as fit in
+        ``AUTO_STORE_FRACTION`` of the free device memory, next to the saved inputs of the others (layers ``0 .. store_layers - 1``), keep
         their graphs and the others save only their input (``recompute``): all layers when everything fits, none but the measured one when
         nothing does. When even the inputs of all layers (``recompute``) do not fit there, no layer
         keeps its graph and one input of every K is kept (``block:K``, K from
@@ -99,12 +100,12 @@ class ActivationPolicies:
         """
         if not self.auto_policy:
             return self.store_activations
-        d = self.auto_decisions.get(_shape_key(diff_inputs))
+        d = self.auto_decisions.get(_shape_key(_auto_inputs(call, diff_inputs)))
         return True if d is None else call.unit.index < d["store_layers"]
 
     def _decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
         """``auto``: decide for input shape ``key`` from the first call's measured bytes (graph:
-        ``layer_bytes``; its differentiable inputs: ``input_bytes``) and the free device memory."""
+        ``layer_bytes``; its activation inputs: ``input_bytes``) and the free device memory."""
         free = self.free_device_bytes()
         n = len(self.layers)
         need = layer_bytes * n
@@ -158,9 +159,12 @@ class ActivationPolicies:
         self.release(slot)
         call.stored = (out, bound, detached)
         if self.auto_policy:
-            key = _shape_key(diff_inputs)
-            if key not in self.auto_decisions:
+            acts = _auto_inputs(call, diff_inputs)
+            key = _shape_key(acts)
+            # A call without differentiable inputs (after a frozen embedding) saves less than the
+            # layers after it (no input gradient): the next layer measures, unless this is the last.
+            if key not in self.auto_decisions and (diff_inputs or call.unit.index == len(self.layers) - 1):
                 self._decide_auto(key, sum(saved_storages.values()),
-                                  sum(x.numel() * x.element_size() for x in diff_inputs))
+                                  sum(x.numel() * x.element_size() for x in acts))
         return out
 
