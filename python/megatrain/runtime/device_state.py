@@ -339,7 +339,6 @@ class DeviceState:
                 opt.skip_unit_update(unit, items, opt.steps_called + 1)
                 self._skipped = True
                 return
-        timed = self.eng.time_device_update() if unit.kind == "layer" and items else None
         groups: dict = {}
         for i, lr, b1, b2, eps, wd, step in items:
             groups.setdefault((lr, b1, b2, eps, wd, step), []).append(i)
@@ -360,8 +359,6 @@ class DeviceState:
             for i, p in zip(idx, params):
                 du.weights(i).copy_(p)
         du.host_stale = True
-        if timed is not None:
-            timed()
 
     def take_skipped(self) -> bool:
         """Whether an update was skipped (non-finite gradient) since the last call."""

@@ -171,11 +171,6 @@ class EngineMemory:
         (its compute copy must already be a device buffer: :class:`~.wrapped.WrappedEngine`), or None."""
         return None
 
-    def time_device_update(self):
-        """Timing hook of one device-state layer's update: a function to call once it is enqueued,
-        or None (here always; the placement planner times the first step's: ``planner.PlacementReplan``)."""
-        return None
-
     def free_device_bytes(self) -> int:
         """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""
         if self.cuda:
