@@ -345,15 +345,26 @@ def test_in_place_writes_into_state_dict_tensors_change_the_model_as_in_torch(pl
 
 
 def test_a_write_through_a_stale_state_dict_tensor_of_a_device_state_unit_is_refused():
+    """A state dict held across ``step()`` is refreshed by it (a write through it is taken); a
+    ``.detach()`` of one kept without its state dict is not, and a write through it is refused."""
     model = megatrain.wrap(tiny(tied=False), device="cpu", device_state_layers=1)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
+    key = "model.layers.0.mlp.up_proj.weight"
     sd = model.state_dict()
+    stale = model.state_dict()[key].detach()  # its state dict dropped: not refreshed by step()
     x = batches(1)[0]
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     with torch.no_grad():
-        sd["model.layers.0.mlp.up_proj.weight"].mul_(3)  # taken before the step: an older master
-    with pytest.raises(RuntimeError, match="state_dict\(\) tensor taken before the last optimizer step"):
+        sd[key].mul_(3)  # held through the step: the current master
+    model(input_ids=x, labels=x)
+    assert torch.equal(megatrain.master_state_dict(model)[key], sd[key])
+    del sd
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        stale.mul_(3)  # an older master
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) tensor holding an older master"):
         model(input_ids=x, labels=x)
 
 

@@ -132,7 +132,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     ``step()`` returns once the updates are queued; they run on megatrain's CPU worker in forward
     order while the next forward starts (each layer's load waits only for that layer's update).
-    ``state_dict()`` and anything reading weights wait for them.
+    ``state_dict()`` and anything reading weights wait for them. The layers whose state is on the
+    device (``device_state_layers``) are updated there in ``step()``; a ``model.state_dict()``
+    tensor of one that is still alive is refreshed before ``step()`` returns (a copy of that
+    layer's fp32 masters to host memory), so held state_dict tensors read the current weights.
 
     Args:
         params: parameters of a model wrapped by ``megatrain.wrap`` (or param-group dicts).
@@ -420,6 +423,7 @@ class CPUAdamW(torch.optim.Optimizer):
         eng = self.engine
         self._check_held_moments()
         eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
+        eng.take_state_dict_writes()  # device-state units: writes into model.state_dict() tensors, before the update
         views = {u.index: (u.has_grad, u.eager, u.grad_sq, u.direct) for u in eng.units}  # one ledger snapshot each
         got = {(u.index, i) for u in eng.units for i, (h, e) in enumerate(zip(*views[u.index][:2])) if h or e}
         if not got and self._consumed:
@@ -478,6 +482,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if items or any(direct[i] for i in idx):
                 eng.submit_update(unit, items, scale, entries=idx, zero_grads=z)
         eng.zero_grad()
+        eng.refresh_state_dict_views()  # held model.state_dict() tensors of device-state units: the new masters
         self._steps_called = number
         self._alive |= got
         self._zero -= got

@@ -33,7 +33,9 @@ Callers use the engine's ``sync_host()`` (before reading the host store) and ``h
 (after writing it); checkpoint, state_dict, export and the optimizer's state do. A read of
 ``optimizer.state[p]`` hands out the host sections writable (``sync_host(for_write=True)``): the
 unit's next update first copies them back to the device, so an in-place write there takes effect
-as in ``torch.optim.AdamW``.
+as in ``torch.optim.AdamW``. :meth:`DeviceState.masters_to_host` copies the master section alone:
+``optimizer.step()`` calls it (through the engine's ``refresh_state_dict_views()``) for the units
+whose ``model.state_dict()`` tensors are held, so those read the current weights as torch's do.
 
 On the CPU backend the "device" is the CPU: the buffers are ordinary CPU tensors outside the host
 store and every step of the logic is the same, so CPU parity tests cover it.
@@ -129,6 +131,7 @@ class DeviceUnit:
         self.grad = torch.zeros(n, dtype=torch.float32, device=device)
         self.slot = DeviceSlot(unit, self.compute)
         self.host_stale = False  # the device state changed since the last to_host()
+        self.host_master_stale = False  # the device master changed since it was last copied to the host store
         self.host_dirty = False  # the host sections may have been written (optimizer.state): from_host() first
         self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
         if cuda:
@@ -189,7 +192,7 @@ class DeviceState:
         their device buffers. Only between steps: no gradient of theirs may be accumulated or pending."""
         for u in units:
             if u.device_state.host_dirty:  # optimizer.state[p] was handed out: the host sections are the newer
-                u.device_state.host_stale = False
+                u.device_state.host_stale = u.device_state.host_master_stale = False
         self.to_host(units)
         for u in units:
             du = u.device_state
@@ -222,7 +225,10 @@ class DeviceState:
     def to_host(self, units=None) -> None:
         """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) into the host store.
 
-        Only units whose device state changed since the last copy; blocks until the copies are done.
+        Only units whose device state changed since the last copy, and the master only when it
+        changed since :meth:`masters_to_host` copied it (the host master may have been written
+        since, through a ``model.state_dict()`` tensor: that write is kept for the caller to take);
+        blocks until the copies are done.
         """
         eng = self.eng
         for u in self._select(units):
@@ -230,10 +236,27 @@ class DeviceState:
             if not du.host_stale:
                 continue
             for name in ("master", "exp_avg", "exp_avg_sq"):
-                if u.state_numel:
+                if u.state_numel and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
             eng.store.section(u.index, "compute").copy_(du.compute)
-            du.host_stale = False
+            du.host_stale = du.host_master_stale = False
+
+    @torch.no_grad()
+    def masters_to_host(self, units=None) -> None:
+        """Copy the fp32 master weights of ``units`` (default all) into the host store's master section.
+
+        Only units whose master changed since it was last copied; exp_avg / exp_avg_sq / compute stay
+        as they are in the host store (:meth:`to_host` copies them when they are read). Blocks until
+        the copies are done (on CUDA: after the units' updates enqueued on the compute stream).
+        """
+        eng = self.eng
+        for u in self._select(units):
+            du = u.device_state
+            if not du.host_master_stale:
+                continue
+            if u.state_numel:
+                eng.store.section(u.index, "master").copy_(du.master)
+            du.host_master_stale = False
 
     @torch.no_grad()
     def from_host(self, units=None) -> None:
@@ -249,7 +272,7 @@ class DeviceState:
                 if u.state_numel:
                     getattr(du, name).copy_(eng.store.section(u.index, name))
             du.compute.copy_(eng.store.section(u.index, "compute"))
-            du.host_stale = False
+            du.host_stale = du.host_master_stale = False
             du.host_dirty = False
 
     def mark_host_dirty(self, units=None) -> None:
@@ -358,7 +381,7 @@ class DeviceState:
                 _foreach_adamw(params, grads, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step)
             for i, p in zip(idx, params):
                 du.weights(i).copy_(p)
-        du.host_stale = True
+        du.host_stale = du.host_master_stale = True
 
     def take_skipped(self) -> bool:
         """Whether an update was skipped (non-finite gradient) since the last call."""

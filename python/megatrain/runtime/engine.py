@@ -21,7 +21,8 @@ copies (the "CPU backend"), so every path is exercised by CPU tests.
 :class:`Engine` is the one interface the other parts of megatrain use. Its methods come from:
 
 * this module: construction (budget check, store), host-store views, ``sync_host`` /
-  ``host_written``, the attached optimizer and ``locate``;
+  ``host_written``, ``take_state_dict_writes`` / ``refresh_state_dict_views`` (the optimizer's
+  step and the held ``model.state_dict()`` tensors), the attached optimizer and ``locate``;
 * :mod:`.engine_memory` (:class:`~.engine_memory.EngineMemory`): the fp32 accumulator
   (``enable_accumulator``), ``finish_fill``, device-state layers (``init_device_state``,
   ``resize_device_state``), ``free_device_bytes``;
@@ -286,6 +287,32 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         """
         if self.device_state is not None:
             self.device_state.from_host(units)
+
+    def take_state_dict_writes(self) -> None:
+        """Before an optimizer step's updates: in-place writes into ``model.state_dict()`` tensors of the
+        device-state units reach their device state now, so the update applies to the written weights
+        (as ``torch.optim.AdamW``'s to a parameter written before ``step()``). The host-stored units'
+        writes are taken at the next forward (the CPU update reads the host store itself).
+
+        Raises:
+            RuntimeError: such a unit was written through a tensor holding an older master
+                (:meth:`~.module_api._Masters.take_writes`).
+        """
+        masters = getattr(self, "masters", None)
+        if masters is not None and self.device_state is not None:
+            masters.take_writes(self.device_state.units)
+
+    def refresh_state_dict_views(self) -> None:
+        """After an optimizer step's updates: the device-state units whose ``model.state_dict()``
+        tensors are alive (held by the caller, or a view of one is) copy their new master weights
+        into the host store those tensors view, so they read the current weights (torch's
+        state_dict tensors are the parameters). Nothing is copied for the other units."""
+        masters = getattr(self, "masters", None)
+        if masters is None or self.device_state is None:
+            return
+        held = masters.held_units(self.device_state.units)
+        if held:
+            self.device_state.masters_to_host(held)
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:

@@ -8,9 +8,12 @@ script read and write those masters:
 
 * ``model.state_dict()`` (and any submodule's): the parameters are zero-copy fp32 CPU views of the
   host store's master section (no copy of the model in RAM; tied parameters are one tensor under
-  every name, as torch gives them); buffers are torch's. An in-place write into one reaches the
-  compute copy at the next forward (:meth:`_Masters.take_writes`). The layers whose fp32 state is on
-  disk (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
+  every name, as torch gives them); buffers are torch's. As torch's, a held one reads the current
+  weights after later steps: the CPU Adam writes the host store, and ``optimizer.step()`` copies
+  the new masters of the device-state layers whose tensors are alive there
+  (:meth:`_Masters.held_units`). An in-place write into one reaches the compute copy at the next
+  forward, a device-state layer's before its next update (:meth:`_Masters.take_writes`). The layers
+  whose fp32 state is on disk (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
 * ``model.load_state_dict(sd, strict=..., assign=False)``: torch's own loading (dtype conversion,
   shape checks, ``_IncompatibleKeys`` return value, error messages) copies each parameter straight
   into its master; the compute copy (and the resident device buffer) is then rebuilt from the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -68,7 +72,16 @@ def _owned(eng) -> Dict[int, List[Tuple[str, object, int]]]:
 
 
 class _Masters:
-    """One cached zero-copy fp32 view of each entry's master weights (the same tensor for tied names).
+    """The fp32 master weights that ``model.state_dict()`` hands out, and the writes made through them.
+
+    Each entry's master has one cached zero-copy view of the host store (:attr:`_views`, kept: it is
+    store memory, and its version counter records the writes). The tensor handed out is a
+    ``detach()`` of it (the same memory and version counter, the same tensor for tied names while it
+    is alive), tracked by a weak reference only: a dropped state dict leaves nothing behind, and
+    :meth:`held_units` tells which units still have one alive (held, or viewed by a tensor held).
+    After an optimizer step the engine copies the new masters of the device-state units among
+    those into the host store (``refresh_state_dict_views``), so a held tensor reads the current
+    weights as torch's do; the other device-state units' host masters are refreshed when read.
 
     A unit whose fp32 state is in the disk tier has no lasting view: :meth:`get` reads a copy, and
     :meth:`for_load` hands torch's load a copy that :func:`_restore_placeholders` writes back.
@@ -76,7 +89,8 @@ class _Masters:
 
     def __init__(self, eng):
         self.eng = eng
-        self._views: dict = {}
+        self._views: dict = {}  # (unit index, entry) -> zero-copy view of the entry's host master
+        self._handed: dict = {}  # (unit index, entry) -> weakref to the tensor handed out (a detach() of the view)
         self._seen: dict = {}  # (unit index, entry) -> the view's version counter when last handed out / checked
         self._loading: dict = {}  # (unit index, entry) -> the copy a load writes into (disk units)
 
@@ -91,43 +105,71 @@ class _Masters:
             v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
         self._seen.setdefault(key, v._version)
-        return v
+        ref = self._handed.get(key)
+        out = ref() if ref is not None else None
+        if out is None:
+            out = v.detach()  # shares the view's memory and version counter; not kept alive here
+            self._handed[key] = weakref.ref(out)
+        return out
+
+    def held_units(self, units) -> list:
+        """Those of ``units`` with a handed-out master tensor alive (forgets the dead references)."""
+        want = {u.index: u for u in units}
+        held: dict = {}
+        for key, ref in list(self._handed.items()):
+            if ref() is None:
+                del self._handed[key]
+            elif key[0] in want:
+                held[key[0]] = want[key[0]]
+        return list(held.values())
 
     def note_loaded(self) -> None:
         """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up."""
         for key in self._seen:
             self._seen[key] = self._views[key]._version
 
-    def take_writes(self) -> None:
-        """Pick up in-place writes into handed-out master views (``model.state_dict()[k].copy_(...)``, as
-        torch's state_dict tensors are the parameters): rebuild those entries' compute copies.
+    def take_writes(self, units=None) -> None:
+        """Pick up in-place writes into handed-out master tensors (``model.state_dict()[k].copy_(...)``, as
+        torch's state_dict tensors are the parameters): rebuild those entries' compute copies, and hand
+        the device-state units their written masters (``host_written``).
 
-        Called before each forward. The view's version counter moves only with writes through it
-        (the CPU Adam writes the store directly). A unit whose state is on the device and was updated
-        since its view was handed out cannot take it (the view holds an older master): refused.
+        Called before each forward, and by the optimizer's ``step()`` for the device-state units
+        (``units``; default: every unit) before their update. The view's version counter moves only
+        with writes through the handed-out tensors (the CPU Adam and the copies from the device write
+        the store directly). A device-state unit updated since its host master was last refreshed
+        cannot take a write (the tensor written holds an older master): refused. A held tensor is
+        refreshed after each step (:meth:`held_units`), so this is a tensor that was not alive then
+        (e.g. a ``.detach()`` of a state_dict tensor, kept after the state dict was dropped).
 
         Raises:
-            RuntimeError: such a device-state unit was written through an old view.
+            RuntimeError: such a device-state unit was written through a tensor holding an older master.
         """
-        units: dict = {}
+        only = None if units is None else {u.index for u in units}
+        written: dict = {}
         for key, ver in self._seen.items():
-            v = self._views[key]
-            if v._version != ver:
+            if only is not None and key[0] not in only:
+                continue
+            if self._views[key]._version != ver:
                 u = self.eng.units[key[0]]
-                units.setdefault(key[0], (u, []))[1].append(key[1])
-        if not units:
+                written.setdefault(key[0], (u, []))[1].append(key[1])
+        if not written:
             return
-        for u, idx in units.values():
-            if u.device_state is not None and u.device_state.host_stale:
+        for u, idx in written.values():
+            if u.device_state is not None and u.device_state.host_master_stale:
                 raise RuntimeError(
-                    f"megatrain: {u.entries[idx[0]].name} was written through a state_dict() tensor taken before "
-                    "the last optimizer step, and its state is on the device (device_state_layers): that tensor "
-                    "holds an older master. Take a new model.state_dict() after step(), or use model.load_state_dict")
-        for u, idx in units.values():
+                    f"megatrain: {u.entries[idx[0]].name} was written through a state_dict() tensor holding an older "
+                    "master than the last optimizer step's, and its state is on the device (device_state_layers): "
+                    "only the state_dict() tensors alive through a step are refreshed by it (not a .detach() of one "
+                    "kept after the state dict was dropped). Write through a tensor of a state dict kept alive, or "
+                    "of a new model.state_dict(), or use model.load_state_dict")
+        on_device = [u for u, _ in written.values() if u.device_state is not None]
+        if on_device:  # their other sections to the host store (the written masters stay): host_written() reloads all
+            self.eng.sync_host(on_device)
+        for u, idx in written.values():
             self.eng.wait_update(u)
             for i in idx:
                 self._seen[(u.index, i)] = self._views[(u.index, i)]._version
-        _compute_from_masters(self.eng, units.values())
+        _compute_from_masters(self.eng, written.values())
 
     def for_load(self, u, i) -> torch.Tensor:
         """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value)."""
