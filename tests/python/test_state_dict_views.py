@@ -166,3 +166,69 @@ def test_a_write_through_a_tensor_not_alive_through_the_last_step_is_refused():
         model(input_ids=x)
     assert torch.equal(device_master, trained * 3)
     assert torch.equal(megatrain.master_state_dict(model)[LAYER0], trained * 3)
+
+
+def test_held_state_dict_tensors_of_host_layers_read_the_step_when_it_returns(monkeypatch):
+    """Host-stored layers with clipping: the CPU updates are queued in ``step()`` and run on the worker
+    while the next forward starts. A held state_dict tensor reads the store directly, so ``step()``
+    waits for the updates of the units with such a tensor alive (only those) before it returns, and
+    each read right after ``step()`` is torch's parameter after its step."""
+    slots = importlib.import_module("megatrain.runtime.slots").SlotPool
+    waited = []
+    wait_update = slots.wait_update
+
+    def record(self, unit):
+        waited.append(unit.index)
+        return wait_update(self, unit)
+
+    monkeypatch.setattr(slots, "wait_update", record)
+    model = tiny("llama")
+    ref_model = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu", device_state_layers=0)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, eps=PARITY_EPS, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=PARITY_EPS, foreach=False)
+    names = dict(ref_model.named_parameters())
+    held = {LAYER0: wrapped.state_dict()[LAYER0]}  # layer 0 only: its state dict dropped
+    for (x,) in make_batches(96, 3, 1, 2, 12, seed=6):
+        wrapped(input_ids=x, labels=x).loss.backward()
+        waited.clear()
+        opt.step()
+        assert waited == [0], waited  # the held unit's update, none of the others'
+        after = held[LAYER0].clone()  # read at once, before anything else could wait for the update
+        opt.zero_grad()
+        ref_model(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close_rel(after, names[LAYER0].detach(), HOST_RTOL, LAYER0)
+    del held
+    gc.collect()
+    (x,) = make_batches(96, 1, 1, 2, 12, seed=7)[0]
+    wrapped(input_ids=x, labels=x).loss.backward()
+    waited.clear()
+    opt.step()
+    assert waited == []  # nothing held: step() returns at once
+
+
+def test_a_write_after_backward_without_clipping_is_refused():
+    """Without ``max_grad_norm`` a host-stored layer's update runs during ``backward()``: a write into its
+    state_dict tensor after that would replace the updated weights (torch updates the written ones),
+    so ``step()`` refuses it with what to do; a write before the backward is taken as torch's."""
+    model = tiny("llama")
+    ref_model = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu", device_state_layers=0)
+    opt = megatrain.optim.CPUAdamW(wrapped.parameters(), lr=1e-3, eps=PARITY_EPS)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=PARITY_EPS, foreach=False)
+    sd, ref_sd = wrapped.state_dict(), ref_model.state_dict()
+    (x,), (y,) = make_batches(96, 2, 1, 2, 12, seed=8)
+    for t in (sd[LAYER0], ref_sd[LAYER0]):
+        t.mul_(0.5)  # before the forward: what this step updates
+    for m, o in ((wrapped, opt), (ref_model, ref_opt)):
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+        o.zero_grad()
+    assert_close_rel(sd[LAYER0], ref_model.get_parameter(LAYER0).detach(), HOST_RTOL, LAYER0)
+    wrapped(input_ids=y, labels=y).loss.backward()
+    sd[LAYER0].add_(0.25)
+    with pytest.raises(RuntimeError, match=r"written through a model.state_dict\(\) tensor after backward\(\)"):
+        opt.step()

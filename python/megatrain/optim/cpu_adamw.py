@@ -133,9 +133,10 @@ class CPUAdamW(torch.optim.Optimizer):
     ``step()`` returns once the updates are queued; they run on megatrain's CPU worker in forward
     order while the next forward starts (each layer's load waits only for that layer's update).
     ``state_dict()`` and anything reading weights wait for them. The layers whose state is on the
-    device (``device_state_layers``) are updated there in ``step()``; a ``model.state_dict()``
-    tensor of one that is still alive is refreshed before ``step()`` returns (a copy of that
-    layer's fp32 masters to host memory), so held state_dict tensors read the current weights.
+    device (``device_state_layers``) are updated there in ``step()``. For a layer with a
+    ``model.state_dict()`` tensor still alive, ``step()`` returns only once that tensor shows the new
+    weights (it waits for the layer's CPU update, or copies a device-state layer's fp32 masters to
+    host memory), so held state_dict tensors read the current weights as torch's do.
 
     Args:
         params: parameters of a model wrapped by ``megatrain.wrap`` (or param-group dicts).
@@ -482,7 +483,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if items or any(direct[i] for i in idx):
                 eng.submit_update(unit, items, scale, entries=idx, zero_grads=z)
         eng.zero_grad()
-        eng.refresh_state_dict_views()  # held model.state_dict() tensors of device-state units: the new masters
+        eng.refresh_state_dict_views()  # held model.state_dict() tensors read this step's weights on return
         self._steps_called = number
         self._alive |= got
         self._zero -= got

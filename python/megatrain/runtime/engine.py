@@ -294,25 +294,45 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         (as ``torch.optim.AdamW``'s to a parameter written before ``step()``). The host-stored units'
         writes are taken at the next forward (the CPU update reads the host store itself).
 
+        Without ``max_grad_norm`` a host-stored unit's update ran during backward (eager updates): a
+        write into its state_dict tensors since then replaced the updated weights, where torch would
+        update the written ones. That is refused here, before this step queues anything.
+
         Raises:
-            RuntimeError: such a unit was written through a tensor holding an older master
-                (:meth:`~.module_api._Masters.take_writes`).
+            RuntimeError: a device-state unit was written through a tensor holding an older master
+                (:meth:`~.module_api._Masters.take_writes`), or a host-stored unit after its eager update.
         """
         masters = getattr(self, "masters", None)
-        if masters is not None and self.device_state is not None:
+        if masters is None:
+            return
+        eager = [u for u in self.units if u.device_state is None and any(u.eager)]
+        late = masters.written(eager) if eager else []
+        if late:
+            u, names = late[0]
+            raise RuntimeError(
+                f"megatrain.optim.CPUAdamW.step: {names[0]} was written through a model.state_dict() tensor after "
+                "backward(), but without max_grad_norm its update already ran during backward(): the write replaced "
+                "the updated weights (torch would update the written ones). Write before backward() or after step(), "
+                "or set max_grad_norm (updates then wait for step())")
+        if self.device_state is not None:
             masters.take_writes(self.device_state.units)
 
     def refresh_state_dict_views(self) -> None:
-        """After an optimizer step's updates: the device-state units whose ``model.state_dict()``
-        tensors are alive (held by the caller, or a view of one is) copy their new master weights
-        into the host store those tensors view, so they read the current weights (torch's
-        state_dict tensors are the parameters). Nothing is copied for the other units."""
+        """After an optimizer step's updates: the units whose ``model.state_dict()`` tensors are alive
+        (held by the caller, or a view of one is) read the step's new weights when ``step()`` returns,
+        as torch's state_dict tensors (the parameters) do: a host-stored unit's queued CPU update is
+        waited for (it writes the host store those tensors view), a device-state unit copies its new
+        master weights there. Nothing is waited for or copied for the other units."""
         masters = getattr(self, "masters", None)
-        if masters is None or self.device_state is None:
+        if masters is None:
             return
-        held = masters.held_units(self.device_state.units)
-        if held:
-            self.device_state.masters_to_host(held)
+        held = masters.held_units(self.units)
+        for u in held:
+            if u.device_state is None:
+                self.wait_update(u)
+        on_device = [u for u in held if u.device_state is not None]
+        if on_device:
+            self.device_state.masters_to_host(on_device)
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.cuda:

@@ -123,6 +123,17 @@ class _Masters:
                 held[key[0]] = want[key[0]]
         return list(held.values())
 
+    def written(self, units) -> list:
+        """``(unit, entry names)`` of those of ``units`` written through a handed-out master tensor
+        since the writes were last taken (:meth:`take_writes`)."""
+        want = {u.index: u for u in units}
+        found: dict = {}
+        for key, ver in self._seen.items():
+            if key[0] in want and self._views[key]._version != ver:
+                u = want[key[0]]
+                found.setdefault(key[0], (u, []))[1].append(u.entries[key[1]].name)
+        return list(found.values())
+
     def note_loaded(self) -> None:
         """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up."""
         for key in self._seen:
