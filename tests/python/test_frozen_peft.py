@@ -210,3 +210,159 @@ def test_from_config_with_peft_transform_equals_peft_on_hf_init():
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------ state_dict / load_state_dict of frozen parameters
+def _freeze_embed(m):
+    m.get_input_embeddings().weight.requires_grad_(False)
+    return m
+
+
+def _freeze_layer0(m):
+    m.model.layers[0].requires_grad_(False)
+    return m
+
+
+def _lora_random_b(m):
+    """LoRA with random A and B: a zero B's first Adam steps would follow the sign of near-zero
+    gradients (fp32 summation noise), which differs between any two summation orders."""
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(m, cfg)
+
+
+# (how the model is frozen, a frozen parameter's state_dict key)
+_FROZEN = {
+    "embed": (_freeze_embed, "model.embed_tokens.weight"),
+    "layer0": (_freeze_layer0, "model.layers.0.mlp.up_proj.weight"),
+    "lora": (_lora_random_b, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"),
+}
+
+
+def _frozen_pair(monkeypatch, frozen, dsl, compute_dtype=torch.float32):
+    """(wrapped, CPUAdamW, torch model, torch AdamW, frozen key) for one ``_FROZEN`` case; ``dsl="auto"``:
+    the resident unit and layer 0 keep their state on the device."""
+    if dsl == "auto":
+        from test_device_state import _limit_device_room
+
+        _limit_device_room(monkeypatch, 1)
+    freeze, key = _FROZEN[frozen]
+    torch.manual_seed(0)
+    ref = freeze(_tiny())
+    w = megatrain.wrap(copy.deepcopy(ref), device="cpu", device_state_layers=dsl, compute_dtype=compute_dtype)
+    if dsl != 0:
+        assert w.megatrain.layers[0].device_state is not None
+    # eps 1e-4: an embedding element whose gradient is ~1e-7 of fp32 summation noise gets no update
+    # of its own from that noise (with eps 1e-6 Adam turns it into ~1e-6 differences between any two
+    # summation orders); every real gradient here is >> 1e-4
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-4)
+    opt = megatrain.optim.CPUAdamW([p for p in w.parameters() if p.requires_grad], **kw)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False, **kw)
+    return w, opt, ref, ropt, key
+
+
+def _train_both(w, opt, ref, ropt, steps, seed):
+    """``steps`` steps of both models on the same batches: the losses agree at each."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 96, (2, 12), generator=g)
+        l1, l2 = w(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=0)
+        l1.backward(); l2.backward()
+        opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad()
+
+
+def _assert_same_weights(w, ref):
+    got = w.state_dict()
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert_close_rel(got[n], p.detach(), 1e-5, n)
+        else:
+            assert torch.equal(got[n], p.detach()), n  # frozen: bit-identical
+
+
+@pytest.mark.parametrize("dsl", [0, "auto"])
+@pytest.mark.parametrize("frozen", list(_FROZEN))
+def test_load_state_dict_with_frozen_parameters_trains_as_torch(monkeypatch, frozen, dsl):
+    """A frozen parameter's loaded value goes into its compute copy (and the device copies): the next
+    forward and the training after it match torch's."""
+    w, opt, ref, ropt, key = _frozen_pair(monkeypatch, frozen, dsl)
+    _train_both(w, opt, ref, ropt, 1, seed=1)
+    sd = {k: v.clone() + 0.01 for k, v in w.state_dict().items()}
+    ref.load_state_dict(sd)
+    out = w.load_state_dict(sd)
+    assert not out.missing_keys and not out.unexpected_keys
+    assert torch.equal(w.state_dict()[key], sd[key])
+    _train_both(w, opt, ref, ropt, 2, seed=2)
+    _assert_same_weights(w, ref)
+
+
+@pytest.mark.parametrize("frozen", ["embed", "lora"])
+def test_a_refused_load_with_frozen_parameters_changes_nothing(monkeypatch, frozen):
+    """A shape mismatch (on the last key) or a missing key: raises as torch, and no parameter (frozen or
+    not) nor the next forward changed."""
+    w, opt, ref, ropt, key = _frozen_pair(monkeypatch, frozen, "auto")
+    _train_both(w, opt, ref, ropt, 1, seed=1)
+    before = {k: v.clone() for k, v in w.state_dict().items()}
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        loss = w(input_ids=x, labels=x).loss
+    bad = {k: v + 0.01 for k, v in before.items()}
+    last = list(bad)[-1]
+    bad[last] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match="size mismatch for"):
+        ref.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="size mismatch for"):
+        w.load_state_dict(bad)
+    missing = {k: v + 0.01 for k, v in before.items() if k != last}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        w.load_state_dict(missing)
+    now = w.state_dict()
+    for k, v in before.items():
+        assert torch.equal(now[k], v), k
+    with torch.no_grad():
+        assert torch.equal(w(input_ids=x, labels=x).loss, loss)
+
+
+@pytest.mark.parametrize("dsl", [0, 1, "auto"])
+@pytest.mark.parametrize("frozen", list(_FROZEN))
+def test_a_write_through_a_held_state_dict_tensor_of_a_frozen_parameter_is_used(monkeypatch, frozen, dsl):
+    """fp32 compute copy: a frozen parameter's state_dict tensor is its compute copy; an in-place write
+    into a held one is what the next forward uses (a streamed layer's slot, the resident buffer, a
+    device-state unit's copy), and steps keep it, as torch's."""
+    w, opt, ref, ropt, key = _frozen_pair(monkeypatch, frozen, dsl)
+    _train_both(w, opt, ref, ropt, 1, seed=1)
+    sd, sdt = w.state_dict(), ref.state_dict()
+    sd[key].add_(0.5); sdt[key].add_(0.5)
+    _train_both(w, opt, ref, ropt, 2, seed=2)
+    sd[key][:2].mul_(2.0); sdt[key][:2].mul_(2.0)  # again through a view, after steps
+    _train_both(w, opt, ref, ropt, 1, seed=3)
+    assert torch.equal(sd[key], sdt[key])
+    _assert_same_weights(w, ref)
+
+
+def test_frozen_parameters_with_a_bf16_compute_copy(monkeypatch):
+    """bf16 compute copy: a frozen parameter's state_dict tensor is an fp32 copy. A write into it is refused
+    at the next forward (once, naming load_state_dict; nothing taken); a load converts the value to bf16,
+    also one written into such a copy first."""
+    w, opt, ref, ropt, key = _frozen_pair(monkeypatch, "embed", 0, compute_dtype=torch.bfloat16)
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    sd = w.state_dict()
+    before = sd[key].clone()
+    with torch.no_grad():
+        loss = w(input_ids=x, labels=x).loss
+    sd[key].add_(0.5)
+    with pytest.raises(RuntimeError, match=r"frozen .* model\.load_state_dict"):
+        w(input_ids=x, labels=x)
+    assert torch.equal(w.state_dict()[key], before)
+    with torch.no_grad():
+        assert torch.equal(w(input_ids=x, labels=x).loss, loss)
+    w.load_state_dict(sd)  # the written copy itself
+    want = (before + 0.5).bfloat16().float()
+    assert torch.equal(w.state_dict()[key], want)
+    with torch.no_grad():
+        l_loaded = w(input_ids=x, labels=x).loss
+    assert not torch.equal(l_loaded, loss)
+    w.load_state_dict({key: before}, strict=False)
+    with torch.no_grad():
+        assert torch.equal(w(input_ids=x, labels=x).loss, loss)

@@ -137,6 +137,10 @@ class DeviceUnit:
         if cuda:
             self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
         self.grad_task = None  # handle of the last gradient task (it reads norm_row)
+        # Runs [start, end) of the compute layout holding the trainable entries (None: no frozen entry):
+        # what to_host() copies. A frozen entry's device copy changes only by from_host(), so the host
+        # store's is never older, and may be newer (written through model.state_dict(), to be taken).
+        self.trained_runs = _trained_runs(unit)
 
     def fp32(self, name: str, i: int) -> torch.Tensor:
         e = self.unit.entries[i]
@@ -151,6 +155,25 @@ class DeviceUnit:
         """Device bytes this unit's state added (the resident unit's compute buffer existed before)."""
         own = (self.compute,) if self.owns_compute else ()
         return sum(t.numel() * t.element_size() for t in own + (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+
+
+def _trained_runs(unit) -> Optional[List[tuple]]:
+    """``[(start, end)]`` element runs of ``unit``'s compute layout that hold its trainable entries (with the
+    padding between them), or None when no entry is frozen."""
+    entries = sorted(unit.entries, key=lambda e: e.offset)
+    if not any(e.frozen for e in entries):
+        return None
+    runs, start = [], None
+    for e in entries:
+        if e.frozen:
+            if start is not None:
+                runs.append((start, e.offset))
+                start = None
+        elif start is None:
+            start = e.offset
+    if start is not None:
+        runs.append((start, int(unit.numel)))
+    return runs
 
 
 class DeviceState:
@@ -228,7 +251,8 @@ class DeviceState:
         Only units whose device state changed since the last copy, and the master only when it
         changed since :meth:`masters_to_host` copied it (the host master may have been written
         since, through a ``model.state_dict()`` tensor: that write is kept for the caller to take);
-        blocks until the copies are done.
+        of the compute copy, the trainable entries only (a frozen entry's host copy is never older
+        than the device's, and may have been written the same way). Blocks until the copies are done.
         """
         eng = self.eng
         for u in self._select(units):
@@ -238,7 +262,12 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
-            eng.store.section(u.index, "compute").copy_(du.compute)
+            host = eng.store.section(u.index, "compute")
+            if du.trained_runs is None:
+                host.copy_(du.compute)
+            else:
+                for a, b in du.trained_runs:
+                    host[a:b].copy_(du.compute[a:b])
             du.host_stale = du.host_master_stale = False
 
     @torch.no_grad()

@@ -291,16 +291,18 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
     def take_state_dict_writes(self) -> None:
         """Before an optimizer step's updates: in-place writes into ``model.state_dict()`` tensors of the
         device-state units reach their device state now, so the update applies to the written weights
-        (as ``torch.optim.AdamW``'s to a parameter written before ``step()``). The host-stored units'
-        writes are taken at the next forward (the CPU update reads the host store itself).
+        (as ``torch.optim.AdamW``'s to a parameter written before ``step()``); a frozen entry's, into
+        its compute copy, reaches the device copy. The host-stored units' writes are taken at the
+        next forward (the CPU update reads the host store itself).
 
         Without ``max_grad_norm`` a host-stored unit's update ran during backward (eager updates): a
         write into its state_dict tensors since then replaced the updated weights, where torch would
         update the written ones. That is refused here, before this step queues anything.
 
         Raises:
-            RuntimeError: a device-state unit was written through a tensor holding an older master
-                (:meth:`~.module_api._Masters.take_writes`), or a host-stored unit after its eager update.
+            RuntimeError: a device-state unit was written through a tensor holding an older master, or
+                through a frozen entry's fp32 copy of a bf16 compute copy
+                (:meth:`~.module_api._Masters.take_writes`); or a host-stored unit after its eager update.
         """
         masters = getattr(self, "masters", None)
         if masters is None:

@@ -14,11 +14,16 @@ script read and write those masters:
   (:meth:`_Masters.held_units`). An in-place write into one reaches the compute copy at the next
   forward, a device-state layer's before its next update (:meth:`_Masters.take_writes`). The layers
   whose fp32 state is on disk (``wrap(offload_dir=...)``) give fp32 copies read from the disk tier.
+  A frozen parameter (``requires_grad=False`` at wrap: no master) gives its compute copy: with an
+  fp32 compute copy a zero-copy view of it (a write reaches the next forward, as above); with a
+  bf16 one an fp32 copy, and a write into that copy raises at the next forward (or, for a
+  device-state layer, the next ``step()``), naming ``load_state_dict``.
 * ``model.load_state_dict(sd, strict=..., assign=False)``: torch's own loading (dtype conversion,
   shape checks, ``_IncompatibleKeys`` return value, error messages) copies each parameter straight
-  into its master; the compute copy (and the resident device buffer) is then rebuilt from the
-  masters. On the model itself the strict key check and the shape checks run before anything is
-  written, so a refused load changes nothing.
+  into its master (a frozen one: into its compute copy, converted to the compute dtype); the
+  compute copy (and the resident device buffer, the device-state layers' state) is then rebuilt
+  from the masters. On the model itself the strict key check and the shape checks run before
+  anything is written, so a refused load changes nothing.
 * ``model.save_pretrained(dir, ...)``: transformers' own ``save_pretrained`` (its arguments, its
   sharding and tied-weight handling) over that state dict, with each safetensors shard written
   tensor by tensor straight from the host store (no shard-sized copy in RAM, :mod:`.save_pretrained`); ``config.json``
@@ -85,6 +90,12 @@ class _Masters:
 
     A unit whose fp32 state is in the disk tier has no lasting view: :meth:`get` reads a copy, and
     :meth:`for_load` hands torch's load a copy that :func:`_restore_placeholders` writes back.
+
+    A frozen entry has no master: its value is its compute copy. An fp32 compute copy is handed out
+    as the masters are (a cached view, its writes taken by :meth:`take_writes`); a bf16 one as an
+    fp32 copy, tracked by a weak reference with its version counter (:attr:`_copies`): a write into
+    it cannot reach the store, and :meth:`take_writes` refuses it. Its loads go through an fp32
+    copy too (:meth:`for_load`), converted into the compute copy by :func:`_restore_placeholders`.
     """
 
     def __init__(self, eng):
@@ -92,17 +103,24 @@ class _Masters:
         self._views: dict = {}  # (unit index, entry) -> zero-copy view of the entry's host master
         self._handed: dict = {}  # (unit index, entry) -> weakref to the tensor handed out (a detach() of the view)
         self._seen: dict = {}  # (unit index, entry) -> the view's version counter when last handed out / checked
-        self._loading: dict = {}  # (unit index, entry) -> the copy a load writes into (disk units)
+        self._loading: dict = {}  # (unit index, entry) -> (section, the copy a load writes into): disk / bf16 frozen
+        self._copies: dict = {}  # (unit index, entry) -> [(weakref, version)] of a frozen entry's handed-out fp32 copies
 
     def get(self, u, i) -> torch.Tensor:
         key = (u.index, i)
         v = self._views.get(key)
         if v is None:
-            if getattr(u.entries[i], "frozen", False):  # no fp32 sections: its compute copy is its value
-                return self.eng.entry_view(u, i, "compute").float()
-            if u.disk is not None:  # on disk: a copy, read now
+            if u.entries[i].frozen:  # no fp32 sections: its compute copy is its value
+                v = self.eng.entry_view(u, i, "compute")
+                if v.dtype != torch.float32:  # a copy, tracked: a write into it is refused (take_writes)
+                    out = v.float()
+                    live = [(r, ver) for r, ver in self._copies.get(key, ()) if r() is not None]
+                    self._copies[key] = live + [(weakref.ref(out), out._version)]
+                    return out
+            elif u.disk is not None:  # on disk: a copy, read now
                 return self.eng.disk.read(u, i, "master")
-            v = self.eng.entry_view(u, i, "master")
+            else:
+                v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
         self._seen.setdefault(key, v._version)
         ref = self._handed.get(key)
@@ -113,13 +131,14 @@ class _Masters:
         return out
 
     def held_units(self, units) -> list:
-        """Those of ``units`` with a handed-out master tensor alive (forgets the dead references)."""
+        """Those of ``units`` with a handed-out master tensor alive (forgets the dead references; a frozen
+        entry's tensor does not count: a step does not change it)."""
         want = {u.index: u for u in units}
         held: dict = {}
         for key, ref in list(self._handed.items()):
             if ref() is None:
                 del self._handed[key]
-            elif key[0] in want:
+            elif key[0] in want and not want[key[0]].entries[key[1]].frozen:
                 held[key[0]] = want[key[0]]
         return list(held.values())
 
@@ -135,9 +154,13 @@ class _Masters:
         return list(found.values())
 
     def note_loaded(self) -> None:
-        """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up."""
+        """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up (a write
+        into a frozen entry's handed-out copy before it is superseded by the load)."""
         for key in self._seen:
             self._seen[key] = self._views[key]._version
+        self._copies = {key: [(r, r()._version) for r, _ in refs if r() is not None]
+                        for key, refs in self._copies.items()}
+        self._copies = {key: refs for key, refs in self._copies.items() if refs}
 
     def take_writes(self, units=None) -> None:
         """Pick up in-place writes into handed-out master tensors (``model.state_dict()[k].copy_(...)``, as
@@ -152,10 +175,16 @@ class _Masters:
         refreshed after each step (:meth:`held_units`), so this is a tensor that was not alive then
         (e.g. a ``.detach()`` of a state_dict tensor, kept after the state dict was dropped).
 
+        A frozen entry's write (into its fp32 compute copy, the tensor handed out) needs no master:
+        its unit's device copies reload it (``invalidate``, ``host_written``). A write into a frozen
+        entry's fp32 copy of a bf16 compute copy is refused, before any write is taken.
+
         Raises:
-            RuntimeError: such a device-state unit was written through a tensor holding an older master.
+            RuntimeError: such a device-state unit was written through a tensor holding an older master;
+                a frozen entry's copy (bf16 compute copy) was written.
         """
         only = None if units is None else {u.index for u in units}
+        self._refuse_copy_writes(only)
         written: dict = {}
         for key, ver in self._seen.items():
             if only is not None and key[0] not in only:
@@ -166,9 +195,10 @@ class _Masters:
         if not written:
             return
         for u, idx in written.values():
-            if u.device_state is not None and u.device_state.host_master_stale:
+            trained = [i for i in idx if not u.entries[i].frozen]  # a frozen entry's value does not age
+            if trained and u.device_state is not None and u.device_state.host_master_stale:
                 raise RuntimeError(
-                    f"megatrain: {u.entries[idx[0]].name} was written through a state_dict() tensor holding an older "
+                    f"megatrain: {u.entries[trained[0]].name} was written through a state_dict() tensor holding an older "
                     "master than the last optimizer step's, and its state is on the device (device_state_layers): "
                     "only the state_dict() tensors alive through a step are refreshed by it (not a .detach() of one "
                     "kept after the state dict was dropped). Write through a tensor of a state dict kept alive, or "
@@ -182,18 +212,51 @@ class _Masters:
                 self._seen[(u.index, i)] = self._views[(u.index, i)]._version
         _compute_from_masters(self.eng, written.values())
 
+    def _refuse_copy_writes(self, only) -> None:
+        """Raise if a frozen entry's handed-out fp32 copy (of a bf16 compute copy) of the units ``only``
+        (None: all) was written in place; that copy is forgotten (the error is raised once)."""
+        for key, refs in list(self._copies.items()):
+            live = [(r, ver) for r, ver in refs if r() is not None]
+            self._copies[key] = live
+            if not live:
+                del self._copies[key]
+                continue
+            if only is not None and key[0] not in only:
+                continue
+            if any(r()._version != ver for r, ver in live):
+                self._copies[key] = [(r, ver) for r, ver in live if r()._version == ver]
+                e = self.eng.units[key[0]].entries[key[1]]
+                dt = str(self.eng.compute_dtype).replace("torch.", "")
+                raise RuntimeError(
+                    f"megatrain: {e.name} was written in place through a model.state_dict() tensor, but it is frozen "
+                    f"(requires_grad=False at megatrain.wrap) and its only copy in the host store is {dt}: that tensor "
+                    f"is an fp32 copy, and the write was not applied. Set it with model.load_state_dict(...) (it "
+                    f"converts the value to {dt})")
+
     def for_load(self, u, i) -> torch.Tensor:
-        """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value)."""
-        if u.disk is None or getattr(u.entries[i], "frozen", False):
+        """The tensor ``load_state_dict`` copies entry ``i`` of ``u`` into (its current value): the master
+        view, or a copy that :meth:`take_loaded` hands back (a disk unit's master, a frozen entry's
+        bf16 compute copy)."""
+        frozen = u.entries[i].frozen
+        if frozen and self.eng.compute_dtype == torch.float32 or not frozen and u.disk is None:
             return self.get(u, i)
         key = (u.index, i)
         if key not in self._loading:
-            self._loading[key] = self.eng.disk.read(u, i, "master")
-        return self._loading[key]
+            if frozen:
+                self._loading[key] = ("compute", self.eng.entry_view(u, i, "compute").float())
+            else:
+                self._loading[key] = ("master", self.eng.disk.read(u, i, "master"))
+        return self._loading[key][1]
 
     def take_loaded(self, u, idx) -> dict:
-        """``{(entry, "master"): tensor}`` that a load wrote for disk unit ``u``'s entries ``idx`` (forgotten here)."""
-        return {(i, "master"): self._loading.pop((u.index, i)) for i in idx if (u.index, i) in self._loading}
+        """``{(entry, section): tensor}`` that a load wrote for ``u``'s entries ``idx`` through copies
+        (:meth:`for_load`; forgotten here)."""
+        out = {}
+        for i in idx:
+            got = self._loading.pop((u.index, i), None)
+            if got is not None:
+                out[(i, got[0])] = got[1]
+        return out
 
 
 def install(eng, model: nn.Module) -> None:
@@ -350,7 +413,8 @@ def _make_load_post_hook(eng, items):
 
 
 def _restore_placeholders(eng, where) -> None:
-    """Put the placeholders back where a load swapped in the masters; rebuild those entries' compute copy."""
+    """Put the placeholders back where a load swapped in the masters; rebuild those entries' compute copy
+    (a frozen entry's copy loaded into: converted into its compute copy)."""
     units = {}
     for mod, attr, u, i in where:
         e = u.entries[i]
@@ -359,8 +423,9 @@ def _restore_placeholders(eng, where) -> None:
             units.setdefault(u.index, (u, set()))[1].add(i)
     with torch.no_grad():
         for u, idx in units.values():
-            loaded = eng.masters.take_loaded(u, idx) if u.disk is not None else {}
-            with eng.state_window(write=bool(loaded)):  # a disk unit: its masters written back through the tier
+            loaded = eng.masters.take_loaded(u, idx)
+            # a disk unit: its masters written back through the tier
+            with eng.state_window(write=any(name == "master" for _, name in loaded)):
                 for (i, name), t in loaded.items():
                     eng.entry_view(u, i, name).copy_(t)
                 _compute_from_masters(eng, [(u, idx)], refresh_device=False)
@@ -370,13 +435,13 @@ def _restore_placeholders(eng, where) -> None:
 @torch.no_grad()
 def _compute_from_masters(eng, written, refresh_device: bool = True) -> None:
     """The masters of ``written`` (``(unit, entry indices)`` pairs) changed: rebuild those entries'
-    compute copies (not where a direct gradient is held: the update rebuilds it from the master),
-    make the device copies reload (``invalidate``), and (``refresh_device``) hand the device-state
-    units their new masters (``host_written``)."""
+    compute copies (not where a direct gradient is held: the update rebuilds it from the master; not
+    a frozen entry's: its compute copy is what was written), make the device copies reload
+    (``invalidate``), and (``refresh_device``) hand the device-state units their new state (``host_written``)."""
     written = list(written)
     for u, idx in written:
         for i in sorted(idx):
-            if not u.direct[i]:
+            if not u.entries[i].frozen and not u.direct[i]:
                 eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     if refresh_device:
