@@ -232,3 +232,27 @@ def test_a_write_after_backward_without_clipping_is_refused():
     sd[LAYER0].add_(0.25)
     with pytest.raises(RuntimeError, match=r"written through a model.state_dict\(\) tensor after backward\(\)"):
         opt.step()
+
+
+def test_a_write_into_a_frozen_layer_after_backward_without_clipping_is_taken():
+    """A frozen parameter has no update that a write after ``backward()`` could replace: without
+    ``max_grad_norm`` such a write is taken as torch's (the next forward uses it), not refused."""
+    model = tiny("llama")
+    model.model.layers[0].requires_grad_(False)
+    ref_model = copy.deepcopy(model)
+    wrapped = megatrain.wrap(model, device="cpu", device_state_layers=0)
+    opt = megatrain.optim.CPUAdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3, eps=PARITY_EPS)
+    ref_opt = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=1e-3, eps=PARITY_EPS,
+                                foreach=False)
+    sd, ref_sd = wrapped.state_dict(), ref_model.state_dict()
+    for (x,) in make_batches(96, 3, 1, 2, 12, seed=9):
+        losses = []
+        for m, o, d in ((wrapped, opt, sd), (ref_model, ref_opt, ref_sd)):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            d[LAYER0].mul_(0.9)
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert_close_rel(sd[LAYER0], ref_sd[LAYER0], 1e-6, LAYER0)

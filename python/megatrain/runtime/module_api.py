@@ -143,12 +143,13 @@ class _Masters:
         return list(held.values())
 
     def written(self, units) -> list:
-        """``(unit, entry names)`` of those of ``units`` written through a handed-out master tensor
-        since the writes were last taken (:meth:`take_writes`)."""
+        """``(unit, entry names)`` of those of ``units`` whose trainable entries were written through a
+        handed-out master tensor since the writes were last taken (:meth:`take_writes`; a frozen
+        entry has no update a write could race)."""
         want = {u.index: u for u in units}
         found: dict = {}
         for key, ver in self._seen.items():
-            if key[0] in want and self._views[key]._version != ver:
+            if key[0] in want and not want[key[0]].entries[key[1]].frozen and self._views[key]._version != ver:
                 u = want[key[0]]
                 found.setdefault(key[0], (u, []))[1].append(u.entries[key[1]].name)
         return list(found.values())
