@@ -914,3 +914,19 @@ def test_wrap_on_cuda_without_cuda_says_what_to_do():
         megatrain.wrap(model, device="meta")
     assert getattr(model, "megatrain", None) is None
     megatrain.wrap(model, device="cpu")  # the model was left untouched
+
+
+def test_auto_policy_measures_a_trainable_layer_after_frozen_first_layers(monkeypatch):
+    # Frozen layers 0-1 keep a smaller graph (no weight gradients): the decision is measured on
+    # layer 2, the first trainable one, so its bytes per layer are those of the unfrozen model's.
+    limit_auto_room(monkeypatch, lambda layer_bytes, input_bytes: 10 * layer_bytes)  # room for every graph
+    decided = []
+    for frozen in (0, 2):
+        model = tiny("llama", num_hidden_layers=4)
+        for layer in model.model.layers[:frozen]:
+            layer.requires_grad_(False)
+        ref, got, wrapped, _ = run_pair(model, policy="auto", max_grad_norm=1.0, steps=2)
+        check(ref, got)
+        (acts,) = wrapped.megatrain.placement()["activations"]
+        decided.append(acts["bytes_per_layer"])
+    assert decided[1] == decided[0] > 0

@@ -91,7 +91,8 @@ class ActivationPolicies:
 
         ``auto``: the first call of each input shape is stored and measured (bytes of the tensors
         its graph saved; a call without differentiable inputs, after a frozen embedding, is keyed by
-        its hidden states and left to the next layer to measure); then as many layers as fit in
+        its hidden states and left to the next layer to measure, as is a call of a layer with no
+        trainable parameter, whose graph keeps no weight gradients' inputs); then as many layers as fit in
         ``AUTO_STORE_FRACTION`` of the free device memory, next to the saved inputs of the others (layers ``0 .. store_layers - 1``), keep
         their graphs and the others save only their input (``recompute``): all layers when everything fits, none but the measured one when
         nothing does. When even the inputs of all layers (``recompute``) do not fit there, no layer
@@ -161,9 +162,11 @@ class ActivationPolicies:
         if self.auto_policy:
             acts = _auto_inputs(call, diff_inputs)
             key = _shape_key(acts)
-            # A call without differentiable inputs (after a frozen embedding) saves less than the
-            # layers after it (no input gradient): the next layer measures, unless this is the last.
-            if key not in self.auto_decisions and (diff_inputs or call.unit.index == len(self.layers) - 1):
+            # A call without differentiable inputs (after a frozen embedding) or of a layer with no
+            # trainable parameter saves less than a trainable layer after it (no input / weight
+            # gradients): the next layer measures, unless this is the last.
+            trainable = any(not e.frozen for e in call.unit.entries)
+            if key not in self.auto_decisions and (diff_inputs and trainable or call.unit.index == len(self.layers) - 1):
                 self._decide_auto(key, sum(saved_storages.values()),
                                   sum(x.numel() * x.element_size() for x in acts))
         return out
