@@ -4,6 +4,7 @@ DESIGN.md section 6: per-step loss and every parameter within 1e-5 relative afte
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -930,3 +931,20 @@ def test_auto_policy_measures_a_trainable_layer_after_frozen_first_layers(monkey
         (acts,) = wrapped.megatrain.placement()["activations"]
         decided.append(acts["bytes_per_layer"])
     assert decided[1] == decided[0] > 0
+
+
+def test_auto_policy_with_every_layer_frozen_measures_the_first_layer(monkeypatch):
+    # No decoder layer is trainable (a trainable embedding only): no later layer would measure a
+    # larger graph, so the first call decides, before the others keep graphs of their own.
+    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    events = []
+    stored, decide = wrap_mod.WrappedEngine.forward_stored, wrap_mod.WrappedEngine._decide_auto
+    monkeypatch.setattr(wrap_mod.WrappedEngine, "forward_stored",
+                        lambda self, call, diff: events.append(call.unit.index) or stored(self, call, diff))
+    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto",
+                        lambda self, *a, **k: events.append("decide") or decide(self, *a, **k))
+    model = tiny("llama", num_hidden_layers=3)
+    model.model.layers.requires_grad_(False)
+    ref, got, wrapped, _ = run_pair(model, policy="auto", max_grad_norm=1.0, steps=2)
+    check(ref, got)
+    assert events[:2] == [0, "decide"], events

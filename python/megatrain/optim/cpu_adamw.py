@@ -463,6 +463,7 @@ class CPUAdamW(torch.optim.Optimizer):
             msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {number} (global norm "
                    f"{self.last_grad_norm}): the step was skipped (weights, exp_avg, exp_avg_sq and step counts "
                    "unchanged). Lower the learning rate or check the loss")
+            eng.refresh_state_dict_views()  # eager updates of other entries may have run: held tensors read them
             if self.nonfinite == "raise":
                 raise FloatingPointError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=4)  # past torch's step wrappers

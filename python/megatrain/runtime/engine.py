@@ -308,7 +308,7 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         if masters is None:
             return
         eager = [u for u in self.units if u.device_state is None and any(u.eager)]
-        late = masters.written(eager) if eager else []
+        late = masters.written(eager, only=lambda u, i: u.eager[i]) if eager else []  # entries updated in backward
         if late:
             u, names = late[0]
             raise RuntimeError(

@@ -142,15 +142,17 @@ class _Masters:
                 held[key[0]] = want[key[0]]
         return list(held.values())
 
-    def written(self, units) -> list:
+    def written(self, units, only=None) -> list:
         """``(unit, entry names)`` of those of ``units`` whose trainable entries were written through a
         handed-out master tensor since the writes were last taken (:meth:`take_writes`; a frozen
-        entry has no update a write could race)."""
+        entry has no update a write could race). ``only(unit, entry)``: count only those entries."""
         want = {u.index: u for u in units}
         found: dict = {}
         for key, ver in self._seen.items():
-            if key[0] in want and not want[key[0]].entries[key[1]].frozen and self._views[key]._version != ver:
-                u = want[key[0]]
+            u = want.get(key[0])
+            if u is None or u.entries[key[1]].frozen or (only is not None and not only(u, key[1])):
+                continue
+            if self._views[key]._version != ver:
                 found.setdefault(key[0], (u, []))[1].append(u.entries[key[1]].name)
         return list(found.values())
 

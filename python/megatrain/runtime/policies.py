@@ -164,9 +164,11 @@ class ActivationPolicies:
             key = _shape_key(acts)
             # A call without differentiable inputs (after a frozen embedding) or of a layer with no
             # trainable parameter saves less than a trainable layer after it (no input / weight
-            # gradients): the next layer measures, unless this is the last.
-            trainable = any(not e.frozen for e in call.unit.entries)
-            if key not in self.auto_decisions and (diff_inputs and trainable or call.unit.index == len(self.layers) - 1):
+            # gradients): a later trainable layer measures (the last layer measures if none did).
+            idx = call.unit.index
+            trainable = any(not e.frozen for e in call.unit.entries) or not any(
+                not e.frozen for u in self.layers[idx + 1:] for e in u.entries)
+            if key not in self.auto_decisions and (diff_inputs and trainable or idx == len(self.layers) - 1):
                 self._decide_auto(key, sum(saved_storages.values()),
                                   sum(x.numel() * x.element_size() for x in acts))
         return out
