@@ -307,8 +307,9 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         masters = getattr(self, "masters", None)
         if masters is None:
             return
-        eager = [u for u in self.units if u.device_state is None and any(u.eager)]
-        late = masters.written(eager, only=lambda u, i: u.eager[i]) if eager else []  # entries updated in backward
+        flags = {u.index: u.eager for u in self.units if u.device_state is None}  # one ledger read per unit
+        eager = [u for u in self.units if any(flags.get(u.index, ()))]
+        late = masters.written(eager, only=lambda u, i: flags[u.index][i]) if eager else []  # updated in backward
         if late:
             u, names = late[0]
             raise RuntimeError(

@@ -142,19 +142,26 @@ class _Masters:
                 held[key[0]] = want[key[0]]
         return list(held.values())
 
+    def _changed(self, only=None) -> dict:
+        """``{unit index: (unit, [entry])}`` of the entries written through a handed-out tensor since the
+        writes were last taken (their view's version counter moved); ``only``: unit indices (None: all)."""
+        found: dict = {}
+        for key, ver in self._seen.items():
+            if (only is None or key[0] in only) and self._views[key]._version != ver:
+                u = self.eng.units[key[0]]
+                found.setdefault(key[0], (u, []))[1].append(key[1])
+        return found
+
     def written(self, units, only=None) -> list:
         """``(unit, entry names)`` of those of ``units`` whose trainable entries were written through a
         handed-out master tensor since the writes were last taken (:meth:`take_writes`; a frozen
         entry has no update a write could race). ``only(unit, entry)``: count only those entries."""
-        want = {u.index: u for u in units}
-        found: dict = {}
-        for key, ver in self._seen.items():
-            u = want.get(key[0])
-            if u is None or u.entries[key[1]].frozen or (only is not None and not only(u, key[1])):
-                continue
-            if self._views[key]._version != ver:
-                found.setdefault(key[0], (u, []))[1].append(u.entries[key[1]].name)
-        return list(found.values())
+        out = []
+        for u, idx in self._changed({u.index for u in units}).values():
+            names = [u.entries[i].name for i in idx if not u.entries[i].frozen and (only is None or only(u, i))]
+            if names:
+                out.append((u, names))
+        return out
 
     def note_loaded(self) -> None:
         """A load wrote through the views (and rebuilt the compute copies): nothing left to pick up (a write
@@ -188,13 +195,7 @@ class _Masters:
         """
         only = None if units is None else {u.index for u in units}
         self._refuse_copy_writes(only)
-        written: dict = {}
-        for key, ver in self._seen.items():
-            if only is not None and key[0] not in only:
-                continue
-            if self._views[key]._version != ver:
-                u = self.eng.units[key[0]]
-                written.setdefault(key[0], (u, []))[1].append(key[1])
+        written = self._changed(only)
         if not written:
             return
         for u, idx in written.values():
