@@ -892,6 +892,9 @@ def main() -> None:
                   f"H2D {pr['h2d_busy_s']:.3f} s ({pr['h2d_overlapped_s'] / max(pr['h2d_busy_s'], 1e-12):.0%} under compute), "
                   f"D2H {pr['d2h_busy_s']:.3f} s ({pr['d2h_overlapped_s'] / max(pr['d2h_busy_s'], 1e-12):.0%} under compute); "
                   f"host syncs per thread {syncs}")
+            if pr.get("compute_idle_step_s") is not None:
+                print(f"  from the step's start on the host: {pr['step_span_s']:.3f} s, first GPU activity after "
+                      f"{pr['host_lead_s'] * 1e3:.1f} ms, compute idle {pr['compute_idle_step_s']:.3f} s")
             for g in pr.get("idle_gaps", []):
                 print(f"  gap {g['dur_s'] * 1e3:.2f} ms at +{g['offset_s'] * 1e3:.1f} ms: {g['before']} -> {g['after']}; "
                       f"launch late {fmt(g.get('launch_late_s', None) and g['launch_late_s'] * 1e3, '{:.2f}')} ms, "

@@ -5,6 +5,7 @@
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
+#                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
@@ -109,8 +110,31 @@ for s in "${stages[@]}"; do
     long_loss)  # LM head + loss alone at long T: chunked vs full logits vs liger-kernel / cut-cross-entropy (.whl)
       run long_loss bash -c '[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl .whl/cut_cross_entropy*.whl;
         timeout 240 python3 benchmarks/bench_long_context.py --loss-only --seq 32768 131072 --out docs/benchmarks/long_context_loss.json' ;;
-    before_build)  # .before/: `git archive $BEFORE_COMMIT python csrc benchmarks setup.py pyproject.toml CMakeLists.txt`, carried (git-ignored)
-      run before_build bash -c 'cd .before && python3 setup.py build_ext --inplace -q >/dev/null && PYTHONPATH=$PWD/python python3 -c "import megatrain._C as C; print(C.build_info()[\"git_sha\"] if \"git_sha\" in C.build_info() else \"built\")"' ;;
+    before_build)  # .before/: `git archive $BEFORE_COMMIT python csrc benchmarks setup.py pyproject.toml CMakeLists.txt`, carried (git-ignored);
+                   # BEFORE_DIRS: several such trees (default .before), built in parallel
+      run before_build bash -c 'for d in ${BEFORE_DIRS:-.before}; do (cd $d && python3 setup.py build_ext --inplace -q >/dev/null 2>&1 &&
+          PYTHONPATH=$PWD/python python3 -c "import megatrain._C; print(\"$d built\")") & done; wait' ;;
+    idle_ab)  # compute idle per profiled step, 3.37B, 4 x 4096 tokens, streamed recompute: IDLE_TREES (default ".before ."; "." is
+              # this tree, others built by before_build) x IDLE_REPS runs (default 2), alternating; IDLE_SYSTEMS: bench_train systems
+              # of this tree (default megatrain); every trace summarised by this tree's compare_idle.py (window and whole-step idle)
+      traces=()
+      for rep in $(seq ${IDLE_REPS:-2}); do
+        for tree in ${IDLE_TREES:-.before .}; do
+          for sys in $([ $tree = . ] && echo ${IDLE_SYSTEMS:-megatrain} || echo megatrain); do
+            lab=$([ $tree = . ] && echo "${sys#megatrain}" || echo ${tree#.}); lab=${lab:-after}; lab=${lab#:}; lab=${lab//[=,]/_}
+            pp=; [ $tree != . ] && pp=$PWD/$tree/python
+            rm -rf /tmp/idle_trace && mkdir -p /tmp/idle_trace
+            run idle_${lab}_$rep bash -c "cd $tree && PYTHONPATH=$pp timeout 240 python3 benchmarks/bench_train.py --systems $sys \
+              --profile --steps 3 --warmup 1 --out /tmp/idle_trace/row.json; cp /tmp/trace_megatrain*.json /tmp/idle_trace/ 2>/dev/null"
+            cp /tmp/idle_trace/row.json "$OUT/row_${lab}_$rep.json" 2>/dev/null
+            t=$(ls /tmp/idle_trace/trace_*.json 2>/dev/null | head -n 1)
+            [ -n "$t" ] && { gzip -c "$t" > "$OUT/trace_${lab}_$rep.json.gz"; traces+=("$lab=$OUT/trace_${lab}_$rep.json.gz"); }
+            rm -f /tmp/trace_megatrain*.json
+          done
+        done
+      done
+      run idle_compare python3 benchmarks/compare_idle.py --out "$OUT/idle_compare.json" "${traces[@]}"
+      cat "$OUT/idle_compare.log" ;;
     before_after)  # 3.37B, 4 x 4096 tokens, megatrain streamed (recompute), without / with max_grad_norm: .before/ vs this tree, alternating
       for clip in ${BA_CLIPS:-0 1.0}; do
         for tree in before after; do

@@ -3,6 +3,12 @@
 What it reports (all times in seconds, from the GPU activity records of the trace):
 
 * ``window_s``: first GPU activity start to last GPU activity end;
+* ``step_span_s``, ``host_lead_s``, ``compute_idle_step_s``: the same from the CPU start of the
+  profiled step (its ``ProfilerStep#`` annotation; the device is idle there, the previous step
+  having been synchronized) — ``host_lead_s`` is how long the step ran on the host before its
+  first GPU activity (a host wait there, e.g. for a CPU optimizer update, is outside
+  ``window_s`` but not outside the step), ``compute_idle_step_s`` the compute stream's idle time
+  over the whole span (None when the trace has no such annotation);
 * per stream: ``busy_s`` (union of its kernels / copies), number of kernels and copies, and which
   copy directions it carries (H2D, D2H);
 * ``compute_stream``: the stream with the most kernel time; its ``idle_s`` inside the window,
@@ -111,6 +117,7 @@ def summarize(trace: dict, gap_threshold_s: float = 100e-6, top_gaps: int = 5) -
     named = defaultdict(list)  # stream -> [(start, end, name, correlation)]
     launches = {}  # correlation id -> (cpu thread, launch ts)
     cpu_ops = defaultdict(list)  # cpu thread -> [(start, end, name)]
+    step_starts = []  # CPU start of each ProfilerStep# annotation
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") != "X":
             continue
@@ -140,6 +147,8 @@ def summarize(trace: dict, gap_threshold_s: float = 100e-6, top_gaps: int = 5) -
                 rec[1] += dur
         elif cat in ("cpu_op", "user_annotation", "python_function"):
             cpu_ops[ev.get("tid")].append((ts, ts + dur, ev.get("name", "")))
+            if str(ev.get("name", "")).startswith("ProfilerStep#"):
+                step_starts.append(ts)
     if not per_stream:
         raise ValueError("trace_summary: the trace has no GPU kernels or copies (profile with ProfilerActivity.CUDA)")
     merged = {k: _union(v["intervals"]) for k, v in per_stream.items()}
@@ -151,8 +160,13 @@ def summarize(trace: dict, gap_threshold_s: float = 100e-6, top_gaps: int = 5) -
     gaps = sorted((g for g in gaps if g > 0), reverse=True)
     h2d, d2h = _union(copies["H2D"]), _union(copies["D2H"])
     idle_gaps = _locate_gaps(sorted(named[compute]), start, end, top_gaps, launches, cpu_ops, h2d, d2h)
+    step_start = max((t for t in step_starts if t <= start), default=None)  # the step holding the GPU work
+    span = None if step_start is None else end - step_start
     return dict(
         window_s=end - start,
+        step_span_s=span,
+        host_lead_s=None if span is None else start - step_start,
+        compute_idle_step_s=None if span is None else span - _length(cm),
         compute_stream=str(compute),
         compute_busy_s=_length(cm),
         compute_idle_s=(end - start) - _length(cm),

@@ -71,3 +71,16 @@ def test_idle_gaps_are_located():
 def test_trace_without_gpu_activity_is_refused():
     with pytest.raises(ValueError, match="no GPU kernels"):
         summarize({"traceEvents": [_ev("cpu_op", "aten::mm", 0, 10)]})
+
+
+def test_step_span_counts_the_host_wait_before_the_first_gpu_activity():
+    trace = {"traceEvents": [
+        _ev("user_annotation", "ProfilerStep#3", 0, 2000, tid=5),  # the step starts on the host at 0
+        _ev("kernel", "gemm", 300, 400, stream=7),                 # first GPU work at 300
+        _ev("kernel", "gemm", 800, 200, stream=7),
+    ]}
+    s = summarize(trace)
+    assert s["window_s"] == pytest.approx(700e-6) and s["compute_idle_s"] == pytest.approx(100e-6)
+    assert s["step_span_s"] == pytest.approx(1000e-6) and s["host_lead_s"] == pytest.approx(300e-6)
+    assert s["compute_idle_step_s"] == pytest.approx(400e-6)
+    assert summarize({"traceEvents": trace["traceEvents"][1:]})["compute_idle_step_s"] is None
