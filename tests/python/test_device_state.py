@@ -100,7 +100,7 @@ def test_parity_mixed_placement(monkeypatch):
 
 def test_default_placement_is_the_planner_under_auto_on_cuda_only():
     """``device_state_layers=None`` (default): ``"auto"`` with ``activation_policy="auto"`` on CUDA, else 0."""
-    resolve = importlib.import_module("megatrain.runtime.device_state").resolve_device_state_layers
+    resolve = importlib.import_module("megatrain.runtime.device_state_plan").resolve_device_state_layers
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve(None, "auto", cuda) == "auto"
     assert resolve(None, "recompute", cuda) == 0 and resolve(None, "store", cuda) == 0
@@ -140,7 +140,7 @@ def test_auto_places_every_layer_when_it_fits_and_bad_values_are_refused():
     for bad in (-1, 4, "all", 1.5, True):
         with pytest.raises(ValueError, match="device_state_layers"):
             megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=bad)
-    plan = importlib.import_module("megatrain.runtime.device_state").plan_device_state_layers
+    plan = importlib.import_module("megatrain.runtime.device_state_plan").plan_device_state_layers
     layers = model.megatrain.layers
     per = layers[0].device_state.nbytes
     assert plan(layers, torch.float32, int(per * 2.5), fraction=1.0) == 2
@@ -150,18 +150,18 @@ def test_auto_places_every_layer_when_it_fits_and_bad_values_are_refused():
 def _limit_device_room(monkeypatch, units):
     """Make ``device_state_layers="auto"`` see just enough free memory for the resident unit's fp32
     state and ``units`` more layers (fraction 1)."""
-    ds = importlib.import_module("megatrain.runtime.device_state")
+    dsp = importlib.import_module("megatrain.runtime.device_state_plan")
     eng_mod = importlib.import_module("megatrain.runtime.engine")
     init = eng_mod.Engine.init_device_state
 
     def limited(self, layers):
         res = self.device_state_resident()
-        room = (ds.unit_device_bytes(res, self.compute_dtype, with_compute=False) if res is not None else 0) + \
-            sum(ds.unit_device_bytes(u, self.compute_dtype) for u in self.layers[:units])
+        room = (dsp.unit_device_bytes(res, self.compute_dtype, with_compute=False) if res is not None else 0) + \
+            sum(dsp.unit_device_bytes(u, self.compute_dtype) for u in self.layers[:units])
         self.free_device_bytes = lambda: room
         return init(self, layers)
 
-    monkeypatch.setattr(ds, "AUTO_DEVICE_STATE_FRACTION", 1.0)
+    monkeypatch.setattr(dsp, "AUTO_DEVICE_STATE_FRACTION", 1.0)
     monkeypatch.setattr(eng_mod.Engine, "init_device_state", limited)
 
 

@@ -302,7 +302,7 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         Raises:
             RuntimeError: a device-state unit was written through a tensor holding an older master, or
                 through a frozen entry's fp32 copy of a bf16 compute copy
-                (:meth:`~.module_api._Masters.take_writes`); or a host-stored unit after its eager update.
+                (:meth:`~.state_dict_views._Masters.take_writes`); or a host-stored unit after its eager update.
         """
         masters = getattr(self, "masters", None)
         if masters is None:

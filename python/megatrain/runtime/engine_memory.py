@@ -6,7 +6,7 @@ auto mode (``grad_accumulator=None``) is allocated when first needed (``enable_a
 its host budget check); ``finish_fill`` page-locks the store once it is filled (pin-after-fill);
 ``init_device_state`` / ``resize_device_state`` keep the whole training state of the first decoder
 layers (and the resident unit) on the device (:mod:`.device_state`), sized from
-``free_device_bytes``.
+``free_device_bytes`` (:mod:`.device_state_plan`).
 """
 
 from __future__ import annotations
@@ -97,18 +97,19 @@ class EngineMemory:
             ValueError: ``layers`` is not an int >= 0 or ``"auto"``, or more than the model has.
         """
         from . import device_state as ds
+        from . import device_state_plan as dsp
 
-        ds.check_device_state_layers(layers)
+        dsp.check_device_state_layers(layers)
         on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
         resident = []
         if layers == "auto":  # never a layer whose state is on disk
             free = self.free_device_bytes()
             res = self.device_state_resident()
             if res is not None:  # what the next forward needs first; its compute copy is already on the device
-                need = ds.unit_device_bytes(res, self.compute_dtype, with_compute=False)
-                if need <= ds.AUTO_DEVICE_STATE_FRACTION * free:
-                    resident, free = [res], free - need / ds.AUTO_DEVICE_STATE_FRACTION
-            layers = ds.plan_device_state_layers(on_host, self.compute_dtype, free)
+                need = dsp.unit_device_bytes(res, self.compute_dtype, with_compute=False)
+                if need <= dsp.AUTO_DEVICE_STATE_FRACTION * free:
+                    resident, free = [res], free - need / dsp.AUTO_DEVICE_STATE_FRACTION
+            layers = dsp.plan_device_state_layers(on_host, self.compute_dtype, free)
         elif self.disk is not None and layers > len(on_host):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but layers {len(on_host)} and above keep "
                              f"their fp32 state on disk (offload_dir); use at most {len(on_host)}")

@@ -1,7 +1,7 @@
 """The placement planner's second decision: device-state layers against kept activations.
 
 ``device_state_layers="auto"`` with ``activation_policy="auto"`` (the default on CUDA) first
-places by a fixed share of the free device memory (:func:`~.device_state.plan_device_state_layers`
+places by a fixed share of the free device memory (:func:`~.device_state_plan.plan_device_state_layers`
 at wrap, then as many kept layer graphs as fit what is left at the first forward). During the
 first optimizer step the engine measures what the choice depends on; at the first training
 forward after it, it places once more (:meth:`PlacementReplan.replan`, by :func:`choose_placement`):
@@ -212,7 +212,7 @@ class PlacementReplan:
         under data parallel or the disk tier, or before an ``auto`` decision was measured.
         Returns ``self.replan_info``.
         """
-        from . import device_state as ds
+        from . import device_state_plan as dsp
 
         decisions = [d for d in self.auto_decisions.values() if d.get("block_k", 1) == 1]
         fwd_s, bwd_s = self._layer_seconds("fwd"), self._layer_seconds("bwd")
@@ -224,7 +224,7 @@ class PlacementReplan:
         G, I, k_now = int(d["bytes_per_layer"]), int(d["bytes_per_input"]), int(d["store_layers"])
         if k_now < n:  # the backward diffs of recomputed layers hold one forward too
             bwd_s = max(0.0, bwd_s - fwd_s * (n - k_now) / n)
-        S = ds.unit_device_bytes(self.layers[0], self.compute_dtype)
+        S = dsp.unit_device_bytes(self.layers[0], self.compute_dtype)
         dev_layers = self.device_state.layers if self.device_state is not None else []
         K_now = len(dev_layers)
         host_layers = n - K_now
@@ -244,7 +244,7 @@ class PlacementReplan:
         else:
             total, transient = free, 0
         margin = int(REPLAN_MARGIN_FRACTION * total) + REPLAN_MARGIN_BYTES if self.cuda else 0
-        capacity = free + sum(ds.unit_device_bytes(u, self.compute_dtype) for u in dev_layers) - transient - margin
+        capacity = free + sum(dsp.unit_device_bytes(u, self.compute_dtype) for u in dev_layers) - transient - margin
         measured = dict(before=dict(device_state_layers=K_now, store_layers=k_now), layers=n, max_device_layers=n,
                         clip=opt is not None and opt.max_grad_norm is not None, state_bytes_per_layer=S,
                         graph_bytes_per_layer=G, input_bytes_per_layer=I, capacity_bytes=int(capacity),

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import long_context
-from .device_state import check_device_state_layers, resolve_device_state_layers
+from .device_state_plan import check_device_state_layers, resolve_device_state_layers
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .module_api import install as _install_module_api

@@ -1,0 +1,63 @@
+"""Placement of the device-state layers (:mod:`.device_state`): the ``device_state_layers`` argument
+(its default, its check) and how many layers fit on the device.
+
+:func:`resolve_device_state_layers` and :func:`check_device_state_layers` give ``megatrain.wrap``'s
+``device_state_layers`` its default and refuse bad values; :func:`unit_device_bytes` is the exact
+device size of one unit's state; :func:`plan_device_state_layers` counts the layers (from layer 0)
+whose state fits in ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory (``"auto"`` at wrap;
+the placement planner, :mod:`.planner`, places once more after the first step).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
+# memory free when the model is wrapped; the rest is left for activations (activation_policy
+# "auto" measures what is left), logits and fragmentation.
+AUTO_DEVICE_STATE_FRACTION = 0.5
+
+
+def resolve_device_state_layers(value, activation_policy: str, device: torch.device):
+    """``device_state_layers`` as given, or its default (``None``): ``"auto"`` under
+    ``activation_policy="auto"`` on CUDA (the placement planner), else 0 (every layer's state in the
+    host store; on the CPU backend the host store already is the compute device's memory)."""
+    if value is None:
+        return "auto" if activation_policy == "auto" and device.type == "cuda" else 0
+    return value
+
+
+def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_layers") -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 0, ``"auto"`` or ``None`` (the default)."""
+    if value is None or (value == "auto" and isinstance(value, str)):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device) "
+                         f"or 'auto', got {value!r}")
+
+
+def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True) -> int:
+    """Device bytes :class:`~.device_state.DeviceState` allocates for ``unit``: the compute copy (unless
+    ``with_compute`` is False: the resident unit's is its existing device buffer) plus 4 fp32 sections.
+
+    ``unit.numel`` / ``unit.state_numel`` are the padded lengths of the unit's compute and fp32
+    host-store sections (the device buffers use the same layout).
+    """
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    return (int(unit.numel) * elem if with_compute else 0) + 16 * int(unit.state_numel)
+
+
+def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
+                             fraction: Optional[float] = None) -> int:
+    """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``
+    (``fraction`` None: ``AUTO_DEVICE_STATE_FRACTION``)."""
+    budget = (AUTO_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
+    k, used = 0, 0
+    for u in layers:
+        used += unit_device_bytes(u, compute_dtype)
+        if used > budget:
+            break
+        k += 1
+    return k
