@@ -10,10 +10,11 @@ benchmark scripts are measured the same way. Two idle measures per step:
   last GPU activity: it also counts a host wait before the step's first GPU activity (e.g. for the
   CPU AdamW update of the first unit the forward needs), which the window leaves out.
 
-    python benchmarks/compare_idle.py --out idle.json LABEL=TRACE.json [LABEL=TRACE.json ...]
+    python benchmarks/compare_idle.py --out idle.json [--png idle.png] LABEL=TRACE.json [LABEL=TRACE.json ...]
 
 LABEL names the tree (several traces may share a label: repeated runs). Prints one row per trace
-and the mean per label; writes the rows and the means as JSON to ``--out``.
+and the mean per label; writes the rows and the means as JSON to ``--out`` and, with ``--png``, a
+chart of both idle measures per trace.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", help="LABEL=TRACE.json (or .json.gz)")
     ap.add_argument("--out", help="write the rows and means as JSON here")
+    ap.add_argument("--png", help="write a chart of the idle time per trace here")
     args = ap.parse_args()
     items = []
     for t in args.traces:
@@ -83,6 +85,31 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    if args.png:
+        plot(res, args.png)
+
+
+def plot(res: dict, path: str) -> None:
+    """Bar chart: per trace, the compute idle inside the GPU window and over the whole step (ms)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted(res["rows"], key=lambda r: r["label"])
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r["idle_window_s"] * 1e3 for r in rows], 0.4, label="idle in the GPU window")
+    ax.bar([i + 0.2 for i in x], [(r["idle_step_s"] or 0) * 1e3 for r in rows], 0.4, label="idle from the step's host start")
+    runs = collections.Counter()
+    ticks = []
+    for r in rows:
+        runs[r["label"]] += 1
+        ticks.append(f"{r['label']}\nrun {runs[r['label']]}")
+    ax.set_xticks(list(x), ticks, fontsize=8)
+    ax.set_ylabel("compute-stream idle per step (ms)")
+    ax.legend(fontsize=8)
+    ax.set_title("profiled steps, one bar pair per trace", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
