@@ -366,3 +366,36 @@ def test_frozen_parameters_with_a_bf16_compute_copy(monkeypatch):
     w.load_state_dict({key: before}, strict=False)
     with torch.no_grad():
         assert torch.equal(w(input_ids=x, labels=x).loss, loss)
+
+
+def test_an_adapter_only_load_copies_no_frozen_entry(monkeypatch):
+    """``load_state_dict(adapter_sd, strict=False)`` on a LoRA model with a bf16 compute copy touches the
+    adapter's entries only: no fp32 copy of a frozen base entry (4 bytes per base parameter, a 30B base's
+    120 GB) is made, for the shape check or the load, and the base stays bit for bit."""
+    from megatrain.runtime import state_dict_views
+
+    torch.manual_seed(0)
+    w = megatrain.wrap(_lora_random_b(_tiny()), device="cpu", compute_dtype=torch.bfloat16)
+    base_before = {k: v.clone() for k, v in w.state_dict().items() if "lora_" not in k}
+    sd = {k: v + 1 for k, v in w.state_dict().items() if "lora_" in k}
+    loaded, frozen_copies = [], []
+    for_load, get = state_dict_views._Masters.for_load, state_dict_views._Masters.get
+
+    def spy_for_load(self, u, i):
+        loaded.append(u.entries[i].name)
+        return for_load(self, u, i)
+
+    def spy_get(self, u, i):
+        if u.entries[i].frozen:
+            frozen_copies.append(u.entries[i].name)
+        return get(self, u, i)
+
+    monkeypatch.setattr(state_dict_views._Masters, "for_load", spy_for_load)
+    monkeypatch.setattr(state_dict_views._Masters, "get", spy_get)
+    res = w.load_state_dict(sd, strict=False)
+    monkeypatch.undo()
+    assert len(loaded) == len(sd) and frozen_copies == []
+    assert not res.unexpected_keys and len(res.missing_keys) == len(base_before)
+    after = w.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in sd.items())
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())

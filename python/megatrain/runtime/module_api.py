@@ -92,7 +92,7 @@ def install(eng, model: nn.Module) -> None:
         mod = mods.get(mid)
         if mod is None:
             continue
-        mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items))
+        mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items, loading))
         mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
         mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, items))
     def reloaded(m, incompatible) -> None:
@@ -155,8 +155,10 @@ def install(eng, model: nn.Module) -> None:
     d.update(rest)
 
 
-def _make_sd_hook(eng, masters, items):
+def _make_sd_hook(eng, masters, items, loading):
     def hook(module, state_dict, prefix, local_metadata):
+        if getattr(loading, "shapes_only", False):
+            return  # a load's shape check: the placeholders have the shapes (no copy, no disk read)
         eng.sync_host()
         for attr, u, i in items:
             key = prefix + attr
@@ -165,9 +167,14 @@ def _make_sd_hook(eng, masters, items):
     return hook
 
 
-def _expected(module) -> dict:
-    """key -> shape of what ``module.state_dict()`` holds (parameters: the masters' shapes)."""
-    return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+def _expected(module, loading) -> dict:
+    """key -> shape of what ``module.state_dict()`` holds (parameters: the masters' shapes, read from
+    the placeholders: no fp32 copy of a frozen bf16 entry, no read of a disk unit's masters)."""
+    loading.shapes_only = True
+    try:
+        return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    finally:
+        loading.shapes_only = False
 
 
 def _make_load_check_hook(eng, loading):
@@ -187,7 +194,7 @@ def _make_load_check_hook(eng, loading):
                              "copied into the fp32 master weights")
         eng.sync_host()
         strict_now = getattr(loading, "strict", None)
-        want = _expected(module)
+        want = _expected(module, loading)
         msgs = []
         if strict_now:
             miss = [k for k in want if k not in state_dict]
@@ -218,9 +225,12 @@ def _make_load_pre_hook(masters, items, loading):
     def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         if getattr(loading, "mode", None) == "buffers":
             return  # data parallel, not the store's writer: the parameters stay as they are
-        # torch's own _load_from_state_dict then copies each value straight into its master.
+        # torch's own _load_from_state_dict then copies each value straight into its master. Only the
+        # entries this state dict holds: the others stay untouched (for a frozen bf16 entry or a disk
+        # unit, for_load makes a copy; an adapter-only load must not copy the whole frozen base).
         for attr, u, i in items:
-            module._parameters[attr] = masters.for_load(u, i)
+            if prefix + attr in state_dict:
+                module._parameters[attr] = masters.for_load(u, i)
     return hook
 
 
