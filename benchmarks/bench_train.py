@@ -229,6 +229,44 @@ def profile_steps(step, batches, spec) -> dict:
     return out
 
 
+def worker_timeline_row(eng, step=None) -> "dict | None":
+    """The engine's worker timeline of optimizer step ``step`` (else, or when it is not complete, of the
+    last complete step: ``eng.worker_timeline()``) with its summary (``megatrain.runtime.timeline.
+    timeline_summary``: totals per kind, longest waits, update span; seconds from the step's begin),
+    or None where the engine has no timeline."""
+    if not hasattr(eng, "worker_timeline"):
+        return None
+    from megatrain.runtime.timeline import timeline_summary
+    events = (eng.worker_timeline(step) if step is not None else []) or eng.worker_timeline()
+    step = next((e.get("step") for e in events if e["kind"] == "step_begin"), None)
+    return dict(step=step, **timeline_summary(events), events=events)
+
+
+def print_worker_timeline(wt: dict) -> None:
+    """Three or four lines of a row's ``worker_timeline`` (:func:`worker_timeline_row`), in ms from the step's begin."""
+    if wt.get("error"):
+        print(f"  worker timeline: failed: {wt['error']}")
+        return
+    if not wt.get("events"):
+        print("  worker timeline: no complete step recorded")
+        return
+
+    def ms(v):
+        return fmt(None if v is None else v * 1e3, "{:.1f}")
+
+    m, n, tot = wt["marks"], wt["counts"], wt["totals_s"]
+    bwd, first = m.get("backward_end"), wt["update_first_start_s"]
+    gap = "" if bwd is None or first is None else \
+        f", first update {ms(abs(first - bwd))} ms {'after' if first >= bwd else 'before'} backward_end"
+    print(f"  worker timeline of step {wt['step']} (ms from its first forward): backward_end +{ms(bwd)}, "
+          f"step_end +{ms(m.get('step_end'))}")
+    print(f"  {n['update']} updates busy {ms(tot['update'])} ms, spanning {ms(wt['update_span_s'])} ms "
+          f"(+{ms(first)} .. +{ms(wt['update_last_end_s'])}){gap}; {n['grad']} gradient tasks busy {ms(tot['grad'])} ms")
+    waits = ", ".join(f"unit {w['unit'] if w['unit'] is not None else 'all'} {ms(w['dur_s'])} ms at +{ms(w['start_s'])}"
+                      for w in wt["longest_waits"][:4])
+    print(f"  main thread waited for updates {n['wait']} times, {ms(tot['wait'])} ms in all; longest: {waits or '-'}")
+
+
 def _device_sync(device):
     import torch
     if str(device).startswith("cuda"):
@@ -324,10 +362,20 @@ def run_megatrain(spec):
         r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
         placement = eng.placement()
         if spec.get("profile") and dev.startswith("cuda"):
+            timeline = hasattr(eng, "set_worker_timeline")  # megatrain.runtime.timeline (Options.worker_timeline)
+            first = opt.steps_called + 1  # the first profiled step
+            if timeline:
+                eng.set_worker_timeline(True)
             try:  # after the timed window: a profiler problem must not lose the timings
                 r["profile"] = profile_steps(step, batches[-2:], spec)
             except Exception as e:
                 r["profile"] = dict(error=f"{type(e).__name__}: {e}")
+            if timeline:
+                try:  # the first profiled step: with the second one's forward waiting for its updates
+                    r["worker_timeline"] = worker_timeline_row(eng, first)
+                except Exception as e:
+                    r["worker_timeline"] = dict(error=f"{type(e).__name__}: {e}")
+                eng.set_worker_timeline(False)
     finally:
         eng.close()
     a, b = snaps["start"], snaps["end"]
@@ -770,7 +818,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, help="MFU denominator instead of the measured matmul rate")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token batches")
     ap.add_argument("--profile", action="store_true",
-                    help="megatrain rows: profile one extra step, add a stream-overlap / idle-gap / host-sync summary")
+                    help="megatrain rows: profile one extra step, add a stream-overlap / idle-gap / host-sync summary "
+                         "and the CPU worker's timeline of a step (row['worker_timeline'])")
     ap.add_argument("--child-timeout", type=float, default=1800, help="seconds per child before it is killed")
     ap.add_argument("--out", help="JSON path; a PNG with the same basename is written next to it")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
@@ -899,6 +948,8 @@ def main() -> None:
                 print(f"  gap {g['dur_s'] * 1e3:.2f} ms at +{g['offset_s'] * 1e3:.1f} ms: {g['before']} -> {g['after']}; "
                       f"launch late {fmt(g.get('launch_late_s', None) and g['launch_late_s'] * 1e3, '{:.2f}')} ms, "
                       f"H2D {g['h2d_s'] * 1e3:.2f} ms, D2H {g['d2h_s'] * 1e3:.2f} ms inside; cpu ops {g.get('cpu_ops', [])}")
+        if r.get("worker_timeline"):
+            print_worker_timeline(r["worker_timeline"])
     for r in rows:
         if r.get("megatrain"):
             at = f" ({extra}={r.get(extra)})" if extra else ""

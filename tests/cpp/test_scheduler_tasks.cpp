@@ -52,6 +52,20 @@ ca::AdamHyper test_hyper(int64_t step) {
   return ca::AdamHyper{1e-3, 0.9, 0.95, 1e-6, 0.1, step, 0.5f};  // lr, betas, eps, weight_decay, step, grad_scale
 }
 
+// The fused AdamW's arguments over fp32 state vectors, a gradient and a bf16 compute copy.
+ca::AdamArgs adam_args(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v, const void* grad,
+                       ca::GradDtype grad_dtype, std::vector<uint16_t>& compute) {
+  ca::AdamArgs a;
+  a.master = master.data();
+  a.exp_avg = m.data();
+  a.exp_avg_sq = v.data();
+  a.grad = grad;
+  a.grad_dtype = grad_dtype;
+  a.compute_out = compute.data();
+  a.out_dtype = ca::OutDtype::kBFloat16;
+  return a;
+}
+
 // Splits the chunks over two threads, as at::parallel_for may.
 void two_threads(int64_t chunks, const std::function<void(int64_t, int64_t)>& body) {
   const int64_t mid = chunks / 2;
@@ -161,15 +175,7 @@ TEST(SchedulerTasks, NonFiniteGradientSkipsTheUpdateAndRestoresTheWeights) {
   auto outcome = std::make_shared<sch::GradOutcome>();
   outcome->finite = false;
   sch::AdamTask t;
-  ca::AdamArgs a;
-  a.master = master.data();
-  a.exp_avg = m.data();
-  a.exp_avg_sq = v.data();
-  a.grad = compute.data();
-  a.grad_dtype = ca::GradDtype::kBFloat16;
-  a.compute_out = compute.data();
-  a.out_dtype = ca::OutDtype::kBFloat16;
-  t.items.push_back({0, a, ca::AdamHyper{}, 64});
+  t.items.push_back({0, adam_args(master, m, v, compute.data(), ca::GradDtype::kBFloat16, compute), ca::AdamHyper{}, 64});
   t.ledger_entries = {0};
   t.finite_from = outcome;
   t.restore_on_skip = {{master.data(), compute.data(), ca::OutDtype::kBFloat16, 64}};
@@ -411,4 +417,55 @@ TEST(SchedulerTasks, AnIoErrorOfTheTierFailsTheTaskWithTheTiersMessage) {
   }
   EXPECT_EQ(compute, std::vector<uint16_t>(kE, 0)) << "nothing written from a failed read";
   EXPECT_THROW(sch::weights_back_task({back}), std::invalid_argument);
+}
+
+TEST(SchedulerTasks, OutcomesRecordWhenTheTasksRanOnTheSteadyClock) {
+  // The gradient task, then the update gated on it, on the worker thread: each outcome's started_s /
+  // finished_s is -1 before it ran, then the task's span on steady_now()'s clock, in order.
+  std::vector<float> accum(kN), master = randn(kN, 7), m(kN, 0.0f), v(kN, 0.0f);
+  std::vector<uint16_t> compute(kN);
+  const auto grad = to_bf16(randn(kN, 8, 0.1f));
+  auto ledger = std::make_shared<sch::Ledger>(std::vector<int64_t>{1});
+  sch::StagedGrad s;
+  s.accum = accum.data();
+  s.grad = grad.data();
+  s.numel = kN;
+  s.overwrite = ledger->begin_d2h(0, 0, false);
+  auto g = std::make_shared<sch::GradOutcome>();
+  auto u = std::make_shared<sch::UpdateOutcome>();
+  EXPECT_EQ(g->started_s.load(), -1.0);
+  EXPECT_EQ(g->finished_s.load(), -1.0);
+  EXPECT_EQ(u->started_s.load(), -1.0);
+  EXPECT_EQ(u->finished_s.load(), -1.0);
+
+  sch::AdamTask at;
+  at.items.push_back({0, adam_args(master, m, v, accum.data(), ca::GradDtype::kFloat32, compute), test_hyper(1), kN});
+  at.ledger_entries = {0};
+  at.outcome = u;
+
+  const double before = sch::steady_now();
+  sch::Worker w;
+  sch::Task gt;
+  gt.run = sch::accumulate_task(ledger, 0, {}, {s}, g);
+  sch::TaskRef gh = w.submit(std::move(gt));
+  ledger->queue_update(0, 0);
+  sch::Task ut;
+  ut.klass = sch::TaskClass::kUpdate;
+  ut.gate = sch::after_task(gh);
+  ut.run = sch::adam_task(ledger, at);
+  w.submit(std::move(ut));
+  w.drain();
+  const double after = sch::steady_now();
+
+  EXPECT_TRUE(g->ran.load());
+  EXPECT_TRUE(u->ran.load());
+  EXPECT_LE(before, g->started_s.load());
+  EXPECT_LE(g->started_s.load(), g->finished_s.load());
+  EXPECT_LE(g->finished_s.load(), u->started_s.load());  // gated on the gradient task
+  EXPECT_LE(u->started_s.load(), u->finished_s.load());
+  EXPECT_LE(u->finished_s.load(), after);
+  // seconds is the same span (the same two clock reads)
+  EXPECT_NEAR(g->seconds.load(), g->finished_s.load() - g->started_s.load(), 1e-6);
+  EXPECT_NEAR(u->seconds.load(), u->finished_s.load() - u->started_s.load(), 1e-6);
+  EXPECT_GT(u->seconds.load(), 0.0);
 }

@@ -226,14 +226,26 @@ void init_scheduler(py::module_& m) {
       .def_property_readonly("finite", [](const sch::GradOutcome& o) { return o.finite.load(); })
       .def_property_readonly("ran", [](const sch::GradOutcome& o) { return o.ran.load(); })
       .def_property_readonly("seconds", [](const sch::GradOutcome& o) { return o.seconds.load(); },
-                             "Wall time of the task's kernels in seconds (0 until it ran).");
+                             "Wall time of the task's kernels in seconds (0 until it ran).")
+      .def_property_readonly("started_s", [](const sch::GradOutcome& o) { return o.started_s.load(); },
+                             "When the task's kernels started: seconds on steady_now()'s clock (-1 before).")
+      .def_property_readonly("finished_s", [](const sch::GradOutcome& o) { return o.finished_s.load(); },
+                             "When the task's kernels ended: seconds on steady_now()'s clock (-1 before).");
 
   py::class_<sch::UpdateOutcome, std::shared_ptr<sch::UpdateOutcome>>(m, "UpdateOutcome",
                                                                       "What an update task did.")
       .def_property_readonly("skipped", [](const sch::UpdateOutcome& o) { return o.skipped.load(); })
       .def_property_readonly("ran", [](const sch::UpdateOutcome& o) { return o.ran.load(); })
       .def_property_readonly("seconds", [](const sch::UpdateOutcome& o) { return o.seconds.load(); },
-                             "Wall time of the update in seconds (0 until it ran).");
+                             "Wall time of the update in seconds (0 until it ran).")
+      .def_property_readonly("started_s", [](const sch::UpdateOutcome& o) { return o.started_s.load(); },
+                             "When the update started: seconds on steady_now()'s clock (-1 before).")
+      .def_property_readonly("finished_s", [](const sch::UpdateOutcome& o) { return o.finished_s.load(); },
+                             "When the update ended: seconds on steady_now()'s clock (-1 before).");
+
+  m.def("steady_now", &sch::steady_now,
+        "Seconds on std::chrono::steady_clock since its epoch: the clock of the outcomes' started_s / "
+        "finished_s (the same as time.monotonic() on Linux, not guaranteed elsewhere).");
 
   py::class_<PyWorker, std::shared_ptr<PyWorker>>(m, "Worker", R"doc(
 The CPU worker thread (csrc/megatrain/scheduler/worker.h).

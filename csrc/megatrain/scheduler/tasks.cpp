@@ -9,9 +9,25 @@ namespace megatrain {
 namespace scheduler {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+// Records a task's start (one clock read) in its outcome and, by finish(), its end and wall
+// time (the second read). A null outcome: nothing is recorded, no clock is read after the start.
+template <typename Outcome>
+class TaskClock {
+ public:
+  explicit TaskClock(Outcome* outcome) : outcome_(outcome), t0_(std::chrono::steady_clock::now()) {
+    if (outcome_) outcome_->started_s.store(steady_seconds(t0_));
+  }
+  void finish() {
+    if (!outcome_) return;
+    const auto t1 = std::chrono::steady_clock::now();
+    outcome_->seconds.store(std::chrono::duration<double>(t1 - t0_).count());
+    outcome_->finished_s.store(steady_seconds(t1));
+  }
+
+ private:
+  Outcome* outcome_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 // The tier units one task works on, acquired for its run. finish() releases them (dirty where
 // written) and may throw the tier's sticky error; the destructor releases, clean and without
@@ -114,7 +130,7 @@ std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t un
   for (const StagedGrad& g : staged) on_tier = on_tier || g.tier_offset >= 0;
   return [ledger = std::move(ledger), unit, direct = std::move(direct), staged = std::move(staged),
           outcome = std::move(outcome), pfor = std::move(pfor), tier = std::move(tier), on_tier] {
-    const auto t0 = std::chrono::steady_clock::now();
+    TaskClock<GradOutcome> clock(outcome.get());
     TierLease lease(tier, false, on_tier);
     bool finite = true;
     for (const DirectGrad& d : direct) {
@@ -132,7 +148,7 @@ std::function<void()> accumulate_task(std::shared_ptr<Ledger> ledger, int64_t un
     lease.finish(false, on_tier);
     if (outcome) {
       outcome->finite.store(finite);
-      outcome->seconds.store(seconds_since(t0));
+      clock.finish();
       outcome->ran.store(true);
     }
   };
@@ -169,7 +185,7 @@ std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, c
   }
   return [ledger = std::move(ledger), task = std::move(task), pfor = std::move(pfor), state_on_tier,
           accum_on_tier] {
-    const auto t0 = std::chrono::steady_clock::now();
+    TaskClock<UpdateOutcome> clock(task.outcome.get());
     for (int64_t i : task.ledger_entries) ledger->start_update(task.unit, i);
     const bool skip = task.finite_from && !task.items.empty() && !task.finite_from->finite.load();
     // The accumulator is read only by an update that runs.
@@ -199,7 +215,7 @@ std::function<void()> adam_task(std::shared_ptr<Ledger> ledger, AdamTask task, c
     lease.finish(!skip && !task.items.empty(), false);
     for (int64_t i : task.ledger_entries) ledger->finish_update(task.unit, i);
     if (task.outcome) {
-      task.outcome->seconds.store(seconds_since(t0));
+      clock.finish();
       task.outcome->ran.store(true);
     }
   };

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,12 +34,23 @@ struct TierState {
   int64_t accum_unit = -1;
 };
 
+/// \brief Seconds of `t` on std::chrono::steady_clock since that clock's epoch: the clock of the
+/// outcomes' started_s / finished_s (a per-step timeline of the worker's tasks).
+inline double steady_seconds(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+/// \brief steady_seconds() of now.
+inline double steady_now() { return steady_seconds(std::chrono::steady_clock::now()); }
+
 /// \brief What a gradient task found, read by the update planned on that gradient (a later
 /// zero_grad may reset the ledger before the update runs).
 struct GradOutcome {
   std::atomic<bool> finite{true};  ///< every gradient this task landed has a finite norm
   std::atomic<bool> ran{false};
   std::atomic<double> seconds{0.0};  ///< wall time of the task's kernels (set when it ran)
+  std::atomic<double> started_s{-1.0};   ///< steady_seconds() when its kernels started (-1 before)
+  std::atomic<double> finished_s{-1.0};  ///< steady_seconds() when its kernels ended (-1 before)
 };
 
 /// \brief What an update task did, read by the optimizer at its next sync point.
@@ -46,6 +58,8 @@ struct UpdateOutcome {
   std::atomic<bool> skipped{false};  ///< a non-finite gradient: the update was not applied
   std::atomic<bool> ran{false};
   std::atomic<double> seconds{0.0};  ///< wall time of the update (set when it ran)
+  std::atomic<double> started_s{-1.0};   ///< steady_seconds() when the update started (-1 before)
+  std::atomic<double> finished_s{-1.0};  ///< steady_seconds() when the update ended (-1 before)
 };
 
 /// \brief A gradient D2H'd into pinned staging, to be summed into the fp32 accumulator.

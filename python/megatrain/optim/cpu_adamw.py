@@ -464,6 +464,7 @@ class CPUAdamW(torch.optim.Optimizer):
                    f"{self.last_grad_norm}): the step was skipped (weights, exp_avg, exp_avg_sq and step counts "
                    "unchanged). Lower the learning rate or check the loss")
             eng.refresh_state_dict_views()  # eager updates of other entries may have run: held tensors read them
+            eng.timeline_step_end(number)
             if self.nonfinite == "raise":
                 raise FloatingPointError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=4)  # past torch's step wrappers
@@ -490,6 +491,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self._zero -= got
         self._consumed = bool(got)
         self.user_clip_scale = 1.0
+        eng.timeline_step_end(number)  # the worker timeline's step_end mark (nothing when it is off)
         if eng.device_state is not None and eng.device_state.take_skipped():
             self._report_skipped_units()  # a device-state layer's non-finite gradient: reported (or raised) now
         return loss

@@ -33,7 +33,7 @@ copies (the "CPU backend"), so every path is exercised by CPU tests.
 * :mod:`.grads` (:class:`~.grads.GradLedger`): ``submit_grads`` (hand-over + accumulation), ``settle``;
 * :mod:`.grad_copies` (:class:`~.grad_copies.GradCopies`): ``copy_grads_d2h`` (the gradient D2H);
 * :mod:`.updates` (:class:`~.updates.UpdateQueue`): ``submit_update``, ``ensure_weights``, ``zero_grad``;
-* :mod:`.stats` (:class:`~.stats.EngineStats`): ``stats()``.
+* :mod:`.stats` (:class:`~.stats.EngineStats`): ``stats()``; :mod:`.timeline`: ``worker_timeline()``.
 
 The units and entries it streams are :mod:`.units`'s; the CPU thread is :mod:`.worker`'s.
 

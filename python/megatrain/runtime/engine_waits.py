@@ -40,7 +40,9 @@ class EngineWaits:
     def flush(self) -> None:
         """Wait until every submitted gradient has been accumulated and every update applied."""
         t0 = time.perf_counter()
+        w0 = self._timeline_clock()
         self._worker.drain()
+        self._timeline_wait(None, None, w0)
         with self._stats_lock:
             self._stats["adam_exposed_s"] += time.perf_counter() - t0
         self.settle()

@@ -140,7 +140,7 @@ class GradLedger:
         self._staging_made = 0
         self._staging: "queue.Queue[torch.Tensor]" = queue.Queue()
         # What the worker's tasks report, applied by settle(): (handle, GradOutcome, pool staging buffer
-        # or None) in submission order; (handle, UpdateOutcome, optimizer, unit, items, step number).
+        # or None, unit index) in submission order; (handle, UpdateOutcome, optimizer, unit, items, step number).
         self._settle_lock = threading.RLock()
         self._grad_outcomes: list = []
         self._update_outcomes: list = []
@@ -170,15 +170,18 @@ class GradLedger:
         Per finished gradient task: its kernel time to ``grad_accum_time_s`` and its pool staging
         buffer back to the pool. Per finished update: its time to ``adam_time_s`` and, when it was
         skipped for a non-finite gradient, the optimizer's ``skip_unit_update`` (step counts back).
+        With ``Options.worker_timeline`` each one's run is an event of the timeline (:mod:`.timeline`).
         """
         with self._settle_lock:
             n = 0
-            for handle, outcome, staging in self._grad_outcomes:
+            for handle, outcome, staging, unit_index in self._grad_outcomes:
                 if not handle.done:
                     break  # gradient tasks finish in submission order
                 n += 1
                 with self._stats_lock:
                     self._stats["grad_accum_time_s"] += outcome.seconds
+                if self._timeline_on:
+                    self._timeline_task("grad", unit_index, outcome)
                 if staging is not None:
                     self._staging.put(staging)
             del self._grad_outcomes[:n]
@@ -192,6 +195,8 @@ class GradLedger:
                     continue
                 with self._stats_lock:
                     self._stats["adam_time_s"] += outcome.seconds
+                if self._timeline_on:
+                    self._timeline_task("update", unit.index, outcome, step_number)
                 if outcome.skipped:
                     opt.skip_unit_update(unit, items, step_number)
             self._update_outcomes = left
@@ -208,7 +213,7 @@ class GradLedger:
                 if self._staging_made < self._staging_max:
                     self._staging_made += 1
                     return self._host_buffer(self._staging_numel)  # counted in the store's budget check
-                holder = next((h for h, _, st in self._grad_outcomes if st is not None), None)
+                holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None), None)
             if holder is None:
                 raise RuntimeError("megatrain: no gradient staging buffer is free and none is in flight")
             self.wait_task(holder)
@@ -320,7 +325,7 @@ class GradLedger:
                                                          **tier)
         unit.grad_task = handle
         with self._settle_lock:
-            self._grad_outcomes.append((handle, outcome, staging if own_staging else None))
+            self._grad_outcomes.append((handle, outcome, staging if own_staging else None, unit.index))
         if plan is not None:
             items, scale = plan
             self._submit_adam(unit, items, scale, after=handle, entries=[i for i, p in enumerate(present) if p],

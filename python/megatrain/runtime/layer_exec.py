@@ -111,6 +111,7 @@ class LayerExecution:
         """
         unit = call.unit
         self._replan_mark("bwd")
+        self._timeline_backward()
         want_weights = self._weights_wanted()
         if call.stored is not None:
             out, bound, detached = call.stored

@@ -26,6 +26,7 @@ ENV = {
     "dp_timeout_s": "MEGATRAIN_DP_TIMEOUT",
     "disk_buffers": "MEGATRAIN_DISK_BUFFERS",
     "disk_io_threads": "MEGATRAIN_DISK_IO_THREADS",
+    "worker_timeline": "MEGATRAIN_WORKER_TIMELINE",
 }
 
 
@@ -70,6 +71,10 @@ class Options:
             tier's pool (``wrap(offload_dir=...)``), each the fp32 state of the largest layer on disk:
             one is updated while the next is read ahead or the last is written behind.
         disk_io_threads: ``MEGATRAIN_DISK_IO_THREADS`` (default 4): pread / pwrite threads of the disk tier.
+        worker_timeline: ``MEGATRAIN_WORKER_TIMELINE=1`` (default off): record a per-step timeline of the
+            CPU worker's update / gradient tasks and of the main thread's waits for them
+            (``model.megatrain.worker_timeline()``, :mod:`megatrain.runtime.timeline`); a few clock
+            reads and list appends per task. ``set_worker_timeline`` switches it on a built engine.
         disk_fault: tests only (no environment variable): ``(op, unit, errno, after)`` injected
             into the disk tier's I/O (``_C.DiskTier(_fault=...)``): every ``op`` ("read" / "write")
             chunk of tier unit ``unit`` (-1: any) after the first ``after`` fails with ``errno``.
@@ -90,6 +95,7 @@ class Options:
     replan: bool = True
     disk_buffers: int = 2
     disk_io_threads: int = 4
+    worker_timeline: bool = False
     disk_fault: Optional[tuple] = None
 
     @classmethod
@@ -114,6 +120,7 @@ class Options:
             dp_timeout_s=float(env.get(ENV["dp_timeout_s"], "") or 50.0),
             disk_buffers=max(2, int(disk_buffers)) if disk_buffers else 2,
             disk_io_threads=max(1, int(disk_threads)) if disk_threads else 4,
+            worker_timeline=env.get(ENV["worker_timeline"], "0") not in ("", "0"),
         )
 
 

@@ -109,8 +109,10 @@ class SlotPool:
         pending = [h for h in unit.update_tasks if not h.done]
         if pending:
             t0 = time.perf_counter()
+            w0 = self._timeline_clock()
             for h in pending:
                 self._worker.wait(h)
+            self._timeline_wait(unit, pending, w0)
             with self._stats_lock:
                 self._stats["adam_exposed_s"] += time.perf_counter() - t0
         unit.update_tasks = []

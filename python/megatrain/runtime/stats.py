@@ -1,4 +1,5 @@
-"""Engine counters: bytes and seconds of the copies, the CPU Adam and the waits for it."""
+"""Engine counters: bytes and seconds of the copies, the CPU Adam and the waits for it (and, from
+:mod:`.timeline`, the per-step timeline of the CPU worker's tasks)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import threading
 import torch
 
 from .._loader import load_extension
+from .timeline import EngineTimeline
 
 _C = load_extension()
 
 
-class EngineStats:
-    """Cumulative counters of an :class:`~megatrain.runtime.engine.Engine` (``stats()``)."""
+class EngineStats(EngineTimeline):
+    """Cumulative counters of an :class:`~megatrain.runtime.engine.Engine` (``stats()``) and its per-step
+    worker timeline (``worker_timeline()``, :mod:`.timeline`)."""
 
     def _init_stats(self) -> None:
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
@@ -21,6 +24,7 @@ class EngineStats:
         self._h2d_time_s = 0.0
         self._d2h_time_s = 0.0
         self._stats_lock = threading.Lock()
+        self._init_timeline()
 
     def _timed(self, kind: str, stream):
         if not self.cuda:

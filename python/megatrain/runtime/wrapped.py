@@ -233,6 +233,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             p.grad = None
             grads = [None] * len(self.resident.entries)
             grads[i] = g
+            self._timeline_backward()
             # the worker may still read this entry's staging region from the last backward
             self.wait_task(self._resident_consumed.get(i))
             handle = self.submit_grads(self.resident, grads, staging=self.resident_staging)
@@ -297,6 +298,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         masters = getattr(self, "masters", None)
         if masters is not None:
             masters.take_writes()  # writes into model.state_dict()'s tensors reach the compute copy
+        self._timeline_step_begin()  # before the resident load (it waits for the last step's update)
         self._pending_block = None
         self._last_call = None
         if self.offload is not None:

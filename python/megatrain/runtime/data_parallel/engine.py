@@ -220,7 +220,7 @@ class DataParallelEngine:
         handle, outcome = self._worker.submit_accumulate(self.ledger, unit.index, direct_grads, staged_grads, ready=ev)
         unit.grad_task = handle
         with self._settle_lock:
-            self._grad_outcomes.append((handle, outcome, None))
+            self._grad_outcomes.append((handle, outcome, None, unit.index))
         if self.cuda and any(staged):
             dp._in_flight.append((handle, host))
         return handle
