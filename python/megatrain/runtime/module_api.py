@@ -86,7 +86,7 @@ def install(eng, model: nn.Module) -> None:
     # Checks first: whichever module load_state_dict is called on (prefix "") validates before any
     # write (registered before the owners' hooks, so it runs before their swap).
     for m in model.modules():
-        m.register_load_state_dict_pre_hook(_make_load_check_hook(eng, loading))
+        m.register_load_state_dict_pre_hook(_make_load_check_hook(eng, loading, owned))
     mods = {id(m): m for m in model.modules()}
     for mid, items in owned.items():
         mod = mods.get(mid)
@@ -177,7 +177,26 @@ def _expected(module, loading) -> dict:
         loading.shapes_only = False
 
 
-def _make_load_check_hook(eng, loading):
+def _refuse_load_after_eager_updates(eng, module, state_dict, owned) -> None:
+    """Without ``max_grad_norm`` a host-stored layer's update runs during backward: a load between
+    ``backward()`` and ``step()`` would replace the updated weights (torch updates the loaded ones).
+    Refused before anything is written, as a write through a ``state_dict()`` tensor there is."""
+    flags = {}
+    for name, mod in module.named_modules():
+        for attr, u, i in owned.get(id(mod), ()):
+            if u.device_state is not None or (name + "." if name else "") + attr not in state_dict:
+                continue
+            if u.index not in flags:
+                flags[u.index] = u.eager  # one ledger read per unit
+            if flags[u.index][i]:
+                raise RuntimeError(
+                    f"megatrain: load_state_dict between backward() and optimizer.step(): without max_grad_norm the "
+                    f"update of {u.entries[i].name} already ran during backward(), so the load would replace the "
+                    "updated weights (torch would update the loaded ones). Load before backward() or after step() "
+                    "(or optimizer.zero_grad() first), or set max_grad_norm (updates then wait for step())")
+
+
+def _make_load_check_hook(eng, loading, owned):
     def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         if prefix != "":
             return
@@ -218,6 +237,7 @@ def _make_load_check_hook(eng, loading):
         if msgs:
             raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
                 module.__class__.__name__, "\n\t".join(msgs)))
+        _refuse_load_after_eager_updates(eng, module, state_dict, owned)
     return hook
 
 

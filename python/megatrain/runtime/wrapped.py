@@ -187,31 +187,58 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             self.copy_h2d(self.resident_buf, u)
         self.resident_loaded_version = u.version
 
+    def _no_cache_in_training(self, kwargs: dict, cfg) -> None:
+        """A forward with autograd on runs without a KV cache, as transformers' gradient checkpointing
+        does: a layer re-run in backward would update the cache a second time and take its own keys
+        as the past (wrong gradients). ``use_cache=True`` (the argument, or ``model.config.use_cache``
+        set back after wrap) is turned off with one warning; a given ``past_key_values`` is refused.
+
+        Raises:
+            ValueError: ``past_key_values`` given to a forward with autograd on.
+        """
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("megatrain: past_key_values given to a forward with autograd on: a streamed layer re-run in "
+                             "backward would see its own keys in the cache. Train without a cache; use one under "
+                             "torch.no_grad() (generate(), evaluation)")
+        if cfg is None or not hasattr(cfg, "use_cache"):
+            return
+        asked = kwargs.get("use_cache")
+        if asked or (asked is None and cfg.use_cache):
+            if not getattr(self, "_warned_use_cache", False):
+                self._warned_use_cache = True
+                warnings.warn("megatrain: use_cache=True is incompatible with training through streamed layers "
+                              "(recomputed in backward); setting use_cache=False", stacklevel=3)
+            kwargs["use_cache"] = False
+
     def note_resident_params(self) -> None:
-        """Record the resident parameters' version counters (bumped only by in-place writes through them)."""
+        """Record the version counters (bumped only by in-place writes through them) of the resident
+        parameters and of the decoder layers' placeholder parameters."""
         if self.resident is not None:
-            self._resident_versions = [(id(e.param), e.param._version) for e in self.resident.entries]
+            self._resident_versions = [(e, id(e.param), e.param._version) for u in self.units for e in u.entries]
 
     def check_resident_params(self, where: str, overwritten=()) -> None:
-        """Raise if a resident parameter (embedding, final norm, LM head) was written in place since wrap.
+        """Raise if a parameter was written in place since wrap: a resident one (embedding, final norm,
+        LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``, ``p.copy_``).
 
-        Such a write changes only the compute copy the parameter views on the device: the fp32 master
-        in the host store (what the optimizer updates, checkpoints and ``state_dict()`` read) keeps
-        its value, so the change would be overwritten at the next load or kept by half.
-        ``overwritten``: names a ``model.load_state_dict`` is about to write (those may have changed).
+        A resident parameter's write changes only the compute copy it views on the device, a
+        placeholder's (a meta tensor) changes nothing: the fp32 master in the host store (what the
+        optimizer updates, checkpoints and ``state_dict()`` read) keeps its value, so the change
+        would be lost or kept by half. ``overwritten``: names a ``model.load_state_dict`` is about to
+        write (those may have changed).
         """
         recorded = getattr(self, "_resident_versions", None)
         if self.resident is None or recorded is None:  # (not before wrap has finished)
             return
-        changed = [e.name for e, (pid, v) in zip(self.resident.entries, recorded)
-                   if id(e.param) == pid and e.param._version != v]
+        changed = [e.name for e, pid, v in recorded if id(e.param) == pid and e.param._version != v]
         if changed and all(n in overwritten for n in changed):  # model.load_state_dict replaces them all
             return
         if changed:
             raise RuntimeError(
-                f"megatrain: {', '.join(changed)} was modified in place after megatrain.wrap (seen at {where}); only its "
-                "compute copy changed, not its fp32 master weights in the host store. Set weights with "
-                "model.load_state_dict(...) (it writes the masters), or change them before megatrain.wrap")
+                f"megatrain: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} was modified in place after "
+                f"megatrain.wrap (seen at {where}); the fp32 master weights in the host store did not change (a decoder "
+                "layer's parameter is a placeholder, a resident one views only the compute copy). Set weights with "
+                "model.load_state_dict(...) or through model.state_dict()[name].copy_(...) (both write the masters), "
+                "or change them before megatrain.wrap")
 
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit, for ``device_state_layers="auto"``: when it has trainable entries and the
@@ -293,6 +320,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
                 "megatrain: output_router_logits=True (the MoE auxiliary load-balancing loss) is not supported "
                 "through streamed layers yet: its router gradient would be lost. Leave it False (the argument and "
                 "model.config.output_router_logits)")
+        if kwargs is not None and torch.is_grad_enabled():
+            self._no_cache_in_training(kwargs, cfg)
         self.check_frozen()
         self.check_resident_params("the forward")
         masters = getattr(self, "masters", None)

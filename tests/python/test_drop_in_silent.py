@@ -1,0 +1,105 @@
+"""Ordinary training-script calls that used to give a silently wrong result on a wrapped model:
+each now behaves as on the plain model (CPU, fp32, against torch.optim.AdamW) or is refused
+before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from test_drop_in import assert_params_close, batches, make, tiny, weights
+
+
+def _train(model, opt, xs, **fwd):
+    for x in xs:
+        model(input_ids=x, labels=x, **fwd).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_use_cache_in_training_gives_torch_gradients(how):
+    """``use_cache=True`` (passed, or ``model.config.use_cache`` set back after wrap): a recomputed layer
+    updated the KV cache twice and read its own keys as the past (grad norm 2.04 against torch's 2.49)."""
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref))
+    fwd = {}
+    if how == "argument":
+        fwd["use_cache"] = True
+    else:
+        w.config.use_cache = True
+        ref.config.use_cache = True
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _train(w, opt, batches(3), **fwd)
+    assert sum("use_cache=True is incompatible" in str(m.message) for m in seen) == 1
+    _train(ref, ropt, batches(3), **fwd)
+    assert_params_close(weights(w), weights(ref))
+
+
+def test_past_key_values_in_training_is_refused():
+    w, _ = make(True)
+    x = batches(1)[0]
+    with torch.no_grad():
+        past = w(input_ids=x[:, :6], use_cache=True).past_key_values
+    assert past is not None  # generation-style use under no_grad keeps its cache
+    with pytest.raises(ValueError, match="past_key_values given to a forward with autograd on"):
+        w(input_ids=x[:, 6:], past_key_values=past, labels=x[:, 6:])
+
+
+def test_load_state_dict_between_backward_and_step_without_clipping_is_refused():
+    """Without max_grad_norm the updates ran during backward: the load would silently replace them."""
+    ref, _ = make(False)
+    w, opt = make(True, copy.deepcopy(ref))
+    sd = weights(w)
+    x = batches(1)[0]
+    w(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="load_state_dict between backward"):
+        w.load_state_dict(sd)
+    opt.step()  # the refused load changed nothing: the step is the plain one
+    rw, ropt = make(False, copy.deepcopy(ref))
+    rw(input_ids=x, labels=x).loss.backward()
+    ropt.step()
+    assert_params_close(weights(w), weights(rw))
+    opt.zero_grad()
+    w.load_state_dict(sd)  # after step(): allowed
+    assert_params_close(weights(w), sd, rtol=0)
+
+
+def test_load_state_dict_between_backward_and_step_with_clipping_updates_the_loaded_weights():
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref), max_grad_norm=1.0)
+    new = {k: v + 0.01 for k, v in weights(w).items()}
+    x = batches(1)[0]
+    for model, o in ((w, opt), (ref, ropt)):
+        model(input_ids=x, labels=x).loss.backward()
+        model.load_state_dict(new)
+        if model is ref:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        o.step()
+    assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("write", ["init_zeros", "copy_", "fill_"])
+def test_an_in_place_write_into_a_layer_parameter_is_refused(write):
+    """A decoder layer's parameter is a placeholder: torch.nn.init.zeros_(layer.weight) changed nothing."""
+    w, opt = make(True, tiny())
+    p = w.model.layers[0].mlp.down_proj.weight
+    before = weights(w)
+    with torch.no_grad():
+        if write == "init_zeros":
+            torch.nn.init.zeros_(p)
+        elif write == "copy_":
+            p.copy_(torch.zeros(p.shape))
+        else:
+            p.fill_(0.0)
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.down_proj\.weight was modified in place"):
+        w(input_ids=x, labels=x)
+    w.load_state_dict(before)  # the way to set weights: it replaces the written entry, and training goes on
+    w(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    assert not torch.equal(weights(w)["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"])
