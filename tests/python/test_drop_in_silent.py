@@ -103,3 +103,15 @@ def test_an_in_place_write_into_a_layer_parameter_is_refused(write):
     w(input_ids=x, labels=x).loss.backward()
     opt.step()
     assert not torch.equal(weights(w)["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_clip_grad_value_is_refused_for_a_wrapped_model_and_torch_s_elsewhere():
+    w, _ = make(True)
+    x = batches(1)[0]
+    w(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(NotImplementedError, match="clip_grad_value_ cannot clip a wrapped model's gradients"):
+        torch.nn.utils.clip_grad_value_(w.parameters(), 0.1)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([0.5, -2.0, 0.05])
+    torch.nn.utils.clip_grad_value_([p], 0.1)
+    assert torch.equal(p.grad, torch.tensor([0.1, -0.1, 0.05]))

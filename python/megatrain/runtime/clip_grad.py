@@ -12,6 +12,7 @@ from .engine import locate
 
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+_torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
 
 
 def _engine_of(params: list):
@@ -100,15 +101,37 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     return total_t
 
 
+def clip_grad_value_(parameters, clip_value: float, foreach: Optional[bool] = None) -> None:
+    """``torch.nn.utils.clip_grad_value_``; refused for a wrapped model's parameters (installed in place
+    of torch's function when megatrain is imported; anything else goes to torch's own).
+
+    A wrapped model's gradients live in the host store and its layers' ``p.grad`` is never set, so an
+    elementwise clip has nothing to act on (torch failed with an internal error on the placeholders).
+
+    Raises:
+        NotImplementedError: a parameter of a model wrapped by ``megatrain.wrap`` is among ``parameters``.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if any(locate(p) is not None for p in params):
+        raise NotImplementedError(
+            "megatrain: torch.nn.utils.clip_grad_value_ cannot clip a wrapped model's gradients (they live in the "
+            "host store, p.grad is never set); clip by the global norm instead: CPUAdamW(max_grad_norm=...) or "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
+    return _torch_clip_grad_value_(params, clip_value, foreach=foreach)
+
+
 def _any_grad(eng) -> bool:
     return any(any(u.has_grad) or any(u.batches) for u in eng.units)
 
 
 def install_clip_grad_norm() -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_`` through :func:`clip_grad_norm_` (idempotent)."""
+    """Route ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` through :func:`clip_grad_norm_` /
+    :func:`clip_grad_value_` (idempotent)."""
     import torch.nn.utils.clip_grad as cg
 
     for mod in (torch.nn.utils, cg):
         if getattr(mod, "clip_grad_norm_", None) is _torch_clip_grad_norm_:
             mod.clip_grad_norm_ = clip_grad_norm_
+        if getattr(mod, "clip_grad_value_", None) is _torch_clip_grad_value_:
+            mod.clip_grad_value_ = clip_grad_value_  # refused for a wrapped model's parameters
 
