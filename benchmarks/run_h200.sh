@@ -3,7 +3,7 @@
 # benchmark stages. Logs go to $OUT (or ./out); a short table is printed last.
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
-#                                               cuda_new scale_train scale_load scale_lora long_7b long_loss
+#                                               cuda_new scale_train scale_load scale_lora long_7b long_loss attention
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests)
@@ -107,6 +107,9 @@ for s in "${stages[@]}"; do
     long_7b)  # 6.74B at batch 1 x LONG_SEQ tokens (default 262144), one optimizer step
       run long_7b timeout ${LONG_TIMEOUT:-540} python3 benchmarks/bench_long_context.py --preset 7b --seq ${LONG_SEQ:-262144} \
         --out docs/benchmarks/long_context_7b.json ;;
+    attention)  # causal SDPA per backend (flash / cuDNN / efficient / torch's default) at ATTN_SEQ tokens, 7b and 1b head shapes
+      run attention timeout ${ATTN_TIMEOUT:-240} python3 benchmarks/bench_attention.py --seq ${ATTN_SEQ:-16384 65536 131072} \
+        --out docs/benchmarks/attention_h200.json ;;
     long_loss)  # LM head + loss alone at long T: chunked vs full logits vs liger-kernel / cut-cross-entropy (.whl)
       run long_loss bash -c '[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl .whl/cut_cross_entropy*.whl;
         timeout 240 python3 benchmarks/bench_long_context.py --loss-only --seq 32768 131072 --out docs/benchmarks/long_context_loss.json' ;;
