@@ -39,7 +39,8 @@ def report_child(row: dict, run, device: str, tag: str) -> None:
     """Fill ``row`` from ``run()`` and print it as one ``tag + json`` line (a benchmark child's result).
 
     A CUDA out-of-memory error becomes status ``oom``, any other exception ``error: <type>: <first
-    line>`` (its traceback goes to stderr); GPU peak / reserved memory and the host peak RSS are added.
+    line>`` (its traceback goes to stderr); GPU peak / reserved memory, the caching allocator's retries and
+    cudaMalloc calls, and the host peak RSS are added.
     """
     import torch
     try:
@@ -53,5 +54,10 @@ def report_child(row: dict, run, device: str, tag: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_initialized():
         row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
         row["gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+        # the caching allocator's retries (free every cached block, then cudaMalloc again: device-wide
+        # synchronisations) and its cudaMalloc calls over the whole run: memory pressure that costs time
+        ms = torch.cuda.memory_stats()
+        row["gpu_alloc_retries"] = ms.get("num_alloc_retries")
+        row["gpu_cuda_mallocs"] = ms.get("num_device_alloc")
     row["host_peak_gib"] = host_peak_rss_gib()
     print(tag + json.dumps(row), flush=True)

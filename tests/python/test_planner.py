@@ -61,15 +61,48 @@ def test_the_layers_that_may_go_to_the_device_bound_k_and_nothing_fitting_is_the
     assert p0["device_state_layers"] == 0 and p0["store_layers"] == 0
 
 
-def test_with_clipping_the_first_placement_is_kept():
-    m = dict(clip=True, before=dict(device_state_layers=19, store_layers=13))
-    p = planner.choose_placement(m)
-    assert (p["device_state_layers"], p["store_layers"]) == (19, 13) and p["rule"].startswith("clip")
-    m = dict(m, clip=False, layers=32, max_device_layers=32, state_bytes_per_layer=3 * GiB,
-             graph_bytes_per_layer=3 * GiB, input_bytes_per_layer=GiB // 4, capacity_bytes=130 * GiB,
-             adam_s_per_layer=0.06, fwd_s_per_layer=0.016, bwd_s_per_layer=0.033)
+def test_clip_hide_layers_is_the_smallest_k_whose_host_adam_fits_behind_the_next_forward():
+    n, a, f = 32, 0.048, 0.0148  # 6.74B Llama, 4 x 4096 tokens, on the H200
+    k = planner.clip_hide_layers(n, a, f)
+    am = planner.ADAM_MARGIN * a
+    assert all((i + 1) * am <= (k + i - 1) * f for i in range(n - k))  # every host layer's update in time
+    assert any((i + 1) * am > (k - 1 + i - 1) * f for i in range(n - k + 1))  # not with k - 1
+    assert k == 25
+    assert planner.clip_hide_layers(n, 0.0, f) == 0
+    assert planner.clip_hide_layers(n, 10.0, f) == n  # a slow CPU: every layer's state on the device
+    assert planner.clip_hide_layers(n, 0.001, f) == 2  # prefetched one layer ahead: layers 0 and 1 cannot wait
+
+
+def _clip_measurement(K_now, k_now, adam_s=0.048):
+    return dict(clip=True, before=dict(device_state_layers=K_now, store_layers=k_now), layers=32, max_device_layers=32,
+                state_bytes_per_layer=3 * GiB, graph_bytes_per_layer=3 * GiB, input_bytes_per_layer=GiB // 4,
+                capacity_bytes=130 * GiB, adam_s_per_layer=adam_s, fwd_s_per_layer=0.0148, bwd_s_per_layer=0.035)
+
+
+def test_with_clipping_the_state_moves_to_the_device_only_when_the_host_updates_would_outlast_the_forward():
+    hide = planner.clip_hide_layers(32, 0.048, 0.0148)
+    p = planner.choose_placement(_clip_measurement(19, 13))  # 13 host layers: their updates outlast the forward
+    assert p["device_state_layers"] == hide and p["store_layers"] is None  # graphs: the auto rule, after the move
+    assert p["rule"].startswith("clip: device state")
+    for K_now in (hide, 28):  # already hidden: the first placement kept
+        p = planner.choose_placement(_clip_measurement(K_now, 7))
+        assert (p["device_state_layers"], p["store_layers"]) == (K_now, 7) and p["rule"] == "clip: the first placement kept"
+    m = dict(_clip_measurement(19, 13), max_device_layers=20)  # layers 20.. on disk: never on the device
+    assert planner.choose_placement(m)["device_state_layers"] == 20
+    m = dict(_clip_measurement(19, 13), clip=False)
     assert planner.choose_placement(m) == planner.plan_placement(32, 32, 3 * GiB, 3 * GiB, GiB // 4, 130 * GiB,
-                                                                 0.06, 0.016, 0.033)
+                                                                 0.048, 0.0148, 0.035)
+
+
+def test_the_auto_rule_keeps_what_fits_its_share_of_the_free_memory():
+    policies = importlib.import_module("megatrain.runtime.policies")
+    G, I, free = 3057778704, 134217728, 56947037696  # 6.74B, 24 layers' state on the H200: 10 graphs measured
+    k, block_k = policies.auto_store_layers(32, G, I, free)
+    assert (k, block_k) == (10, 1)
+    assert 32 * I + k * (G - I) <= policies.AUTO_STORE_FRACTION * free < 32 * I + (k + 1) * (G - I)
+    assert policies.auto_store_layers(32, I, I, free) == (32, 1)  # a graph no larger than its input: all kept
+    k0, bk = policies.auto_store_layers(32, G, 2 * GiB, 100 * GiB)  # not even the inputs fit: block:K
+    assert k0 == 0 and bk > 1
 
 
 def test_unknown_cpu_adam_time_keeps_as_much_state_as_fits():
@@ -135,6 +168,8 @@ def test_replan_with_the_real_rule_keeps_parity(monkeypatch, clip):
     info = wrapped.megatrain.placement()["replan"]
     assert info is not None and info["rule"].startswith("clip" if clip else "no clip")
     assert info["store_layers"] == 3  # the CPU has room for every graph
-    if clip:  # the first placement kept
-        assert info["device_state_layers"] == 1 == len(_device_layers(wrapped))
+    if clip:  # the first placement kept, or the state of the layers that hide the host updates moved
+        want = max(1, min(3, planner.clip_hide_layers(3, info["adam_s_per_layer"], info["fwd_s_per_layer"])))
+        assert info["device_state_layers"] == want == len(_device_layers(wrapped))
+        assert info["rule"] == ("clip: the first placement kept" if want == 1 else info["rule"])
     check(ref, got, wrapped, rtol=HOST_RTOL)

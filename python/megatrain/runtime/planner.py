@@ -25,10 +25,17 @@ and every layer's state on the device, 0.864 s/step against 0.901 for GPU-reside
 without checkpointing; 6.74B: 16 device-state layers and 23 kept graphs (before: 19 and 13),
 1.811 s/step against 2.097 with checkpointing.
 
-With clipping every update waits for the global norm, after the whole backward, and the first
-placement is kept: putting the state of every layer on the device first (6.74B: 32 layers, 3 kept
-graphs) measured 2.324 s/step against 2.09 for the first placement (20 layers, 13 graphs), the
-caching allocator then holding 138.3 of the device's 139.8 GiB.
+With clipping every update waits for the global norm, after the whole backward; the host layers'
+updates then run in forward order while the next forward goes on, and each must be done before
+the main thread prefetches its layer (one layer ahead). :func:`clip_hide_layers` gives the
+smallest ``K`` for which they all are; when it is more than the first placement's ``K``, the state
+of layers up to it moves to the device and the kept graphs are decided again by
+``activation_policy="auto"``'s own rule on the memory then free (:func:`~.policies.auto_store_layers`),
+not by the measured capacity: filled to that capacity (6.74B: 24 layers' state and 13 graphs, 134 of
+139.8 GiB held by the caching allocator) a clipped step took 2.12 s, against 1.91 s with 24 layers'
+state and the 10 graphs the auto rule keeps (119 GiB), and 2.09 s for the first placement (19 and
+13: the 13 host layers' CPU AdamW, 0.62 s, outlasts the next forward). Otherwise the first
+placement is kept.
 
 Side effect: the first step resets the device's peak-memory statistics
 (``torch.cuda.reset_peak_memory_stats``) to measure the step's transient memory.
@@ -42,6 +49,8 @@ import time
 from typing import Optional
 
 import torch
+
+from .policies import auto_store_layers
 
 # Margin on the measured CPU AdamW time per layer in the hiding condition (the worker also copies
 # gradients and contends with the H2D / D2H copies for host memory bandwidth).
@@ -65,6 +74,33 @@ def hide_layers(n: int, adam_s: float, fwd_s: float, bwd_s: float) -> int:
         return 0
     k = math.ceil((n * a - (n - 1) * max(0.0, bwd_s)) / (a + max(0.0, fwd_s)))
     return min(n, max(0, k))
+
+
+def clip_hide_layers(n: int, adam_s: float, fwd_s: float) -> int:
+    """Smallest ``K`` (device-state layers ``0 .. K-1``) whose host layers' CPU AdamW hides behind the
+    next forward under clipping.
+
+    With ``max_grad_norm`` no update starts before the global norm, after the whole backward; the
+    worker then runs the host layers ``K .. n-1`` in forward order, one every ``ADAM_MARGIN * adam_s``
+    seconds, while the next forward runs layer after layer (``fwd_s`` each) and the main thread, one
+    layer ahead, prefetches layer ``K + i`` when the forward starts layer ``K + i - 1``. Hidden when
+    ``(i + 1) * ADAM_MARGIN * adam_s <= (K + i - 1) * fwd_s`` for every host layer ``K + i``.
+
+    Args:
+        n: decoder layers.
+        adam_s: measured CPU AdamW seconds of one layer.
+        fwd_s: measured seconds of one layer's forward on the device.
+
+    Returns:
+        ``K`` in ``0 .. n`` (``n``: not even one host layer's update hides).
+    """
+    a, f = ADAM_MARGIN * max(0.0, adam_s), max(0.0, fwd_s)
+    if a <= 0.0:
+        return 0
+    for k in range(n + 1):
+        if all((i + 1) * a <= (k + i - 1) * f for i in range(n - k)):
+            return k
+    return n
 
 
 def plan_placement(n: int, max_device_layers: int, state_bytes: int, graph_bytes: int, input_bytes: int,
@@ -112,8 +148,16 @@ def choose_placement(m: dict) -> dict:
     """The second decision from the first step's measurements ``m`` (the keys of
     ``PlacementReplan.replan_info``): the first placement under clipping, else :func:`plan_placement`."""
     if m["clip"]:
-        return dict(device_state_layers=m["before"]["device_state_layers"], store_layers=m["before"]["store_layers"],
-                    hide_layers=None, rule="clip: the first placement kept")
+        K_now, k_now = m["before"]["device_state_layers"], m["before"]["store_layers"]
+        adam_s = m.get("adam_s_per_layer")
+        hide = None if adam_s is None else min(m["max_device_layers"], clip_hide_layers(m["layers"], adam_s,
+                                                                                     m["fwd_s_per_layer"]))
+        if hide is None or hide <= K_now:
+            return dict(device_state_layers=K_now, store_layers=k_now, hide_layers=hide,
+                        rule="clip: the first placement kept")
+        # store_layers None: decided again by the auto rule on the memory free after the move
+        return dict(device_state_layers=hide, store_layers=None, hide_layers=hide,
+                    rule="clip: device state to hide the CPU AdamW behind the next forward, graphs by the auto rule")
     return plan_placement(m["layers"], m["max_device_layers"], m["state_bytes_per_layer"], m["graph_bytes_per_layer"],
                           m["input_bytes_per_layer"], m["capacity_bytes"], m["adam_s_per_layer"],
                           m["fwd_s_per_layer"], m["bwd_s_per_layer"])
@@ -252,7 +296,14 @@ class PlacementReplan:
                         fwd_s_per_layer=fwd_s, bwd_s_per_layer=bwd_s)
         plan = choose_placement(measured)
         K, k = plan["device_state_layers"], plan["store_layers"]
+        if self.cuda and K > K_now:
+            # the new state in fresh segments, not split out of the freed activations' ones
+            torch.cuda.empty_cache()
         self.resize_device_state(K)
+        if k is None:  # the auto rule's share of what is free now (see clip_hide_layers)
+            free = self.free_device_bytes()
+            k = auto_store_layers(n, G, I, free)[0]
+            plan = dict(plan, store_layers=k, free_bytes_after_move=int(free))
         for dd in decisions:
             kk = k if dd is d else min(n, k if dd["bytes_per_layer"] <= G else dd["store_layers"])
             dd.update(store=kk == n, store_layers=kk, recompute_layers=n - kk)

@@ -43,6 +43,24 @@ def check_activation_policy(policy, what: str = "megatrain.wrap: activation_poli
     return int(m.group(1)) if m.group(1) else 1
 
 
+
+def auto_store_layers(n: int, layer_bytes: int, input_bytes: int, free: int) -> tuple:
+    """``activation_policy="auto"``'s rule: ``(k, block_k)`` for ``n`` layers whose kept graph holds
+    ``layer_bytes`` and whose saved input holds ``input_bytes``, in ``AUTO_STORE_FRACTION * free`` bytes.
+
+    ``k`` layers keep their graphs and the others save only their input (``block_k`` 1); all ``n``
+    when a graph is no larger than its input; when not even ``n`` saved inputs fit, ``k`` is 0 and one
+    input of every ``block_k`` is kept (:func:`long_context.checkpoint_spacing`).
+    """
+    budget = AUTO_STORE_FRACTION * free
+    if layer_bytes <= 0 or layer_bytes <= input_bytes:
+        return n, 1
+    if n * input_bytes > budget:
+        # Long context: not even one saved input per layer fits; space the checkpoints.
+        return 0, long_context.checkpoint_spacing(n, input_bytes, budget)
+    # k kept graphs plus the n - k saved inputs of the recomputed layers fit the budget
+    return min(n, int((budget - n * input_bytes) // (layer_bytes - input_bytes))), 1
+
 class ActivationPolicies:
     """The block:K, store and auto policies of a :class:`~.wrapped.WrappedEngine`."""
 
@@ -110,17 +128,7 @@ class ActivationPolicies:
         free = self.free_device_bytes()
         n = len(self.layers)
         need = layer_bytes * n
-        budget = AUTO_STORE_FRACTION * free
-        block_k = 1
-        if layer_bytes <= 0 or layer_bytes <= input_bytes:
-            k = n
-        elif n * input_bytes > budget:
-            # Long context: not even one saved input per layer fits; space the checkpoints.
-            k = 0
-            block_k = long_context.checkpoint_spacing(n, input_bytes, budget)
-        else:
-            # k kept graphs plus the n - k saved inputs of the recomputed layers fit the budget
-            k = min(n, int((budget - n * input_bytes) // (layer_bytes - input_bytes)))
+        k, block_k = auto_store_layers(n, layer_bytes, input_bytes, free)
         self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k, block_k=block_k,
                                         bytes_per_layer=layer_bytes, bytes_all_layers=need,
                                         bytes_per_input=input_bytes, free_bytes=free)
