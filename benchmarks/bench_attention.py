@@ -17,6 +17,7 @@ absolute value of that result. A backend that cannot run a shape is recorded wit
 Usage (GPU)::
 
     python benchmarks/bench_attention.py --seq 16384 65536 131072 --out docs/benchmarks/attention_h200.json
+    python benchmarks/bench_attention.py --replot docs/benchmarks/attention_h200.json   # the PNG again
 """
 
 from __future__ import annotations
@@ -93,6 +94,29 @@ def run_case(shape: str, seq: int, backend: str, reps: int, ref: dict | None) ->
     return row, ref
 
 
+def plot(doc: dict, path: str) -> None:
+    """Forward + backward TF/s per backend against the sequence length, one panel per head shape (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in doc["rows"]})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for b in dict.fromkeys(r["backend"] for r in doc["rows"]):
+            pts = [(r["seq"], r["fwd_bwd_tflops"]) for r in doc["rows"]
+                   if r["shape"] == shape and r["backend"] == b and r["status"] == "ok"]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=b)
+        h, d = SHAPES[shape]
+        ax.set(xscale="log", xlabel="tokens (batch 1)", ylabel="forward + backward TFLOP/s (causal)",
+               title=f"{shape}: {h} heads x {d}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"causal SDPA per backend, {doc.get('gpu', '')}, torch {doc.get('torch', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[16384, 65536, 131072])
@@ -101,8 +125,12 @@ def main(argv=None) -> int:
                     help="the first is the reference for the agreement columns (default: flash); "
                          "'default' is torch's own choice (no sdpa_kernel context)")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON file (rows written as they finish)")
+    ap.add_argument("--out", default=None, help="JSON file (rows written as they finish) and its PNG")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (no GPU needed)")
     a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.load(open(a.replot)), a.replot.rsplit(".", 1)[0] + ".png")
+        return 0
     if not torch.cuda.is_available():
         print("bench_attention.py: needs CUDA (SDPA's flash / cuDNN kernels are GPU kernels)", file=sys.stderr)
         return 2
@@ -128,6 +156,8 @@ def main(argv=None) -> int:
                     doc["rows"] = rows
                     with open(a.out, "w") as f:
                         json.dump(doc, f, indent=1)
+    if a.out:
+        plot(doc, a.out.rsplit(".", 1)[0] + ".png")
     return 0
 
 
