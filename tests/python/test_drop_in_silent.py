@@ -115,3 +115,47 @@ def test_clip_grad_value_is_refused_for_a_wrapped_model_and_torch_s_elsewhere():
     p.grad = torch.tensor([0.5, -2.0, 0.05])
     torch.nn.utils.clip_grad_value_([p], 0.1)
     assert torch.equal(p.grad, torch.tensor([0.1, -0.1, 0.05]))
+
+
+def _ours(seen, what):
+    return [m for m in seen if issubclass(m.category, RuntimeWarning) and what in str(m.message)]
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e9])
+def test_an_lr_change_between_backward_and_step_is_reported_where_it_cannot_take_effect(max_grad_norm):
+    """Without max_grad_norm the layers' updates run during backward, so an lr set after backward
+    cannot reach them (torch would use it): said once, at step(). With max_grad_norm the updates wait
+    for step(), the new lr applies as in torch, and nothing is said."""
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref), max_grad_norm=max_grad_norm)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for o, m in ((opt, w), (ropt, ref)):
+            for step, x in enumerate(batches(3)):
+                m(input_ids=x, labels=x).loss.backward()
+                for g in o.param_groups:
+                    g["lr"] = 1e-3 / (step + 1)  # a hand-written schedule, set after backward
+                o.step()
+                o.zero_grad()
+    said = _ours(seen, "a param group changed between backward() and step()")
+    if max_grad_norm is None:
+        assert len(said) == 1 and "lr 0.001 -> 0.001" not in str(said[0].message)
+        assert "max_grad_norm" in str(said[0].message)
+    else:
+        assert said == []
+        assert_params_close(weights(w), weights(ref))
+
+
+def test_zero_grad_between_backward_and_step_without_clipping_is_reported():
+    w, opt = make(True)
+    x = batches(1)[0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _train(w, opt, batches(2))  # the ordinary loop: nothing said
+        assert _ours(seen, "zero_grad() between backward() and step()") == []
+        w(input_ids=x, labels=x).loss.backward()
+        opt.zero_grad()  # a skipped batch: torch drops its gradients, the updates here already ran
+        opt.step()
+    said = _ours(seen, "zero_grad() between backward() and step()")
+    assert len(said) == 1 and "are not undone" in str(said[0].message)
+    assert _ours(seen, "a param group changed") == []

@@ -37,6 +37,12 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _hyper_of(group) -> tuple:
+    """``(lr, betas, eps, weight_decay)`` of a param group as floats (what an update runs with)."""
+    b1, b2 = group["betas"]
+    return float(group["lr"]), (float(b1), float(b2)), float(group["eps"]), float(group["weight_decay"])
+
+
 def _check_hyper(where: str, hp: dict) -> None:
     """ValueError (one line) for a bad ``lr`` / ``eps`` / ``weight_decay`` / ``betas`` among the keys of ``hp``."""
     for name in ("lr", "eps", "weight_decay"):
@@ -209,6 +215,10 @@ class CPUAdamW(torch.optim.Optimizer):
         self._consumed = False
         # clip_grad_norm_ on the model's parameters since the last step: its coefficient(s), applied in step()
         self.user_clip_scale = 1.0
+        # updates queued during backward since the last step (no clipping): id(group) -> (group, the
+        # hyperparameters they ran with), so that step() / zero_grad() can say what torch would do instead
+        self._eager_groups: dict = {}
+        self._eager_warned: set = set()
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -382,7 +392,31 @@ class CPUAdamW(torch.optim.Optimizer):
         batches = unit.batches
         if any(p and batches[i] < self.gradient_accumulation_steps for i, p in enumerate(present)):
             return None
-        return self._items(unit, present), 1.0
+        items = self._items(unit, present)
+        for it in items:
+            group = self._entry[(unit.index, it[0])][0]
+            self._eager_groups.setdefault(id(group), (group, _hyper_of(group)))
+        return items, 1.0
+
+    def _warn_once(self, kind: str, msg: str) -> None:
+        if kind not in self._eager_warned:
+            self._eager_warned.add(kind)
+            warnings.warn(msg + " (shown once)", RuntimeWarning, stacklevel=3)
+
+    def _check_eager_hyper(self) -> None:
+        """At step(): warn if a param group's lr / betas / eps / weight_decay changed after updates of this
+        step already ran during backward with the old values (no clipping; torch would use the new ones)."""
+        changed = [(old, _hyper_of(g)) for g, old in self._eager_groups.values() if _hyper_of(g) != old]
+        self._eager_groups.clear()
+        if changed:
+            old, new = changed[0]
+            diff = ", ".join(f"{k} {a} -> {b}" for k, a, b in zip(("lr", "betas", "eps", "weight_decay"), old, new)
+                             if a != b)
+            self._warn_once("hyper", "megatrain.optim.CPUAdamW: a param group changed between backward() and step() "
+                            f"({diff}), but without max_grad_norm the layers' updates of this step ran during backward "
+                            "with the old values (torch.optim.AdamW would use the new ones in step()); set "
+                            "hyperparameters before the forward (an lr scheduler's step() after optimizer.step() "
+                            "does), or set max_grad_norm so that updates wait for step()")
 
     def _check_current(self, call: str) -> None:
         # One CPUAdamW per model: a newer one took over the model's gradients and its updates
@@ -400,6 +434,12 @@ class CPUAdamW(torch.optim.Optimizer):
         unless a backward gives them a gradient first.
         """
         self._check_current("zero_grad")
+        if self._eager_groups:
+            self._eager_groups.clear()
+            self._warn_once("zero_grad", "megatrain.optim.CPUAdamW: zero_grad() between backward() and step(): without "
+                            "max_grad_norm the layers' updates from that backward already ran and are not undone "
+                            "(torch.optim.AdamW would drop those gradients); to skip a batch, do not call backward() "
+                            "on it, or set max_grad_norm so that updates wait for step()")
         self.engine.zero_grad()
         self._consumed = False
         self.user_clip_scale = 1.0
@@ -417,6 +457,7 @@ class CPUAdamW(torch.optim.Optimizer):
             The closure's loss if a closure was given, else None.
         """
         self._check_current("step")
+        self._check_eager_hyper()
         loss = None
         if closure is not None:
             with torch.enable_grad():
