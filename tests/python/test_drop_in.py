@@ -254,7 +254,10 @@ def test_plain_loop_clip_grad_norm_matches_torch(opt_mgn, clip):
         assert a == pytest.approx(b, rel=1e-5)
     for a, b in zip(losses, ref_losses):
         assert a == pytest.approx(b, rel=1e-5)
-    assert_params_close(weights(wmodel), ref)
+    # Two clips of one gradient (optimizer-clips-again) round twice in fp32; Adam (eps 1e-6) enlarges
+    # that for embedding rows whose gradient is near eps: 2.0e-6 absolute after 6 steps with
+    # transformers 5.24 (1e-5 of the tensor's largest value is 1.0e-6 there), so 3e-5 here.
+    assert_params_close(weights(wmodel), ref, rtol=3e-5 if opt_mgn < clip else RTOL)
 
 
 def test_clip_grad_norm_without_max_grad_norm_is_refused_at_once():

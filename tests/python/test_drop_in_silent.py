@@ -159,3 +159,18 @@ def test_zero_grad_between_backward_and_step_without_clipping_is_reported():
     said = _ours(seen, "zero_grad() between backward() and step()")
     assert len(said) == 1 and "are not undone" in str(said[0].message)
     assert _ours(seen, "a param group changed") == []
+
+
+def test_new_storage_for_a_resident_parameter_is_refused_at_the_next_forward():
+    """``p.data = t`` on the embedding made it a tensor of its own: the forward used it (0.5 everywhere)
+    while every update went to the host store, so it never trained and state_dict() showed other values."""
+    w, opt = make(True)
+    x = batches(1)[0]
+    p = dict(w.named_parameters())["model.embed_tokens.weight"]
+    before = weights(w)
+    p.data = torch.full(p.shape, 0.5)
+    with pytest.raises(RuntimeError, match=r"model.embed_tokens.weight was given new storage \(`param.data = ...`\)"):
+        w(input_ids=x, labels=x)
+    with pytest.raises(RuntimeError, match="given new storage"):
+        w.state_dict()  # a state read refuses it too (before: the store's values, not the parameter's)
+    assert float(p.mean()) == 0.5 and float(before["model.embed_tokens.weight"].mean()) != 0.5

@@ -135,3 +135,30 @@ def install_clip_grad_norm() -> None:
         if getattr(mod, "clip_grad_value_", None) is _torch_clip_grad_value_:
             mod.clip_grad_value_ = clip_grad_value_  # refused for a wrapped model's parameters
 
+
+
+def install_accelerate_clip() -> None:
+    """Route ``accelerate.Accelerator.clip_grad_norm_`` through :func:`clip_grad_norm_` for a wrapped
+    model's parameters (idempotent; nothing when accelerate has not been imported).
+
+    Recent accelerate (1.16) no longer calls ``torch.nn.utils.clip_grad_norm_``: it sums the norms of
+    the parameters' ``p.grad`` itself, which a wrapped model never sets, so it returned 0.0 and clipped
+    nothing (the HF Trainer logged ``grad_norm`` 0.0). Other parameters go to accelerate's own.
+    """
+    import sys
+
+    acc = sys.modules.get("accelerate")
+    cls = getattr(acc, "Accelerator", None) if acc is not None else None
+    if cls is None or getattr(cls.clip_grad_norm_, "_megatrain", False):
+        return
+    original = cls.clip_grad_norm_
+
+    def accelerator_clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _engine_of(params) is not None:
+            return clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return original(self, params, max_norm, norm_type=norm_type)
+
+    accelerator_clip_grad_norm_._megatrain = True
+    accelerator_clip_grad_norm_.__doc__ = original.__doc__
+    cls.clip_grad_norm_ = accelerator_clip_grad_norm_

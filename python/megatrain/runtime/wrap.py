@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import long_context
+from .clip_grad import install_accelerate_clip
 from .device_state_plan import check_device_state_layers, resolve_device_state_layers
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
@@ -132,6 +133,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
           chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
+    install_accelerate_clip()  # accelerate's own clip_grad_norm_ no longer reaches torch's (see there)
     if not isinstance(model, nn.Module):
         raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
                         f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")

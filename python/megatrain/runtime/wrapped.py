@@ -212,13 +212,16 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
 
     def note_resident_params(self) -> None:
         """Record the version counters (bumped only by in-place writes through them) of the resident
-        parameters and of the decoder layers' placeholder parameters."""
+        parameters and of the decoder layers' placeholder parameters, and the resident ones' storage."""
         if self.resident is not None:
-            self._resident_versions = [(e, id(e.param), e.param._version) for u in self.units for e in u.entries]
+            self._resident_versions = [(e, id(e.param), e.param._version,
+                                        e.param.data_ptr() if u is self.resident else None)
+                                       for u in self.units for e in u.entries]
 
     def check_resident_params(self, where: str, overwritten=()) -> None:
         """Raise if a parameter was written in place since wrap: a resident one (embedding, final norm,
-        LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``, ``p.copy_``).
+        LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``, ``p.copy_``),
+        or a resident one was given new storage (``p.data = tensor``).
 
         A resident parameter's write changes only the compute copy it views on the device, a
         placeholder's (a meta tensor) changes nothing: the fp32 master in the host store (what the
@@ -229,7 +232,15 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         recorded = getattr(self, "_resident_versions", None)
         if self.resident is None or recorded is None:  # (not before wrap has finished)
             return
-        changed = [e.name for e, pid, v in recorded if id(e.param) == pid and e.param._version != v]
+        replaced = [e.name for e, pid, _, ptr in recorded
+                    if id(e.param) == pid and ptr is not None and e.param.data_ptr() != ptr]
+        if replaced:  # `param.data = tensor`: the parameter no longer views the compute copy
+            raise RuntimeError(
+                f"megatrain: {', '.join(replaced[:3])}{' ...' if len(replaced) > 3 else ''} was given new storage "
+                f"(`param.data = ...`) after megatrain.wrap (seen at {where}); the optimizer's updates would never reach "
+                "it and state_dict() would not show it. Set weights with model.load_state_dict(...) or "
+                "model.state_dict()[name].copy_(...) (both write the fp32 masters), or before megatrain.wrap")
+        changed = [e.name for e, pid, v, _ in recorded if id(e.param) == pid and e.param._version != v]
         if changed and all(n in overwritten for n in changed):  # model.load_state_dict replaces them all
             return
         if changed:
