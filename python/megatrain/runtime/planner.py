@@ -35,7 +35,10 @@ not by the measured capacity: filled to that capacity (6.74B: 24 layers' state a
 139.8 GiB held by the caching allocator) a clipped step took 2.12 s, against 1.91 s with 24 layers'
 state and the 10 graphs the auto rule keeps (119 GiB), and 2.09 s for the first placement (19 and
 13: the 13 host layers' CPU AdamW, 0.62 s, outlasts the next forward). Otherwise the first
-placement is kept.
+placement is kept. Measured with this rule (6.74B, 19 -> 25 layers' state, 9 graphs): 2.07-2.09 s
+per timed step, PyTorch with checkpointing 2.08 in the same call; the 24 + 10 given at wrap took
+1.91 (another call): a placement reached after the first step runs slower, for a reason not yet
+measured (docs/placement.md).
 
 Side effect: the first step resets the device's peak-memory statistics
 (``torch.cuda.reset_peak_memory_stats``) to measure the step's transient memory.
@@ -146,7 +149,9 @@ def plan_placement(n: int, max_device_layers: int, state_bytes: int, graph_bytes
 
 def choose_placement(m: dict) -> dict:
     """The second decision from the first step's measurements ``m`` (the keys of
-    ``PlacementReplan.replan_info``): the first placement under clipping, else :func:`plan_placement`."""
+    ``PlacementReplan.replan_info``): under clipping the first placement, or the state of the layers
+    :func:`clip_hide_layers` asks for (``store_layers`` None: decided after the move by the auto rule),
+    else :func:`plan_placement`."""
     if m["clip"]:
         K_now, k_now = m["before"]["device_state_layers"], m["before"]["store_layers"]
         adam_s = m.get("adam_s_per_layer")
