@@ -52,7 +52,8 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def run_case(shape: str, seq: int, backend: str, reps: int, ref: dict | None) -> dict:
+def run_case(shape: str, seq: int, backend: str, reps: int, ref: dict | None) -> tuple:
+    """One backend at one shape: ``(row, ref)``, ``ref`` the reference results (set by the first backend)."""
     heads, dim = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention.py: needs CUDA (SDPA's flash / cuDNN kernels are GPU kernels)", file=sys.stderr)
         return 2
-    rows, doc = [], dict(machine=machine_info(), commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%S"), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+    rows, doc = [], dict(machine=machine_info(), commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                         torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                          cudnn=torch.backends.cudnn.version(), args=vars(a))
     print(f"{'shape':>5} {'seq':>7} {'backend':>9} {'fwd s':>8} {'fwd TF/s':>8} {'f+b s':>8} {'f+b TF/s':>8} "
           f"{'extra GiB':>9}  agreement / status")

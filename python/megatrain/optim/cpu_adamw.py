@@ -356,9 +356,8 @@ class CPUAdamW(torch.optim.Optimizer):
             st = self.state[p]
             step = dict.get(st, "step") + 1  # not st["step"]: that waits for the unit's update in flight
             dict.__setitem__(st, "step", step)
-            b1, b2 = group["betas"]
-            items.append((i, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                          float(group["weight_decay"]), int(step.item())))
+            lr, (b1, b2), eps, wd = _hyper_of(group)
+            items.append((i, lr, b1, b2, eps, wd, int(step.item())))
         return items
 
     def raise_extra_backward(self, same_backward: bool = False):
@@ -393,9 +392,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if any(p and batches[i] < self.gradient_accumulation_steps for i, p in enumerate(present)):
             return None
         items = self._items(unit, present)
-        for it in items:
-            group = self._entry[(unit.index, it[0])][0]
-            self._eager_groups.setdefault(id(group), (group, _hyper_of(group)))
+        for i, lr, b1, b2, eps, wd, _ in items:  # the values these updates run with, per group
+            group = self._entry[(unit.index, i)][0]
+            self._eager_groups.setdefault(id(group), (group, (lr, (b1, b2), eps, wd)))
         return items, 1.0
 
     def _warn_once(self, kind: str, msg: str) -> None:
