@@ -361,6 +361,8 @@ def run_megatrain(spec):
     try:
         r = timed_loop(step, batches, spec, _device_sync(dev), drain=opt.wait, on_window=on_window)
         placement = eng.placement()
+        lc = getattr(eng, "long_context", None)  # what the last timed step chunked / tiled (from free memory)
+        tiling = {k: v for k, v in lc.last.items() if k != "tokens"} if lc is not None else None
         if spec.get("profile") and dev.startswith("cuda"):
             timeline = hasattr(eng, "set_worker_timeline")  # megatrain.runtime.timeline (Options.worker_timeline)
             first = opt.steps_called + 1  # the first profiled step
@@ -394,7 +396,7 @@ def run_megatrain(spec):
         device_state_layers=b.get("device_state_layers", 0),
         device_state_gib=b.get("device_state_bytes", 0) / GiB,
         auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()],
-        replan=placement.get("replan"))
+        replan=placement.get("replan"), long_context_last=tiling)
     r.update(settings=settings, n_params=n_params)
     return r
 

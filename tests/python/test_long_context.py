@@ -66,7 +66,7 @@ def _train(model, opt, data, wrapped):
     return losses, out
 
 
-def run(arch, micro=2, steps=3, policy="recompute", **wrap_kw):
+def run(arch, micro=2, steps=3, policy="recompute", on_wrapped=None, **wrap_kw):
     model = tiny(arch)
     data = batches(steps, micro)
     ref = copy.deepcopy(model)
@@ -74,6 +74,8 @@ def run(arch, micro=2, steps=3, policy="recompute", **wrap_kw):
     ref_losses, _ = _train(ref, ref_opt, data, False)
     w = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32, activation_policy=policy, **wrap_kw)
     opt = megatrain.optim.CPUAdamW(w.parameters(), gradient_accumulation_steps=micro, **OPT)
+    if on_wrapped is not None:
+        on_wrapped(w)
     try:
         losses, last = _train(w, opt, data, True)
         params = megatrain.master_state_dict(w)
@@ -192,6 +194,50 @@ def test_logits_are_there_without_labels_and_auto_is_off_at_short_context():
         assert torch.allclose(out.logits, expect.logits, rtol=1e-5, atol=1e-6)
     finally:
         w.megatrain.close()
+
+
+def _free_falls_during_the_forward(start_bytes: int, now_bytes: int):
+    """``on_wrapped`` for :func:`run`: the long-context rule sees ``start_bytes`` free when a model
+    forward begins and ``now_bytes`` at every later call (memory a planner's placement and the
+    forward's own activations took), as on a GPU that ``activation_policy="auto"`` filled."""
+    def install(w):
+        state = {"start": False}
+        lcx = w.megatrain.long_context
+
+        def free():
+            start, state["start"] = state["start"], False
+            return start_bytes if start else now_bytes
+
+        w.register_forward_pre_hook(lambda *a: state.update(start=True), prepend=True)
+        lcx._free = free
+    return install
+
+
+# tiny llama, fp32, B*T = 32 tokens: the untiled MLP's intermediates 32 KiB (its whole working memory
+# 48 KiB), the fp32 logits 12 KiB (84 KiB with their gradient and copies), the norms' copies 16 KiB
+KIB = 1024
+
+
+def test_auto_does_not_tile_when_memory_taken_during_the_forward_still_leaves_room():
+    """Free memory that falls during the forward (from 1 MiB to 256 KiB) below 16x the untiled
+    intermediates, but not below twice their working memory: nothing is chunked or tiled, so one
+    placement gets one set of decisions in every step (the old rule, free-now / 16, tiled here)."""
+    assert lc.mlp_rows_for("auto", 32, 64, 4, 256 * KIB) is not None  # what a free-now-only rule decides
+    w, last = run("llama", on_wrapped=_free_falls_during_the_forward(1024 * KIB, 256 * KIB))
+    got = w.megatrain.long_context.last
+    assert got["loss_rows"] is None and got["mlp_rows"] is None and got["norm_rows"] is None
+    assert got["mlp_tiled_calls"] == got["norm_tiled_calls"] == 0
+    assert last.logits is not None
+
+
+def test_auto_still_splits_when_memory_is_short_at_the_call():
+    """The same start, but 64 KiB free at the call: the MLP's 48 KiB working memory is over half of
+    it, so the MLP is tiled and the loss chunked (the norms' 24 KiB is not) -- and training is exact."""
+    w, last = run("llama", on_wrapped=_free_falls_during_the_forward(1024 * KIB, 64 * KIB))
+    got = w.megatrain.long_context.last
+    assert got["mlp_rows"] is not None and got["mlp_tiled_calls"] > 0
+    assert got["loss_rows"] is not None and last.logits is None
+    assert got["norm_rows"] is None and got["norm_tiled_calls"] == 0
 
 
 def test_chunked_loss_true_without_labels_returns_logits():

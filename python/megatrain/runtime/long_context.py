@@ -118,7 +118,9 @@ class LongContext:
     Attributes:
         chunked_loss, tile_mlp: the modes given to ``wrap`` (False | True | "auto" | rows).
         last: what the last forward did: ``loss_rows`` (rows per loss chunk, None: not chunked),
-            ``mlp_rows`` (rows per MLP tile of the last tiled call, None: not tiled), ``tokens``.
+            ``mlp_rows`` (rows per MLP tile of the last tiled call, None: not tiled), ``norm_rows``,
+            ``tokens``, and ``mlp_tiled_calls`` / ``norm_tiled_calls``: how many MLP / norm calls
+            ran tiled since that forward began (its backward's re-runs included).
     """
 
     def __init__(self, model: nn.Module, engine, chunked_loss, tile_mlp):
@@ -126,7 +128,9 @@ class LongContext:
         self.engine = engine
         self.chunked_loss = _check_mode(chunked_loss, "chunked_loss")
         self.tile_mlp = _check_mode(tile_mlp, "tile_mlp")
-        self.last = dict(loss_rows=None, mlp_rows=None, norm_rows=None, tokens=None)
+        self.last = dict(loss_rows=None, mlp_rows=None, norm_rows=None, tokens=None, mlp_tiled_calls=0,
+                         norm_tiled_calls=0)
+        self._forward_free: Optional[int] = None  # free device bytes when the last model forward began
         self._labels = None  # the current forward's labels (None: no loss in this forward)
         self._placeholder = None
         self._hidden = None
@@ -205,12 +209,20 @@ class LongContext:
     def _free(self) -> int:
         return int(self.engine.free_device_bytes())
 
+    def _frees(self) -> tuple:
+        """(free device bytes when the model's forward began, free now): the two inputs of the
+        ``"auto"`` rule (``long_context_ops._tiles``). Outside a model forward (a layer called
+        alone) or before the first one, both are the free memory now."""
+        now = self._free()
+        start = self._forward_free
+        return (now if start is None else max(start, now)), now
+
     def _loss_rows(self, hidden: torch.Tensor) -> Optional[int]:
         mode = self.chunked_loss
         if isinstance(mode, int) and mode is not True:
             return mode
         n = hidden.numel() // hidden.shape[-1]
-        return loss_rows_for(mode, n, self._head.out_features, hidden.element_size(), self._free())
+        return loss_rows_for(mode, n, self._head.out_features, hidden.element_size(), *self._frees())
 
     def tile_rows(self, module: nn.Module, x: torch.Tensor) -> Optional[int]:
         """Rows per tile for this call of a tiled MLP or norm, or None (untiled)."""
@@ -223,9 +235,10 @@ class LongContext:
         would take a sizeable part of the free device memory), or None (untiled)."""
         mode = self.tile_mlp
         h = x.shape[-1]
-        rows = norm_rows_for(mode, x.numel() // h, h, self._free())
+        rows = norm_rows_for(mode, x.numel() // h, h, *self._frees())
         if rows is not None:
             self.last["norm_rows"] = rows
+            self.last["norm_tiled_calls"] += 1
         return rows
 
     def mlp_tile_rows(self, mlp: nn.Module, x: torch.Tensor) -> Optional[int]:
@@ -238,14 +251,16 @@ class LongContext:
             return None
         if isinstance(mode, int) and mode is not True:
             self.last["mlp_rows"] = mode
+            self.last["mlp_tiled_calls"] += 1
             return mode
         h = x.shape[-1]
         n = x.numel() // h
         inter = max(p.numel() for p in mlp.parameters()) // h
-        rows = mlp_rows_for(mode, n, inter, x.element_size(), self._free())
+        rows = mlp_rows_for(mode, n, inter, x.element_size(), *self._frees())
         if rows is None:
             return None
         self.last["mlp_rows"] = rows
+        self.last["mlp_tiled_calls"] += 1
         return rows
 
     # -------------------------------------------------------------- forward hooks
@@ -263,6 +278,9 @@ class LongContext:
         self.last["loss_rows"] = None
         self.last["mlp_rows"] = None
         self.last["norm_rows"] = None
+        self.last["mlp_tiled_calls"] = self.last["norm_tiled_calls"] = 0
+        auto = "auto" in (self.chunked_loss, self.tile_mlp)
+        self._forward_free = self._free() if auto else None  # the backward's re-runs use it too
         ids = self._arg("input_ids", args, kwargs)
         emb = self._arg("inputs_embeds", args, kwargs)
         ref = ids if isinstance(ids, torch.Tensor) else emb

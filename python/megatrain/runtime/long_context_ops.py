@@ -17,6 +17,8 @@ GiB = 1024 ** 3
 AUTO_FRACTION = 1 / 16
 # A chunk of the loss / a tile of the MLP takes at most min(this, free / 16) bytes of working memory.
 MAX_WORK_BYTES = 2 * GiB
+# "auto" also splits a call whose whole working memory would exceed this fraction of the memory free at that moment.
+SHORTAGE_FRACTION = 0.5
 # Refuse eager attention when its B x heads x T x T fp32 scores would exceed this fraction of free memory.
 EAGER_FRACTION = 0.5
 # Refuse a padding mask that SDPA would get as a B x 1 x T x T tensor above this fraction of free memory.
@@ -41,44 +43,57 @@ def _rows_for(budget_bytes: float, bytes_per_row: float) -> int:
     return rows - rows % 128 if rows >= 256 else rows
 
 
-def _tiles(mode, untiled_bytes: float, per_row_bytes: float, free: float) -> Optional[int]:
-    """Rows per chunk / tile for ``mode`` (False | True | "auto" | rows), or None (not split): ``"auto"``
-    splits only when the unsplit working memory ``untiled_bytes`` exceeds ``AUTO_FRACTION`` of ``free``;
-    a chunk takes at most min(``MAX_WORK_BYTES``, free / 16) at ``per_row_bytes`` per row."""
+def _tiles(mode, rows: int, untiled_bytes: float, per_row_bytes: float, free: float,
+           free_now: Optional[float] = None) -> Optional[int]:
+    """Rows per chunk / tile for ``mode`` (False | True | "auto" | rows), or None (not split).
+
+    ``"auto"`` splits when the unsplit working memory ``untiled_bytes`` exceeds ``AUTO_FRACTION`` of
+    ``free`` (the device memory free when the model's forward began), or when all ``rows`` at
+    ``per_row_bytes`` would take more than ``SHORTAGE_FRACTION`` of ``free_now`` (free at this call;
+    default ``free``). The first test is a property of the shapes and of the memory the step starts
+    with, so one placement gets the same decisions in every step and a planner that fills the device
+    with training state and kept graphs (``activation_policy="auto"``) does not make a short
+    sequence's MLP tiled (one more MLP forward per layer); the second keeps a call from running
+    unsplit where memory is short now. A chunk takes at most min(``MAX_WORK_BYTES``, ``free_now`` / 16)
+    at ``per_row_bytes`` per row.
+    """
     if mode is False:
         return None
     if isinstance(mode, int) and mode is not True:
         return mode
-    if mode == "auto" and untiled_bytes <= AUTO_FRACTION * free:
+    free_now = free if free_now is None else min(free, free_now)
+    if mode == "auto" and untiled_bytes <= AUTO_FRACTION * free and rows * per_row_bytes <= SHORTAGE_FRACTION * free_now:
         return None
-    return _rows_for(min(MAX_WORK_BYTES, free / 16), per_row_bytes)
+    return _rows_for(min(MAX_WORK_BYTES, free_now / 16), per_row_bytes)
 
 
-def loss_rows_for(mode, rows: int, vocab: int, elem: int, free: float) -> Optional[int]:
+def loss_rows_for(mode, rows: int, vocab: int, elem: int, free: float, free_now: Optional[float] = None) -> Optional[int]:
     """Rows per chunk of the chunked loss (None: full logits) for ``rows`` = B*T positions.
 
     Args:
         mode: ``chunked_loss`` of :func:`megatrain.wrap` (False | True | "auto" | rows).
-        vocab: V. elem: bytes per element of the compute dtype. free: free device bytes.
+        vocab: V. elem: bytes per element of the compute dtype. free: free device bytes when the
+            model's forward began; free_now: free device bytes at this call (default ``free``).
+            See :func:`_tiles` for the rule.
     """
     # untiled: the fp32 logits; per row: logits and their gradient, fp32 copies in flight
-    return _tiles(mode, rows * vocab * 4, vocab * (2 * elem + 20), free)
+    return _tiles(mode, rows, rows * vocab * 4, vocab * (2 * elem + 20), free, free_now)
 
 
-def mlp_rows_for(mode, rows: int, inter: int, elem: int, free: float) -> Optional[int]:
+def mlp_rows_for(mode, rows: int, inter: int, elem: int, free: float, free_now: Optional[float] = None) -> Optional[int]:
     """Rows per tile of the tiled MLP (None: untiled) for ``rows`` = B*T tokens, MLP width ``inter``
-    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``elem``, ``free`` as :func:`loss_rows_for`)."""
+    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``elem``, ``free``, ``free_now`` as :func:`loss_rows_for`)."""
     # per row: gate, up, activation, product, and their gradients in flight
-    return _tiles(mode, rows * inter * elem * 4, inter * elem * 6, free)
+    return _tiles(mode, rows, rows * inter * elem * 4, inter * elem * 6, free, free_now)
 
 
-def norm_rows_for(mode, rows: int, hidden: int, free: float) -> Optional[int]:
+def norm_rows_for(mode, rows: int, hidden: int, free: float, free_now: Optional[float] = None) -> Optional[int]:
     """Rows per tile of a tiled norm (None: untiled) for ``rows`` = B*T tokens of width ``hidden``
-    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``free`` as :func:`loss_rows_for`). ``"auto"``
-    tiles when the untiled norm's fp32 copies (input, normalised rows, 2 x 4 B) and their
-    gradients would exceed ``AUTO_FRACTION`` of the free memory."""
+    (``mode``: ``tile_mlp`` of :func:`megatrain.wrap`; ``free``, ``free_now`` as :func:`loss_rows_for`).
+    ``"auto"`` tiles when the untiled norm's fp32 copies (input, normalised rows, 2 x 4 B) and their
+    gradients would exceed ``AUTO_FRACTION`` of the free memory (see :func:`_tiles`)."""
     # per row: fp32 input, normalised rows, output and their gradients in flight
-    return _tiles(mode, rows * hidden * 4 * 4, hidden * 4 * 6, free)
+    return _tiles(mode, rows, rows * hidden * 4 * 4, hidden * 4 * 6, free, free_now)
 
 
 def checkpoint_spacing(num_layers: int, checkpoint_bytes: int, budget_bytes: float) -> int:
