@@ -174,3 +174,29 @@ def test_new_storage_for_a_resident_parameter_is_refused_at_the_next_forward():
     with pytest.raises(RuntimeError, match="given new storage"):
         w.state_dict()  # a state read refuses it too (before: the store's values, not the parameter's)
     assert float(p.mean()) == 0.5 and float(before["model.embed_tokens.weight"].mean()) != 0.5
+
+
+def test_accelerate_imported_after_wrap_still_clips_a_wrapped_model(monkeypatch):
+    """``wrap`` routes ``Accelerator.clip_grad_norm_`` to megatrain's clip (accelerate >= 1.16 sums
+    ``p.grad``, never set here: 0.0 and no clip). An accelerate imported after ``wrap`` had the
+    unrouted method for ever (it returned 0.0); now the next training forward routes it."""
+    accelerate = pytest.importorskip("accelerate")
+    cls = accelerate.Accelerator
+    ref, _ = make(False)
+    w, opt = make(True, copy.deepcopy(ref), max_grad_norm=0.1)
+    routed = cls.clip_grad_norm_
+    assert getattr(routed, "_megatrain", False)
+    monkeypatch.setattr(cls, "clip_grad_norm_", routed._megatrain_original)  # as if imported after wrap
+    acc = accelerate.Accelerator(cpu=True)
+    x = batches(1)[0]
+    w(input_ids=x, labels=x).loss.backward()
+    got = float(acc.clip_grad_norm_(w.parameters(), 0.1))
+    ref(input_ids=x, labels=x).loss.backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+    assert got == pytest.approx(want, rel=1e-5) and want > 0.1  # the global norm, and it clips
+    opt.step()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"], betas=opt.param_groups[0]["betas"],
+                             weight_decay=opt.param_groups[0]["weight_decay"], eps=opt.param_groups[0]["eps"],
+                             foreach=False)
+    ropt.step()
+    assert_params_close(weights(w), weights(ref))

@@ -144,6 +144,8 @@ def install_accelerate_clip() -> None:
     Recent accelerate (1.16) no longer calls ``torch.nn.utils.clip_grad_norm_``: it sums the norms of
     the parameters' ``p.grad`` itself, which a wrapped model never sets, so it returned 0.0 and clipped
     nothing (the HF Trainer logged ``grad_norm`` 0.0). Other parameters go to accelerate's own.
+    Called at ``wrap``, at the HF integration's import and at every training forward of a wrapped
+    model, so an accelerate imported after ``wrap`` is routed before its first clip.
     """
     import sys
 
@@ -160,5 +162,6 @@ def install_accelerate_clip() -> None:
         return original(self, params, max_norm, norm_type=norm_type)
 
     accelerator_clip_grad_norm_._megatrain = True
+    accelerator_clip_grad_norm_._megatrain_original = original
     accelerator_clip_grad_norm_.__doc__ = original.__doc__
     cls.clip_grad_norm_ = accelerator_clip_grad_norm_

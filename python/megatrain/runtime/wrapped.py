@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .clip_grad import install_accelerate_clip
 from .engine import Engine
 from .layer_call import _Block, _LayerCall, _streamed_class
 from .layer_exec import LayerExecution
@@ -331,8 +332,10 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
                 "megatrain: output_router_logits=True (the MoE auxiliary load-balancing loss) is not supported "
                 "through streamed layers yet: its router gradient would be lost. Leave it False (the argument and "
                 "model.config.output_router_logits)")
-        if kwargs is not None and torch.is_grad_enabled():
-            self._no_cache_in_training(kwargs, cfg)
+        if torch.is_grad_enabled():
+            install_accelerate_clip()  # accelerate imported after wrap (a dict lookup once installed)
+            if kwargs is not None:
+                self._no_cache_in_training(kwargs, cfg)
         self.check_frozen()
         self.check_resident_params("the forward")
         masters = getattr(self, "masters", None)
