@@ -357,7 +357,9 @@ class DeviceState:
             if scale != 1.0:
                 torch._foreach_mul_(grads, scale)  # as clip_grad_norm_ scales .grad (fp32) in place
             if self.impl == "fused":
-                steps = [torch.tensor(float(step), dtype=torch.float32, device=dev)] * len(idx)
+                # a fill kernel: torch.tensor(..., device=cuda) was a pageable H2D copy, which waits on the
+                # host for the compute stream's queued backward (16.7 ms of GPU idle per 3.37B step)
+                steps = [torch.full((), float(step), dtype=torch.float32, device=dev)] * len(idx)
                 torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
                                     eps=eps, amsgrad=False, maximize=False)
             else:
