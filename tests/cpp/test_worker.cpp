@@ -324,3 +324,80 @@ TEST(Worker, KeepIsHandedBackToTheCallerNotReleasedOnTheWorker) {
   EXPECT_TRUE(weak.expired());
   EXPECT_TRUE(w.collect_released().empty());
 }
+
+TEST(Worker, WaitGradsRunsTheOldestGradientTaskItselfWhileTheWorkerIsInAnUpdate) {
+  sch::Worker w;
+  ManualGate inside;   // the update runs until the test opens this
+  std::atomic<bool> update_started{false};
+  std::thread::id ran_on;
+  w.submit(update(0, [&] {
+    update_started = true;
+    inside.gate().wait();
+  }));
+  for (int i = 0; i < 2000 && !update_started.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(update_started.load());
+  Log log;
+  w.submit(grad([&] { ran_on = std::this_thread::get_id(); log.add("g0")(); }));
+  w.submit(grad(log.add("g1")));
+  w.wait_grads();  // returns with the update still running
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(log.order, (std::vector<std::string>{"g0", "g1"}));
+  EXPECT_EQ(w.grads_pending(), 0);
+  EXPECT_EQ(w.unfinished(), 1);
+  inside.open = true;
+  w.drain();
+  EXPECT_EQ(w.unfinished(), 0);
+}
+
+TEST(Worker, AnUpdateGatedOnAGradientTaskThatAWaiterRunsWaitsForIt) {
+  sch::Worker w;
+  ManualGate hold;     // the worker is inside this update while the waiter takes the gradient task
+  ManualGate in_grad;  // the gradient task runs until the test opens this
+  std::atomic<bool> hold_started{false};
+  std::atomic<bool> grad_done{false};
+  std::atomic<bool> update_saw_grad_done{false};
+  w.submit(update(0, [&] {
+    hold_started = true;
+    hold.gate().wait();
+  }));
+  for (int i = 0; i < 2000 && !hold_started.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(hold_started.load());
+  auto g = w.submit(grad([&] {
+    in_grad.gate().wait();
+    grad_done = true;
+  }));
+  w.submit(update(1, [&] { update_saw_grad_done = grad_done.load(); }, sch::after_task(g)));
+  std::thread waiter([&] { w.wait_grads(); });
+  for (int i = 0; i < 2000 && in_grad.waits.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(in_grad.waits.load(), 1);  // the waiter is inside the gradient task
+  hold.open = true;                    // the worker now finds only the update gated on it
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(g->done());
+  in_grad.open = true;
+  waiter.join();
+  w.drain();
+  EXPECT_TRUE(update_saw_grad_done.load());
+}
+
+TEST(Worker, AFailureInAGradientTaskRunByTheWaiterIsStickyAndRaisedByTheWait) {
+  sch::Worker w;
+  ManualGate inside;
+  std::atomic<bool> update_started{false};
+  w.submit(update(0, [&] {
+    update_started = true;
+    inside.gate().wait();
+  }));
+  for (int i = 0; i < 2000 && !update_started.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::atomic<bool> later_ran{false};
+  w.submit(grad([] { throw std::runtime_error("boom in a gradient task"); }));
+  w.submit(grad([&] { later_ran = true; }));
+  try {
+    w.wait_grads();
+    FAIL() << "wait_grads did not raise";
+  } catch (const sch::WorkerFailed& e) {
+    EXPECT_NE(std::string(e.what()).find("boom in a gradient task"), std::string::npos);
+  }
+  inside.open = true;
+  EXPECT_THROW(w.drain(), sch::WorkerFailed);
+  EXPECT_FALSE(later_ran.load());
+}

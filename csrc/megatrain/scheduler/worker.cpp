@@ -1,6 +1,7 @@
 #include "megatrain/scheduler/worker.h"
 
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "megatrain/common/cuda_utils.h"
@@ -36,6 +37,11 @@ bool is_open(const Gate& g) {
 Gate after_task(TaskRef after) {
   Gate g;
   g.query = [after] { return after->done(); };
+  // A gradient task may run on a thread in wait_grads() while the worker takes an update gated
+  // on it, so the wait is a real one.
+  g.wait = [after] {
+    while (!after->done()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  };
   return g;
 }
 
@@ -79,9 +85,12 @@ TaskRef Worker::submit(Task task) {
 
 bool Worker::pick(Queued* out, bool* gated) {
   *gated = false;
-  if (!grads_.empty() && is_open(grads_.front().task.gate)) {
+  // Gradient tasks run one at a time, in order: none is taken while one runs (on a waiter).
+  const bool grad_free = !grads_.empty() && !grad_running_;
+  if (grad_free && is_open(grads_.front().task.gate)) {
     *out = std::move(grads_.front());
     grads_.pop_front();
+    grad_running_ = true;
     return true;
   }
   // Earliest deadline among the ready updates; else among all of them.
@@ -102,16 +111,47 @@ bool Worker::pick(Queued* out, bool* gated) {
     updates_.erase(best);
     return true;
   }
-  if (!grads_.empty()) {  // blocks on its copy: no later work can be ready before it
+  if (grad_free) {  // blocks on its copy: no later work can be ready before it
     *out = std::move(grads_.front());
     grads_.pop_front();
+    grad_running_ = true;
     *gated = true;
     return true;
   }
+  // A waiter runs the gradient tasks (wait_grads): what is queued behind them waits for them.
+  if (!grads_.empty() || any == updates_.end()) return false;
   *out = std::move(*any);
   updates_.erase(any);
   *gated = true;
   return true;
+}
+
+void Worker::run_task(Queued& q, bool gated, bool skip) {
+  if (!skip) {
+    try {
+      if (gated && q.task.gate.wait) q.task.gate.wait();
+      if (q.task.run) q.task.run();
+    } catch (...) {
+      std::exception_ptr e = std::current_exception();
+      std::string msg = options_.describe(e);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) {
+        error_ = e;
+        error_message_ = std::move(msg);
+      }
+    }
+  }
+  q.task.run = nullptr;
+  q.task.gate = Gate{};
+  std::lock_guard<std::mutex> lock(mu_);
+  if (q.task.keep) released_.push_back(std::move(q.task.keep));
+  q.handle->done_.store(true, std::memory_order_release);
+  --unfinished_;
+  if (q.task.klass == TaskClass::kGrad) {
+    --grads_pending_;
+    grad_running_ = false;
+  }
+  cv_.notify_all();
 }
 
 void Worker::run_loop() {
@@ -130,35 +170,14 @@ void Worker::run_loop() {
     bool skip = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !grads_.empty() || !updates_.empty(); });
-      if (grads_.empty() && updates_.empty()) return;  // stop_ and nothing left
-      pick(&q, &gated);
+      for (;;) {
+        if (pick(&q, &gated)) break;
+        if (stop_ && grads_.empty() && updates_.empty()) return;  // stop_ and nothing left
+        cv_.wait(lock);
+      }
       skip = static_cast<bool>(error_);
     }
-    if (!skip) {
-      try {
-        if (gated && q.task.gate.wait) q.task.gate.wait();
-        if (q.task.run) q.task.run();
-      } catch (...) {
-        std::exception_ptr e = std::current_exception();
-        std::string msg = options_.describe(e);
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) {
-          error_ = e;
-          error_message_ = std::move(msg);
-        }
-      }
-    }
-    q.task.run = nullptr;
-    q.task.gate = Gate{};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (q.task.keep) released_.push_back(std::move(q.task.keep));
-      q.handle->done_.store(true, std::memory_order_release);
-      --unfinished_;
-      if (q.task.klass == TaskClass::kGrad) --grads_pending_;
-      cv_.notify_all();
-    }
+    run_task(q, gated, skip);
   }
 }
 
@@ -190,7 +209,33 @@ void Worker::wait_impl(const std::function<bool()>& done, const std::function<vo
 }
 
 void Worker::wait_grads(const std::function<void()>& poll, int poll_ms) {
-  wait_impl([this] { return grads_pending_ == 0; }, poll, poll_ms);
+  // The waiter runs the oldest gradient task itself when no gradient task is running: the
+  // worker may be inside an update (tens of ms) that the task would otherwise wait behind, while
+  // the caller (optimizer.step()) has device work to launch once the gradients are in.
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (error_) throw_failed();
+    if (grads_pending_ == 0) return;
+    if (!grad_running_ && !grads_.empty()) {
+      Queued q = std::move(grads_.front());
+      grads_.pop_front();
+      grad_running_ = true;
+      lock.unlock();
+      run_task(q, !is_open(q.task.gate), false);
+      lock.lock();
+      continue;
+    }
+    if (poll) {
+      cv_.wait_for(lock, std::chrono::milliseconds(poll_ms > 0 ? poll_ms : 1));
+      if (error_) throw_failed();
+      if (grads_pending_ == 0) return;
+      lock.unlock();
+      poll();  // may throw (an interrupt): the wait ends
+      lock.lock();
+    } else {
+      cv_.wait(lock);
+    }
+  }
 }
 
 void Worker::drain(const std::function<void()>& poll, int poll_ms) {

@@ -2,12 +2,13 @@
 // readiness (torch-free; the bindings wrap Python callables and CUDA events into tasks).
 //
 // Order. Gradient tasks (D2H waits, accumulation, zero_grad bookkeeping) run in submission
-// order and before updates: they free pinned staging buffers and are what optimizer.step()
-// waits for. Update tasks run earliest deadline first by (key, submission sequence): the key is
-// the unit's position in the next forward (resident unit first, then layer 0, 1, ...). During
-// backward the gradients arrive last layer first; when the CPU Adam falls behind, the layer the
-// next forward needs soonest is updated first and the deep layers' updates overlap the next
-// forward instead of delaying its start.
+// order, one at a time, and before updates: they free pinned staging buffers and are what
+// optimizer.step() waits for. wait_grads() runs them on the waiting thread while the worker is
+// inside an update, so step() does not wait behind one. Update tasks run earliest deadline
+// first by (key, submission sequence): the key is the unit's position in the next forward
+// (resident unit first, then layer 0, 1, ...). During backward the gradients arrive last layer
+// first; when the CPU Adam falls behind, the layer the next forward needs soonest is updated
+// first and the deep layers' updates overlap the next forward instead of delaying its start.
 //
 // Readiness. A task may carry a Gate: a non-blocking test (a CUDA event query, or "task X is
 // done") and the blocking wait behind it. While the oldest gradient task's gate is closed (its
@@ -64,8 +65,8 @@ class TaskHandle {
 
 using TaskRef = std::shared_ptr<const TaskHandle>;
 
-/// \brief A gate that opens once `after` ran (its wait is a no-op: the worker is one thread, so
-/// a task picked while `after` is not done can only be picked after it, see Worker).
+/// \brief A gate that opens once `after` ran (its wait polls for it: `after` may be a gradient
+/// task that a thread in Worker::wait_grads runs while the worker takes the gated task).
 Gate after_task(TaskRef after);
 
 /// \brief A gate over a recorded CUDA event (a cudaEvent_t): query = cudaEventQuery, wait =
@@ -115,7 +116,9 @@ class Worker {
   /// \throws WorkerFailed if an earlier task failed; std::logic_error after close().
   TaskRef submit(Task task);
 
-  /// \brief Blocks until every queued gradient task ran (updates may still be queued).
+  /// \brief Blocks until every queued gradient task ran (updates may still be queued). While
+  /// no gradient task runs, the caller runs the oldest one itself (in order, one at a time),
+  /// instead of waiting for the worker to finish the update it may be in.
   /// `poll` (optional) runs every `poll_ms` while waiting, without the worker's lock (the
   /// bindings check for KeyboardInterrupt there); an exception from it ends the wait.
   /// \throws WorkerFailed if a task failed (before or during the wait).
@@ -156,7 +159,8 @@ class Worker {
   };
 
   void run_loop();
-  bool pick(Queued* out, bool* gated);  // lock held, some task queued
+  bool pick(Queued* out, bool* gated);  // lock held; false: nothing may be taken now
+  void run_task(Queued& q, bool gated, bool skip);  // lock not held; marks q done
   void wait_impl(const std::function<bool()>& done, const std::function<void()>& poll, int poll_ms);
   [[noreturn]] void throw_failed() const;  // lock held
 
@@ -168,6 +172,7 @@ class Worker {
   std::vector<std::shared_ptr<void>> released_;
   int64_t next_seq_ = 0;
   int64_t grads_pending_ = 0;
+  bool grad_running_ = false;  // a gradient task runs (on the worker or on a thread in wait_grads)
   int64_t unfinished_ = 0;
   bool stop_ = false;
   bool closed_ = false;
