@@ -417,12 +417,21 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
 
     Raises:
         CheckpointError: missing / truncated / altered file (named), or a model / optimizer mismatch.
+        ValueError: the optimizer is not this model's ``CPUAdamW``, or ``lr_scheduler`` is not a
+            scheduler (an optimizer passed there). TypeError: ``restore_rng`` is not a bool.
+        All of them before anything is written.
     """
     eng = _engine(model)
     if optimizer is not None and not hasattr(optimizer, "engine"):
         optimizer = getattr(optimizer, "optimizer", optimizer)
     if optimizer is not None and getattr(optimizer, "engine", None) is not eng:
         raise ValueError("megatrain.load_checkpoint: the optimizer is not a megatrain.optim.CPUAdamW of this model")
+    if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.Optimizer)
+                                     or not callable(getattr(lr_scheduler, "load_state_dict", None))):
+        raise ValueError(f"megatrain.load_checkpoint: lr_scheduler must be an LR scheduler (with load_state_dict), got "
+                         f"a {type(lr_scheduler).__name__}; pass the optimizer as optimizer=...")
+    if not isinstance(restore_rng, bool):
+        raise TypeError(f"megatrain.load_checkpoint: restore_rng must be True or False, got {restore_rng!r}")
     m = verify_checkpoint(directory, "megatrain.load_checkpoint")
     # Layout check before touching the store.
     if len(m["units"]) != len(eng.units):
@@ -448,6 +457,9 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
         warnings.warn(f"megatrain.load_checkpoint: {directory} holds an LR scheduler state ({SCHEDULER}) that is not "
                       "restored: pass lr_scheduler=... to resume the schedule where it stopped", UserWarning,
                       stacklevel=2)
+    # read before anything is written: a scheduler state that cannot be loaded fails here
+    sched_state = (torch.load(os.path.join(directory, SCHEDULER), weights_only=True)
+                   if lr_scheduler is not None else None)
     opt_state = state.get("optimizer")
     by_name = {}
     if optimizer is not None:
@@ -468,13 +480,13 @@ def load_checkpoint(directory: str, model, optimizer=None, lr_scheduler=None, re
             sections = SECTIONS if optimizer is not None else ("master",)
             dp.on_local0(lambda: _read_units(directory, m, eng, sections), "load_checkpoint")
             eng.invalidate(eng.units)
-            _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name)
+            _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name, sched_state)
         return state.get("extra") or {}
     eng.zero_grad()  # gradients accumulated before the load belong to other weights
     eng.sync_host()  # (without the optimizer only masters are read: the moments stay as they are)
     sections = SECTIONS if optimizer is not None else ("master",)
     _read_units(directory, m, eng, sections)
-    _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name)
+    _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name, sched_state)
     return state.get("extra") or {}
 
 
@@ -514,7 +526,8 @@ def _read_units_into(directory: str, m: dict, eng, sections) -> None:
         eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
 
 
-def _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name) -> None:
+def _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, opt_state, by_name,
+                   sched_state=None) -> None:
     eng.host_written()  # device-state layers take the loaded state
     if optimizer is not None:
         for g, sg in zip(optimizer.param_groups, opt_state["param_groups"]):
@@ -536,7 +549,7 @@ def _restore_state(directory, eng, optimizer, lr_scheduler, restore_rng, state, 
                           f"optimizer's max_grad_norm={optimizer.max_grad_norm!r} is kept. Pass "
                           f"CPUAdamW(max_grad_norm={saved_mgn!r}) to train on as before", UserWarning, stacklevel=2)
     if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(torch.load(os.path.join(directory, SCHEDULER), weights_only=True))
+        lr_scheduler.load_state_dict(sched_state)
     if restore_rng:
         _set_rng_state(state["rng"])
 

@@ -200,3 +200,81 @@ def test_accelerate_imported_after_wrap_still_clips_a_wrapped_model(monkeypatch)
                              foreach=False)
     ropt.step()
     assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("device_state_layers", [0, 1])
+def test_a_recreated_cpu_adamw_starts_with_fresh_moments_as_torch_does(device_state_layers):
+    """A second CPUAdamW over the model (a notebook cell run again) took over with step counts 0 but
+    the first one's exp_avg / exp_avg_sq (they live in the host store): 0.25 relative from torch after
+    3 + 3 steps. Now it starts fresh, as a new torch.optim.AdamW does."""
+    import megatrain
+    from test_drop_in import BETAS, LR, PARITY_EPS, WD
+
+    ref = tiny()
+    w = megatrain.wrap(copy.deepcopy(ref), device="cpu", compute_dtype=torch.float32,
+                       device_state_layers=device_state_layers)
+    kw = dict(lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS)
+    data = batches(6)
+
+    def run(model, make_opt, clip):
+        opt = make_opt(model)
+        for k, x in enumerate(data):
+            if k == 3:
+                opt = make_opt(model)  # the cell run again
+            model(input_ids=x, labels=x).loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return opt
+
+    opt = run(w, lambda m: megatrain.optim.CPUAdamW(m.parameters(), max_grad_norm=1.0, **kw), False)
+    run(ref, lambda m: torch.optim.AdamW(m.parameters(), foreach=False, **kw), True)
+    # 1e-4: a fresh Adam's first update is ~lr * g / |g| per element, so the 1.4e-6 by which the two
+    # runs' weights differ after step 3 (summation order) becomes 2.3e-5 of the tensor's scale at step 4
+    # (the same runs without the re-creation stay at 1.5e-6); the defect was 0.25
+    assert_params_close(weights(w), weights(ref), rtol=1e-4)
+    p = next(iter(w.parameters()))
+    assert float(opt.state[p]["step"]) == 3.0
+
+
+def test_named_parameters_are_taken_as_torch_takes_them():
+    """torch.optim.AdamW(model.named_parameters()) works (torch >= 2.6); CPUAdamW raised
+    "'tuple' object has no attribute 'shape'" from inside its own error message."""
+    import megatrain
+    from test_drop_in import BETAS, LR, PARITY_EPS, WD
+
+    kw = dict(lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS)
+    ref = tiny()
+    w = megatrain.wrap(copy.deepcopy(ref), device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(w.named_parameters(), **kw)
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in w.named_parameters()]
+    _train(w, opt, batches(3))
+    _train(ref, torch.optim.AdamW(ref.named_parameters(), foreach=False, **kw), batches(3))
+    assert_params_close(weights(w), weights(ref))
+    with pytest.raises(TypeError, match="expected parameters"):
+        megatrain.optim.CPUAdamW([("a", "not a tensor")], **kw)
+
+
+def test_load_checkpoint_refuses_a_wrong_scheduler_or_restore_rng_before_writing(tmp_path):
+    """An optimizer passed as lr_scheduler raised KeyError('param_groups') after the weights and the
+    moments had been overwritten; restore_rng="no" was taken as True."""
+    import megatrain
+
+    w, opt = make(True, max_grad_norm=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x = batches(1)[0]
+    w(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    megatrain.save_checkpoint(str(tmp_path / "ck"), w, opt, sched)
+    w2, opt2 = make(True, max_grad_norm=1.0)
+    before = weights(w2)
+    with pytest.raises(ValueError, match="lr_scheduler must be an LR scheduler"):
+        megatrain.load_checkpoint(str(tmp_path / "ck"), w2, optimizer=opt2, lr_scheduler=opt2)
+    with pytest.raises(TypeError, match="restore_rng must be True or False"):
+        megatrain.load_checkpoint(str(tmp_path / "ck"), w2, optimizer=opt2, restore_rng="no")
+    assert_params_close(weights(w2), before, rtol=0)  # nothing was written
+    p = next(iter(w2.parameters()))
+    assert float(opt2.state[p]["exp_avg"].abs().sum()) == 0.0

@@ -108,6 +108,9 @@ class _ParamState(dict):
 
 
 def _ref(p: torch.Tensor):
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"megatrain.optim.CPUAdamW: expected parameters (tensors) or (name, parameter) pairs, got a "
+                        f"{type(p).__name__}; pass model.parameters(), model.named_parameters() or groups of them")
     ref = locate(p)
     if ref is None:
         raise ValueError(
@@ -239,12 +242,34 @@ class CPUAdamW(torch.optim.Optimizer):
         if gradient_accumulation_steps > 1:
             self.engine.enable_accumulator()  # wrap(grad_accumulator=None): allocated now, when it is known to be needed
         self.engine.attach_optimizer(self)
+        if prev is not None:
+            self._start_fresh()
         self.last_grad_norm: Optional[float] = None
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps whose update was skipped (whole or in part): non-finite gradients
         self._skipped_ids: set = set()
         self._steps_called = 0  # step() calls that returned; the one running (or next) is number + 1
         self._skipped_units: list = []  # (step number, unit name) appended by the CPU worker (no clipping)
+
+    def _start_fresh(self) -> None:
+        """A CPUAdamW that replaces the model's earlier one starts as a new ``torch.optim.AdamW`` does:
+        ``exp_avg`` / ``exp_avg_sq`` zero (its step counts are 0 already). The moments live in the
+        host store, so without this they stayed the earlier optimizer's under fresh step counts (a
+        notebook cell run again trained 0.25 relative away from torch within 3 steps)."""
+        eng = self.engine
+        eng.sync_host(for_write=True)  # the earlier optimizer's updates land first
+        for (ui, i), (_group, p) in self._entry.items():
+            unit = _ref(p)[1]
+            if unit.disk is not None:
+                z = torch.zeros(tuple(p.shape), dtype=torch.float32)
+                eng.disk.write(unit, {(i, "exp_avg"): z, (i, "exp_avg_sq"): z})
+                continue
+            st = self.state[p]
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = dict.__getitem__(st, k)  # the host-store view handed out as optimizer.state[p][k]
+                t.zero_()
+                self._moment_versions[(ui, i, k)] = t._version  # megatrain's write, not the user's
+        eng.host_written()  # device-state layers take the zeros
 
     @property
     def steps_called(self) -> int:
@@ -322,6 +347,8 @@ class CPUAdamW(torch.optim.Optimizer):
         _check_hyper(".add_param_group", param_group)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # torch >= 2.6 takes model.named_parameters(): (name, parameter) pairs, kept as the group's param_names
+        params = [q[1] if isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], str) else q for q in params]
         refs = [_ref(p) for p in params]
         for eng, _, _ in refs:
             if self.engine is None:
