@@ -45,13 +45,9 @@ from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained_streamed
 from ..optim import CPUAdamW
-from ..runtime.clip_grad import install_accelerate_clip
 
 MEGATRAIN_CKPT_DIR = "megatrain"
 
-
-
-install_accelerate_clip()  # the Trainer clips through accelerate (megatrain.runtime.clip_grad)
 
 def _engine(model):
     eng = getattr(model, "megatrain", None)

@@ -144,8 +144,8 @@ def install_accelerate_clip() -> None:
     Recent accelerate (1.16) no longer calls ``torch.nn.utils.clip_grad_norm_``: it sums the norms of
     the parameters' ``p.grad`` itself, which a wrapped model never sets, so it returned 0.0 and clipped
     nothing (the HF Trainer logged ``grad_norm`` 0.0). Other parameters go to accelerate's own.
-    Called at ``wrap``, at the HF integration's import and at every training forward of a wrapped
-    model, so an accelerate imported after ``wrap`` is routed before its first clip.
+    Called at ``wrap`` and at every training forward of a wrapped model (a clip follows a forward),
+    so an accelerate imported after ``wrap`` (the HF Trainer's included) is routed before its first clip.
     """
     import sys
 
