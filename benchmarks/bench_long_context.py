@@ -75,7 +75,8 @@ def run_train(spec) -> dict:
     model = build_model(m, spec["seq"], dev)
     n_params = sum(p.numel() for p in model.parameters())
     model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, grad_accumulator=False,
-                           chunked_loss=spec["chunked_loss"], tile_mlp=spec["tile_mlp"])
+                           chunked_loss=spec["chunked_loss"], tile_mlp=spec["tile_mlp"],
+                           reuse_attention=spec.get("reuse_attention", True))
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=None)
     g = torch.Generator().manual_seed(0)
@@ -97,6 +98,9 @@ def run_train(spec) -> dict:
         last = dict(eng.long_context.last)
         auto = [dict(d) for d in eng.auto_decisions.values()]  # --policy auto: what it chose (block_k, ...)
         parked = eng.offload.peak_parked_bytes / GiB if eng.offload is not None else None  # --policy offload
+        reuse = eng.attention_reuse  # block:K: attention outputs of the block re-runs kept for the layers' backward
+        attention = None if reuse is None else dict(kept=reuse.kept_calls, reused=reuse.reused_calls,
+                                                     skipped=reuse.skipped, backends=dict(reuse.backends))
         loss = float(loss.detach())
     finally:
         eng.close()
@@ -104,7 +108,7 @@ def run_train(spec) -> dict:
     return dict(step_s=step_s, setup_s=setup_s, loss=loss, n_params=n_params, policy=policy,
                 model_flops_per_step=fl, model_tflops=fl / step_s / 1e12, tokens_per_s=spec["batch"] * spec["seq"] / step_s,
                 loss_rows=last.get("loss_rows"), mlp_rows=last.get("mlp_rows"), norm_rows=last.get("norm_rows"), layers=m["layers"], hidden=m["hidden"],
-                auto_decisions=auto, offload_host_gib=parked)
+                auto_decisions=auto, offload_host_gib=parked, reuse_attention=attention)
 
 
 def _loss_methods():
@@ -268,6 +272,10 @@ def plot(rows: list, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _reuse_str(d) -> str:
+    return "off" if d is None else f"{d['kept']}/{d['reused']} {d['backends']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--_child", help=argparse.SUPPRESS)
@@ -280,6 +288,8 @@ def main() -> None:
     ap.add_argument("--ckpt-fraction", type=float, default=0.35, help="GPU memory share for saved layer inputs")
     ap.add_argument("--chunked-loss", default="auto")
     ap.add_argument("--tile-mlp", default="auto")
+    ap.add_argument("--no-reuse-attention", action="store_true",
+                    help="wrap(reuse_attention=False): block:K re-runs every layer's attention in its own backward")
     ap.add_argument("--steps", type=int, default=3, help="--loss-only: timed repetitions after one warm-up")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -295,7 +305,7 @@ def main() -> None:
 
     base = dict(mode="loss" if a.loss_only else "train", preset=a.preset, layers=a.layers, batch=1, device=a.device,
                 dtype=a.dtype, policy=a.policy, ckpt_fraction=a.ckpt_fraction, chunked_loss=mode(a.chunked_loss),
-                tile_mlp=mode(a.tile_mlp), steps=a.steps)
+                tile_mlp=mode(a.tile_mlp), steps=a.steps, reuse_attention=not a.no_reuse_attention)
     longest = None
     if a.find_max:
         rows, longest = find_max(base, a.find_max, a.timeout)
@@ -315,7 +325,8 @@ def main() -> None:
                       f"{mr.get('peak_extra_gib') or 0:8.2f} GiB extra  {mr.get('vs_megatrain') or ''}")
             continue
         print(f"{r['seq']:>8} {str(r.get('status'))[:8]:>8} {r.get('step_s') or 0:8.1f} {r.get('model_tflops') or 0:8.1f} "
-              f"{r.get('gpu_peak_gib') or 0:8.1f} {str(r.get('policy')):>10} {str(r.get('loss_rows')):>9} {str(r.get('mlp_rows')):>8}")
+              f"{r.get('gpu_peak_gib') or 0:8.1f} {str(r.get('policy')):>10} {str(r.get('loss_rows')):>9} {str(r.get('mlp_rows')):>8}"
+              f"  attention kept/reused {_reuse_str(r.get('reuse_attention'))}")
     if longest:
         print(f"longest length that fits: {longest} tokens")
     if a.out:

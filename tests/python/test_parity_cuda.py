@@ -65,8 +65,10 @@ def _run(debug: bool, max_grad_norm=1.0, **wrap_kw):
     (True, dict(activation_policy="auto", device_state_layers=9)),
     # the planner's default (device_state_layers="auto"): the resident unit's state on the device first
     (True, dict(activation_policy="auto")),
+    # block:3 with the attention outputs of each block's re-run kept for the layers' own backward
+    (True, dict(activation_policy="block:3")),
 ], ids=["plain", "race_debug", "store_noacc_race_debug", "device_state_9", "device_state_9_race_debug",
-        "auto_race_debug"])
+        "auto_race_debug", "block3_reuse_race_debug"])
 def test_bf16_parity_vs_gpu_resident_1b(debug, wrap_kw):
     ref, got, stats = _run(debug, **wrap_kw)
     _check_parity(ref, got, stats, wrap_kw)
@@ -99,6 +101,9 @@ def _check_parity(ref, got, stats, wrap_kw):
         print(f"device_state_layers {stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
         assert stats["device_state_layers"] == wrap_kw["device_state_layers"]
         assert not stats["device_state_resident"]  # an explicit K places layers only
+    elif wrap_kw.get("activation_policy") == "block:3":  # 6 blocks of 3 layers, 20 steps: 2 kept per block
+        print(f"attention kept {stats['attention_kept_calls']}, reused {stats['attention_reused_calls']}")
+        assert stats["attention_kept_calls"] == stats["attention_reused_calls"] == 6 * 2 * STEPS
     elif wrap_kw.get("activation_policy") == "auto":
         print(f"auto: resident on the device {stats['device_state_resident']}, device_state_layers "
               f"{stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")

@@ -70,7 +70,7 @@ class _LayerCall:
     """Everything needed to re-run one layer call in backward (no weights, no activations but the inputs)."""
 
     __slots__ = ("layer", "unit", "leaves", "spec", "diff_idx", "out_spec", "out_tensor_idx", "out_other",
-                 "rng", "block", "pos", "saved", "stored")
+                 "rng", "block", "pos", "saved", "stored", "attention")
 
     def __init__(self, layer, unit, leaves, spec, diff_idx):
         self.layer = layer
@@ -86,6 +86,7 @@ class _LayerCall:
         self.pos = 0
         self.saved = None
         self.stored = None  # store policy: (layer graph outputs, bound weight leaves, detached inputs)
+        self.attention = None  # block:K: attention outputs kept by the block re-run (attention_reuse)
 
     def args_with(self, diff_inputs):
         leaves = list(self.leaves)

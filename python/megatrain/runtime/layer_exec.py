@@ -131,8 +131,9 @@ class LayerExecution:
                 torch.set_rng_state(cpu_rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state(cuda_rng, self.device)
+                reuse = None if self.attention_reuse is None else self.attention_reuse.reuse(call)
                 with torch.enable_grad():
-                    out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1)
+                    out, bound, slot = self.execute(call, detached, grad=True, prefetch_step=-1, around=reuse)
         try:
             leaves, _ = tree_flatten(out)
             outs, gos = [], []

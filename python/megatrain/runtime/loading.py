@@ -155,7 +155,7 @@ class _CheckpointSource:
 # ---------------------------------------------------------------------------------------------- init replay
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit"}
+                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "reuse_attention"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -174,7 +174,8 @@ def _wrap_with(model, source, wrap_kwargs):
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
                  tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"),
-                 offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"))
+                 offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"),
+                 reuse_attention=kw.get("reuse_attention", True))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:

@@ -98,7 +98,8 @@ class ActivationPolicies:
                         torch.set_rng_state(cpu_rng)
                         if cuda_rng is not None:
                             torch.cuda.set_rng_state(cuda_rng, self.device)
-                        out = self.execute(c, x, grad=False)
+                        reuse = self.attention_reuse
+                        out = self.execute(c, x, grad=False, around=None if reuse is None else reuse.keep(c))
                     leaves, _ = tree_flatten(out)
                     x = tuple(leaves[i].detach() for i in c.out_tensor_idx)
                     blk.inputs[pos + 1] = x

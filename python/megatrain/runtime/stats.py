@@ -87,7 +87,8 @@ class EngineStats(EngineTimeline):
         ``device_state_bytes`` (device bytes of their training state); with a disk tier ``disk_layers``
         and its counters ``disk_bytes_read``, ``disk_bytes_written``, ``disk_unit_reads``,
         ``disk_unit_writes``, ``disk_cache_hits``, ``disk_read_seconds``, ``disk_write_seconds``,
-        ``disk_acquire_wait_seconds`` (time the worker waited for the disk), ``disk_direct_io``.
+        ``disk_acquire_wait_seconds`` (time the worker waited for the disk), ``disk_direct_io``;
+        ``attention_kept_calls`` / ``attention_reused_calls`` (``megatrain.runtime.attention_reuse``).
         Reading the copy times waits for the copies already issued.
         """
         self._collect_copy_times()
@@ -106,6 +107,9 @@ class EngineStats(EngineTimeline):
             device_state_resident=bool(self.device_state and self.device_state.resident),
             device_state_bytes=self.device_state.nbytes if self.device_state else 0,
         )
+        reuse = getattr(self, "attention_reuse", None)
+        if reuse is not None:  # block:K: attention outputs kept by block re-runs (runtime/attention_reuse.py)
+            out.update(attention_kept_calls=reuse.kept_calls, attention_reused_calls=reuse.reused_calls)
         disk = getattr(self, "disk", None)
         if disk is not None:  # the disk tier's counters, cumulative (bytes, units, seconds)
             out.update({f"disk_{k}": v for k, v in disk.stats().items() if k not in ("disk_units",)})

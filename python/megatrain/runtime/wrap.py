@@ -28,13 +28,14 @@ from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .module_api import install as _install_module_api
 from .policies import AUTO_STORE_FRACTION, check_activation_policy  # noqa: F401 - public here
+from .attention_reuse import AttentionReuse
 from .wrapped import WrappedEngine
 
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
          activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
-         host_memory_limit: Optional[int] = None) -> nn.Module:
+         host_memory_limit: Optional[int] = None, reuse_attention: bool = True) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -102,6 +103,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             staging and the disk tier's buffers (an int). None: the host budget check's limits
             (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit
             raises ``HostMemoryError``.
+        reuse_attention: under ``block:K``, keep the attention output and log-sum-exp that the
+            backward's re-run of a block computes, so that each layer's own re-run with grad takes
+            them instead of running its attention forward again (SDPA's cuDNN / flash kernels;
+            exact: the same kernel's backward; see ``megatrain.runtime.attention_reuse``).
 
     Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
     embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
@@ -126,11 +131,12 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     """
     return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
                  chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers,
-                 offload_dir=offload_dir, host_memory_limit=host_memory_limit)
+                 offload_dir=offload_dir, host_memory_limit=host_memory_limit, reuse_attention=reuse_attention)
 
 
 def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
-          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None):
+          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None,
+          reuse_attention=True):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     install_accelerate_clip()  # accelerate's own clip_grad_norm_ no longer reaches torch's (see there)
@@ -142,6 +148,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
                          f"the next layer), got {num_slots!r}")
+    if not isinstance(reuse_attention, bool):
+        raise ValueError(f"megatrain.wrap: reuse_attention must be True or False, got {reuse_attention!r}")
     if not isinstance(grad_accumulator, (bool, type(None))):
         raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
                          f"or False, got {grad_accumulator!r}")
@@ -199,6 +207,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                            host_memory_limit=host_memory_limit)
     object.__setattr__(model, "megatrain", engine)
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp)
+    engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
     return model
 

@@ -36,6 +36,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
         self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)
+        self.attention_reuse = None  # block:K: runtime.attention_reuse.AttentionReuse (set by wrap)
         # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
         self.auto_decisions: dict = {}
         self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
