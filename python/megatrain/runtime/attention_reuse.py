@@ -130,8 +130,8 @@ class _ReusedAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-class _Keep(TorchFunctionMode):
-    """Inside a block re-run's layer call: SDPA calls go through the fused kernel and are kept."""
+class _SDPAMode(TorchFunctionMode):
+    """Active inside one layer call: every other torch function passes through, SDPA goes to ``attention``."""
 
     def __init__(self, owner: "AttentionReuse", kept: List[Optional[_Kept]]):
         super().__init__()
@@ -141,7 +141,13 @@ class _Keep(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not _SDPA:
             return func(*args, **kwargs)
-        q, k, v, mask, p, causal, scale, gqa = _sdpa_args(*args, **kwargs)
+        return self.attention(func, args, kwargs, *_sdpa_args(*args, **kwargs))
+
+
+class _Keep(_SDPAMode):
+    """Inside a block re-run's layer call: SDPA calls go through the fused kernel and are kept."""
+
+    def attention(self, func, args, kwargs, q, k, v, mask, p, causal, scale, gqa):
         backend = _backend(q, k, v, causal, scale, gqa) if _eligible(q, k, v, mask, p, gqa) else None
         if backend is None or not self.owner.room_for(q, v):
             self.kept.append(None)
@@ -154,19 +160,11 @@ class _Keep(TorchFunctionMode):
         return out
 
 
-class _Reuse(TorchFunctionMode):
+class _Reuse(_SDPAMode):
     """Inside a layer's with-grad re-run: the i-th SDPA call takes the i-th kept output when it matches."""
 
-    def __init__(self, owner: "AttentionReuse", kept: List[Optional[_Kept]]):
-        super().__init__()
-        self.owner, self.kept = owner, kept
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not _SDPA:
-            return func(*args, **kwargs)
+    def attention(self, func, args, kwargs, q, k, v, mask, p, causal, scale, gqa):
         kept = self.kept.pop(0) if self.kept else None
-        q, k, v, mask, p, causal, scale, gqa = _sdpa_args(*args, **kwargs)
         if kept is None or mask is not None or p != 0.0 or kept.sig != _signature(q, k, v, causal, scale, gqa):
             return func(*args, **kwargs)
         self.owner.reused_calls += 1
