@@ -75,7 +75,7 @@ def _backend(q, k, v, is_causal, scale, enable_gqa) -> Optional[str]:
     return None
 
 
-def _eligible(q, k, v, attn_mask, dropout_p, enable_gqa) -> bool:
+def _eligible(q, k, v, attn_mask, dropout_p) -> bool:
     if attn_mask is not None or dropout_p != 0.0:
         return False
     ts = (q, k, v)
@@ -148,7 +148,7 @@ class _Keep(_SDPAMode):
     """Inside a block re-run's layer call: SDPA calls go through the fused kernel and are kept."""
 
     def attention(self, func, args, kwargs, q, k, v, mask, p, causal, scale, gqa):
-        backend = _backend(q, k, v, causal, scale, gqa) if _eligible(q, k, v, mask, p, gqa) else None
+        backend = _backend(q, k, v, causal, scale, gqa) if _eligible(q, k, v, mask, p) else None
         if backend is None or not self.owner.room_for(q, v):
             self.kept.append(None)
             self.owner.skipped += 1
@@ -200,8 +200,7 @@ class AttentionReuse:
 
     def reuse(self, call):
         """``execute(around=...)`` for ``call``'s with-grad re-run, or None when nothing was kept for it."""
-        kept = getattr(call, "attention", None)
-        call.attention = None
+        kept, call.attention = call.attention, None
         if not kept or all(x is None for x in kept):
             return None
         return lambda slot: _Reuse(self, kept)
