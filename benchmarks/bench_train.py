@@ -294,7 +294,8 @@ def megatrain_variant(name: str) -> dict:
     (0: ``Options.replan=False``, the planner does not place again after the first step), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
     ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
-    GPU and are updated there; ``auto``: as many as fit).
+    GPU and are updated there; ``auto``: as many as fit; ``boundary``: the resident unit and layer 0, wrap's
+    default on CUDA under the policies other than ``auto``; ``0``: none).
 
     Raises:
         ValueError: an unknown key or a malformed option.
@@ -306,9 +307,10 @@ def megatrain_variant(name: str) -> dict:
         if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
                              "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
-                             "devstate=K|auto")
-        if k == "devstate" and v != "auto" and not v.isdigit():
-            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count or 'auto'")
+                             "devstate=K|auto|boundary")
+        if k == "devstate" and v not in ("auto", "boundary") and not v.isdigit():
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count, 'auto' "
+                             "or 'boundary'")
         opts[k] = v
     return opts
 
@@ -326,8 +328,8 @@ def run_megatrain(spec):
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
-    devstate = opts.get("devstate")  # None: wrap's default (the planner under policy=auto, else 0)
-    devstate = devstate if devstate in (None, "auto") else int(devstate)
+    devstate = opts.get("devstate")  # None: wrap's default (the planner under policy=auto, else "boundary" on CUDA)
+    devstate = devstate if devstate in (None, "auto", "boundary") else int(devstate)
     clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,

@@ -110,7 +110,7 @@ def _empty_file(tmp_path):
         (lambda p, m: ["--model", "bert", *TINY], "model 'bert' is not causal"),
         (lambda p, m: _binary_file(p), "is not UTF-8 text"),
         (lambda p, m: ["--set", "runtime.device_state_layers=-1"],
-         "runtime.device_state_layers must be auto or a number of decoder layers >= 0, got -1"),
+         "runtime.device_state_layers must be auto, boundary or a number of decoder layers >= 0, got -1"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",

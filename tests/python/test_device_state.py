@@ -99,12 +99,14 @@ def test_parity_mixed_placement(monkeypatch):
 
 
 def test_default_placement_is_the_planner_under_auto_on_cuda_only():
-    """``device_state_layers=None`` (default): ``"auto"`` with ``activation_policy="auto"`` on CUDA, else 0."""
+    """``device_state_layers=None`` (default): ``"auto"`` with ``activation_policy="auto"`` on CUDA,
+    ``"boundary"`` under the other policies on CUDA, 0 on the CPU backend."""
     resolve = importlib.import_module("megatrain.runtime.device_state_plan").resolve_device_state_layers
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve(None, "auto", cuda) == "auto"
-    assert resolve(None, "recompute", cuda) == 0 and resolve(None, "store", cuda) == 0
-    assert resolve(None, "auto", cpu) == 0  # the host store is the CPU backend's device memory
+    assert resolve(None, "recompute", cuda) == "boundary" and resolve(None, "store", cuda) == "boundary"
+    assert resolve(None, "block:2", cuda) == "boundary" and resolve(None, "offload", cuda) == "boundary"
+    assert resolve(None, "auto", cpu) == 0 and resolve(None, "recompute", cpu) == 0  # the host store is the CPU's memory
     assert resolve(2, "auto", cuda) == 2 and resolve(0, "auto", cuda) == 0 and resolve("auto", "store", cpu) == "auto"
     model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto")
     pl = model.megatrain.placement()
@@ -314,10 +316,15 @@ def _masters(model):
     return {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
 
 
-def test_nonfinite_gradient_in_a_device_layer_without_clipping_skips_that_layer_only():
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_nonfinite_gradient_in_a_device_layer_without_clipping_skips_that_layer_only(monkeypatch, impl):
     """No clipping: a NaN entering backward at layer 1's output reaches layers 1, 0 and the embedding
-    (skipped, on the device and in the host store alike), not layer 2 or the LM head (updated)."""
+    (skipped, on the device and in the host store alike), not layer 2 or the LM head (updated).
+    ``fused`` (the CUDA default): the device updates are enqueued before step() waits for the
+    gradients and skip on the device (``found_inf``); the host puts the step counts back."""
+    monkeypatch.setenv("MEGATRAIN_DEVICE_ADAM", impl)
     model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=2)
+    assert model.megatrain.device_state.checks_on_device == (impl == "fused")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
 
     h = poison_gradient_at(model.model.layers[1])
@@ -447,3 +454,105 @@ def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_ste
         opt.step()
     after = megatrain.master_state_dict(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # nothing of the step was applied
+
+
+def test_boundary_places_the_resident_unit_then_layer_0_within_its_share():
+    """``device_state_layers="boundary"`` (the CUDA default of the streamed policies): the resident
+    unit, then layer 0, while together they fit in ``BOUNDARY_DEVICE_STATE_FRACTION`` of the free memory."""
+    dsp = importlib.import_module("megatrain.runtime.device_state_plan")
+    model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers="boundary")
+    eng = model.megatrain
+    assert _device_layers(model) == [0] and eng.resident.device_state is not None
+    pl = eng.placement()
+    assert (pl["device_state_layers"], pl["device_state_resident"], pl["streamed_layers"]) == (1, True, 2)
+    res = dsp.unit_device_bytes(eng.resident, torch.float32, with_compute=False)
+    lay = dsp.unit_device_bytes(eng.layers[0], torch.float32)
+    plan = dsp.plan_boundary_units
+    assert plan(eng.resident, eng.layers[0], torch.float32, res + lay, fraction=1.0) == ([eng.resident], 1)
+    assert plan(eng.resident, eng.layers[0], torch.float32, res + lay - 1, fraction=1.0) == ([eng.resident], 0)
+    assert plan(eng.resident, eng.layers[0], torch.float32, res - 1, fraction=1.0) == ([], 1 if lay < res else 0)
+    assert plan(None, eng.layers[0], torch.float32, lay, fraction=1.0) == ([], 1)  # no resident unit to place
+    assert plan(eng.resident, eng.layers[0], torch.float32, 8 * (res + lay)) == ([eng.resident], 1)  # 1/8
+    assert plan(eng.resident, eng.layers[0], torch.float32, 8 * (res + lay) - 8) == ([eng.resident], 0)
+
+
+@pytest.mark.parametrize("clip,micro,groups", [(None, 1, "one"), (None, 2, "two"), (1.0, 2, "one")])
+def test_parity_boundary_placement_with_the_fused_device_adamw(monkeypatch, clip, micro, groups):
+    monkeypatch.setenv("MEGATRAIN_DEVICE_ADAM", "fused")
+    ref, got, wrapped, _ = run_pair(tiny("llama"), micro_batches=micro, max_grad_norm=clip, groups=groups,
+                                    device_state_layers="boundary")
+    assert _device_layers(wrapped) == [0] and wrapped.megatrain.resident.device_state is not None
+    check(ref, got, wrapped, rtol=HOST_RTOL)
+
+
+def _record_step_order(monkeypatch, eng):
+    """Log, in order, each device-state update (by unit kind and index) and each ``wait_grads`` of ``eng``."""
+    order = []
+    ds_mod = importlib.import_module("megatrain.runtime.device_state")
+    update, wait = ds_mod.DeviceState.update, type(eng).wait_grads
+
+    def logged_update(self, unit, *a, **kw):
+        order.append((unit.kind, unit.index, kw.get("finite_on_device", False)))
+        return update(self, unit, *a, **kw)
+
+    def logged_wait(self):
+        order.append("wait_grads")
+        return wait(self)
+
+    monkeypatch.setattr(ds_mod.DeviceState, "update", logged_update)
+    monkeypatch.setattr(type(eng), "wait_grads", logged_wait)
+    return order
+
+
+@pytest.mark.parametrize("clip,nonfinite,impl,early", [
+    (None, "skip", "fused", True),      # the CUDA default without clipping: enqueued before the wait
+    (1.0, "skip", "fused", False),      # the global norm first
+    (None, "raise", "fused", False),    # a host unit's non-finite gradient must stop the step first
+    (None, "skip", "foreach", False),   # no on-device check
+])
+def test_device_updates_are_enqueued_before_the_gradient_wait_only_without_clipping(monkeypatch, clip, nonfinite,
+                                                                                     impl, early):
+    monkeypatch.setenv("MEGATRAIN_DEVICE_ADAM", impl)
+    model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers="boundary")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=clip, nonfinite=nonfinite)
+    order = _record_step_order(monkeypatch, model.megatrain)
+    x = torch.randint(0, 96, (2, 12))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    updates = [("resident", model.megatrain.resident.index, early), ("layer", 0, early)]
+    step = updates + ["wait_grads"] if early else ["wait_grads"] + updates
+    assert order == step * 2
+    steps = {n: float(opt.state[p]["step"]) for n, p in model.named_parameters()}
+    assert set(steps.values()) == {2.0}
+
+
+def test_early_device_updates_take_zero_gradients_and_partial_gradients_as_torch(monkeypatch):
+    """``zero_grad(set_to_none=False)`` then a step where layer 0 gets no gradient (its input is
+    detached) while the LM head does: the early device updates run zero-gradient AdamW where torch
+    does and leave alone what torch leaves alone (entries never given a gradient)."""
+    monkeypatch.setenv("MEGATRAIN_DEVICE_ADAM", "fused")
+    ref_model = tiny("llama")
+    model = megatrain.wrap(copy.deepcopy(ref_model), device="cpu", device_state_layers="boundary")
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=PARITY_EPS)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), **kw)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), **kw)
+    x = torch.randint(0, 96, (2, 12))
+
+    def cut_at_layer_1(m):  # layer 1 onwards only: layer 0 and the embedding get no gradient
+        def hook(_module, args, kwargs):
+            return (args[0].detach(),) + args[1:], kwargs
+        return m.model.layers[1].register_forward_pre_hook(hook, with_kwargs=True)
+
+    for step in range(3):
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            h = cut_at_layer_1(m) if step == 2 else None
+            m(input_ids=x, labels=x).loss.backward()
+            if h is not None:
+                h.remove()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    got = {n: p.detach() for n, p in model.state_dict().items()}
+    for n, b in ref_model.state_dict().items():
+        assert_close_rel(got[n], b, HOST_RTOL, n)

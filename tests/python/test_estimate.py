@@ -237,3 +237,20 @@ def test_on_the_cpu_device_activations_and_the_store_share_host_memory(monkeypat
     line = long.reason()
     assert "\n" not in line and "of host memory for the CPU device's slots and activations" in line
     assert "lower micro_batch_size or seq_len" in line and "DOES NOT FIT" in str(long)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the estimate for a CUDA device on a machine without one")
+def test_estimate_for_cuda_counts_the_boundary_units_state_as_wrap_places_it():
+    """On CUDA, wrap's default ``device_state_layers="boundary"`` keeps the resident unit's and layer
+    0's fp32 state on the device: the estimate counts exactly the bytes that placement allocates
+    (checked against the same placement made on the CPU backend), and nothing under ``auto``."""
+    cfg = _llama()
+    est = megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, seq_len=16, micro_batch_size=2)
+    model = megatrain.from_config(cfg, seed=0, device="cpu", compute_dtype=torch.bfloat16,
+                                  device_state_layers="boundary")
+    assert est.device_state_bytes == model.megatrain.device_state.nbytes > 0
+    assert est.gpu_bytes == (est.slot_bytes + est.resident_bytes + est.device_state_bytes + est.activation_bytes
+                             + est.logits_bytes)
+    assert "boundary units fp32 state" in str(est)
+    auto = megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, activation_policy="auto")
+    assert auto.device_state_bytes == 0

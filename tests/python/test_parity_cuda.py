@@ -54,8 +54,14 @@ def _run(debug: bool, max_grad_norm=1.0, **wrap_kw):
 
 
 @pytest.mark.parametrize("debug,wrap_kw", [
+    # the default: streamed recompute with the step boundary's units (resident unit, layer 0) on the device
     (False, {}),
     (True, {}),
+    # without clipping: those units' updates enqueued before step() waits for the gradients (non-finite
+    # check on the device)
+    (True, dict(max_grad_norm=None)),
+    # every unit's state in the host store: the streamed engine alone
+    (True, dict(device_state_layers=0)),
     # no recompute (saved weight views re-fetched in backward) and no fp32 accumulator (every
     # gradient through the compute copy), with the copy streams delayed and slots poisoned
     (True, dict(activation_policy="store", grad_accumulator=False)),
@@ -67,7 +73,8 @@ def _run(debug: bool, max_grad_norm=1.0, **wrap_kw):
     (True, dict(activation_policy="auto")),
     # block:3 with the attention outputs of each block's re-run kept for the layers' own backward
     (True, dict(activation_policy="block:3")),
-], ids=["plain", "race_debug", "store_noacc_race_debug", "device_state_9", "device_state_9_race_debug",
+], ids=["plain", "race_debug", "noclip_race_debug", "streamed_only_race_debug", "store_noacc_race_debug",
+        "device_state_9", "device_state_9_race_debug",
         "auto_race_debug", "block3_reuse_race_debug"])
 def test_bf16_parity_vs_gpu_resident_1b(debug, wrap_kw):
     ref, got, stats = _run(debug, **wrap_kw)
@@ -97,7 +104,11 @@ def test_bf16_parity_after_the_planner_moves_state_and_graphs_1b(monkeypatch, cl
 
 
 def _check_parity(ref, got, stats, wrap_kw):
-    if "device_state_layers" in wrap_kw:
+    if set(wrap_kw) <= {"max_grad_norm"}:  # wrap's default: device_state_layers="boundary"
+        print(f"boundary: resident on the device {stats['device_state_resident']}, device_state_layers "
+              f"{stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
+        assert stats["device_state_resident"] and stats["device_state_layers"] == 1
+    elif "device_state_layers" in wrap_kw:
         print(f"device_state_layers {stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
         assert stats["device_state_layers"] == wrap_kw["device_state_layers"]
         assert not stats["device_state_resident"]  # an explicit K places layers only

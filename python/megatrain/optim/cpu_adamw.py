@@ -490,8 +490,9 @@ class CPUAdamW(torch.optim.Optimizer):
                 loss = closure()
         eng = self.engine
         self._check_held_moments()
-        eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
         eng.take_state_dict_writes()  # device-state units: writes into model.state_dict() tensors, before the update
+        early = self._start_device_updates()  # (no clipping) enqueued before the wait below
+        eng.wait_grads()  # every gradient landed (eager updates may still run: loads wait per unit)
         views = {u.index: (u.has_grad, u.eager, u.grad_sq, u.direct) for u in eng.units}  # one ledger snapshot each
         got = {(u.index, i) for u in eng.units for i, (h, e) in enumerate(zip(*views[u.index][:2])) if h or e}
         if not got and self._consumed:
@@ -503,7 +504,8 @@ class CPUAdamW(torch.optim.Optimizer):
             eng.flush()  # their finite checks are done: a non-finite gradient raises now, not a step late
         # Entries whose update was not queued during backward (all of them with clipping). An
         # eagerly queued entry may still be running: the ledger keeps its update apart from its gradient.
-        pending = [(u, [i for i in range(len(u.entries)) if not views[u.index][1][i]]) for u in eng.units]
+        pending = [(u, [i for i in range(len(u.entries)) if not views[u.index][1][i]]) for u in eng.units
+                   if u.index not in early]
         pending = [(u, idx) for u, idx in pending if idx]
         # zero_grad(set_to_none=False) left zeros where no backward wrote since: a zero-gradient update
         zeros = {k for k in self._zero if k not in got and k in self._entry}
@@ -551,6 +553,8 @@ class CPUAdamW(torch.optim.Optimizer):
             items = self._items(unit, [(has_grad[i] or i in z) and i in todo for i in range(len(unit.entries))])
             if items or any(direct[i] for i in idx):
                 eng.submit_update(unit, items, scale, entries=idx, zero_grads=z)
+        for unit, items, z in early.values():  # the host's norms are known now: undo a skipped one's step counts
+            eng.device_state.skip_if_nonfinite(unit, items, z)
         eng.zero_grad()
         eng.refresh_state_dict_views()  # held model.state_dict() tensors read this step's weights on return
         self._steps_called = number
@@ -562,6 +566,47 @@ class CPUAdamW(torch.optim.Optimizer):
         if eng.device_state is not None and eng.device_state.take_skipped():
             self._report_skipped_units()  # a device-state layer's non-finite gradient: reported (or raised) now
         return loss
+
+    def _start_device_updates(self) -> dict:
+        """Without clipping, enqueue the device-state units' updates before ``step()`` waits for gradients.
+
+        Those units are the last of backward (layer 0, the resident unit): their gradients are done
+        only when the GPU ends backward, and ``wait_grads`` would hold their updates until the host
+        had seen that, with the GPU idle meanwhile. Enqueued now, they run right after backward; the
+        non-finite check is made on the device (``finite_on_device``) and, once the host has the
+        norms, a skipped update's step counts are put back (:meth:`step`). Nothing is enqueued early
+        with clipping (the global norm is needed first), with ``nonfinite="raise"`` (a host-stored
+        unit's non-finite gradient must stop the step before any update), where the device AdamW
+        cannot check on the device, or while a host-stored entry with a gradient was not updated
+        during backward (its non-finite check may skip the whole step).
+
+        Returns:
+            ``{unit index: (unit, items, zero-gradient entries)}`` of the updates enqueued.
+        """
+        eng = self.engine
+        ds = eng.device_state
+        if self.max_grad_norm is not None or self.nonfinite == "raise" or ds is None or not ds.checks_on_device:
+            return {}
+        units = {}
+        for u in eng.units:
+            states = u.grad_states()
+            if u.device_state is None:
+                if any(s.micro_batches and not s.eager for s in states):
+                    return {}
+                continue
+            units[u.index] = (u, [s.micro_batches > 0 for s in states])
+        if not any(any(b) for _, b in units.values()):
+            return {}  # no gradient reached the device units: step()'s own checks decide
+        early = {}
+        # resident unit first, then layers in forward order (as step()'s own loop)
+        for index, (u, got) in sorted(units.items(), key=lambda kv: (kv[1][0].kind != "resident", kv[0])):
+            z = [i for i in range(len(u.entries)) if (index, i) in self._zero and not got[i] and (index, i) in self._entry]
+            items = self._items(u, [g or i in z for i, g in enumerate(got)])
+            if items:
+                eng.submit_update(u, items, 1.0, entries=list(range(len(u.entries))), zero_grads=z,
+                                  finite_on_device=True)
+                early[index] = (u, items, z)
+        return early
 
     def wait(self) -> None:
         """Block until every queued update has been applied."""

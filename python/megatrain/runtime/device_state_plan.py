@@ -5,7 +5,9 @@
 ``device_state_layers`` its default and refuse bad values; :func:`unit_device_bytes` is the exact
 device size of one unit's state; :func:`plan_device_state_layers` counts the layers (from layer 0)
 whose state fits in ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory (``"auto"`` at wrap;
-the placement planner, :mod:`.planner`, places once more after the first step).
+the placement planner, :mod:`.planner`, places once more after the first step);
+:func:`plan_boundary_units` chooses the units of ``"boundary"`` (the default of the streamed
+policies on CUDA).
 """
 
 from __future__ import annotations
@@ -19,23 +21,33 @@ import torch
 # "auto" measures what is left), logits and fragmentation.
 AUTO_DEVICE_STATE_FRACTION = 0.5
 
+# device_state_layers="boundary" (the default on CUDA under every activation policy but "auto"): the
+# resident unit, then layer 0, keep their whole training state on the device when together they fit
+# in this fraction of the device memory free at wrap time. Their gradients are the last of a
+# backward and their weights the first need of the next forward: on the host, their H2D copies,
+# gradient D2H and CPU AdamW sit between two steps with the GPU idle (20-30 ms per step at 3.37B).
+BOUNDARY_DEVICE_STATE_FRACTION = 0.125
+
 
 def resolve_device_state_layers(value, activation_policy: str, device: torch.device):
-    """``device_state_layers`` as given, or its default (``None``): ``"auto"`` under
-    ``activation_policy="auto"`` on CUDA (the placement planner), else 0 (every layer's state in the
-    host store; on the CPU backend the host store already is the compute device's memory)."""
+    """``device_state_layers`` as given, or its default (``None``): on CUDA ``"auto"`` under
+    ``activation_policy="auto"`` (the placement planner) and ``"boundary"`` under the other policies;
+    on the CPU backend 0 (every layer's state in the host store, which already is the compute
+    device's memory)."""
     if value is None:
-        return "auto" if activation_policy == "auto" and device.type == "cuda" else 0
+        if device.type != "cuda":
+            return 0
+        return "auto" if activation_policy == "auto" else "boundary"
     return value
 
 
 def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_layers") -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 0, ``"auto"`` or ``None`` (the default)."""
-    if value is None or (value == "auto" and isinstance(value, str)):
+    """Raise ``ValueError`` unless ``value`` is an int >= 0, ``"auto"``, ``"boundary"`` or ``None`` (the default)."""
+    if value is None or (isinstance(value, str) and value in ("auto", "boundary")):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device) "
-                         f"or 'auto', got {value!r}")
+        raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device), "
+                         f"'auto' or 'boundary', got {value!r}")
 
 
 def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True) -> int:
@@ -61,3 +73,24 @@ def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int
             break
         k += 1
     return k
+
+
+def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_bytes: int,
+                        fraction: Optional[float] = None) -> tuple:
+    """The units of ``device_state_layers="boundary"``: ``(resident_units, layers)``.
+
+    The resident unit (``resident``, None when it cannot be placed) first, then ``first_layer``
+    (layer 0, None when it cannot), each only while their device state together fits in
+    ``fraction`` (default ``BOUNDARY_DEVICE_STATE_FRACTION``) of ``free_bytes``. Returns the list of
+    resident units placed (``[]`` or ``[resident]``) and the number of decoder layers placed (0 or 1).
+    """
+    budget = (BOUNDARY_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
+    used, placed = 0, []
+    if resident is not None:
+        need = unit_device_bytes(resident, compute_dtype, with_compute=False)
+        if need <= budget:
+            used, placed = need, [resident]
+    layers = 0
+    if first_layer is not None and used + unit_device_bytes(first_layer, compute_dtype) <= budget:
+        layers = 1
+    return placed, layers

@@ -83,7 +83,8 @@ class EngineMemory:
             self.store.pin()
 
     def init_device_state(self, layers) -> int:
-        """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``) on the device.
+        """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``;
+        ``"boundary"``) on the device.
 
         Called once, after the store is filled. ``"auto"``: first the resident unit (embedding, final
         norm, LM head: what the next forward needs first, and the last gradients of a backward) when
@@ -91,10 +92,13 @@ class EngineMemory:
         ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
         (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16;
         16 for the resident unit, whose compute copy is its existing device buffer).
+        ``"boundary"``: the resident unit, then layer 0, while together they fit in
+        ``BOUNDARY_DEVICE_STATE_FRACTION`` of the free device memory
+        (:func:`~.device_state_plan.plan_boundary_units`).
         Returns K (decoder layers). See ``megatrain.runtime.device_state``.
 
         Raises:
-            ValueError: ``layers`` is not an int >= 0 or ``"auto"``, or more than the model has.
+            ValueError: ``layers`` is not an int >= 0, ``"auto"`` or ``"boundary"``, or more than the model has.
         """
         from . import device_state as ds
         from . import device_state_plan as dsp
@@ -102,7 +106,10 @@ class EngineMemory:
         dsp.check_device_state_layers(layers)
         on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
         resident = []
-        if layers == "auto":  # never a layer whose state is on disk
+        if layers == "boundary":  # the step boundary's units: resident, then layer 0, within a small share
+            resident, layers = dsp.plan_boundary_units(self.device_state_resident(), on_host[0] if on_host else None,
+                                                       self.compute_dtype, self.free_device_bytes())
+        elif layers == "auto":  # never a layer whose state is on disk
             free = self.free_device_bytes()
             res = self.device_state_resident()
             if res is not None:  # what the next forward needs first; its compute copy is already on the device

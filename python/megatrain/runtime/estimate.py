@@ -282,12 +282,26 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         free = int(torch.cuda.mem_get_info(device)[0])
     elif not cuda and limits["mem_available_bytes"] is not None:  # the CPU device's memory is the host's:
         free = max(0, limits["mem_available_bytes"] - host)           # what the host store leaves
+    # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
+    # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)
+    boundary_bytes = 0
+    if cuda and activation_policy != "auto":
+        from .device_state_plan import BOUNDARY_DEVICE_STATE_FRACTION
+        state_numel = layout["unit_state_numel"]
+        budget = BOUNDARY_DEVICE_STATE_FRACTION * free if free is not None else float("inf")
+        for k, u in enumerate(units):
+            if u.kind != "layer" and state_numel[k]:  # the resident unit (its compute copy is counted above)
+                if boundary_bytes + 16 * state_numel[k] <= budget:
+                    boundary_bytes += 16 * state_numel[k]
+        first = next((k for k, u in enumerate(units) if u.kind == "layer"), None)
+        if first is not None and boundary_bytes + elem * unit_numel[first] + 16 * state_numel[first] <= budget:
+            boundary_bytes += elem * unit_numel[first] + 16 * state_numel[first]
     tokens = micro_batch_size * seq_len if seq_len else 0
     loss_rows, mlp_rows, norm_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss,
                                                         tile_mlp)
     act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free, mlp_rows)
     logits = _logits_bytes(config, tokens, elem, loss_rows)
-    gpu = slot_bytes + resident_bytes + act + logits
+    gpu = slot_bytes + resident_bytes + boundary_bytes + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
     checked = cuda or (tokens > 0 and not options().skip_host_memory_check)
     gpu_fits = (gpu <= free) if free is not None and checked else None
@@ -308,7 +322,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         disk_layers=len(oplan.disk_units), disk_bytes=oplan.disk_total_bytes, disk_pool_bytes=pools,
         disk_free_bytes=oplan.free_bytes,
         disk_fits=None if offload_dir is None else oplan.disk_total_bytes <= (oplan.free_bytes or 0),
-        slot_bytes=slot_bytes, resident_bytes=resident_bytes, activation_bytes=act, logits_bytes=logits,
+        slot_bytes=slot_bytes, resident_bytes=resident_bytes, device_state_bytes=boundary_bytes,
+        activation_bytes=act, logits_bytes=logits,
         gpu_bytes=gpu, gpu_free_bytes=free if gpu_fits is not None else None, gpu_fits=gpu_fits,
         chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows,
         norm_rows=norm_rows)

@@ -63,9 +63,10 @@ class MemoryEstimate:
     host_fits: bool
     slot_bytes: int  # num_slots x largest layer (per layer shape) in compute dtype
     resident_bytes: int  # the resident unit (embedding, norm, LM head) and its gradients on the device
+    device_state_bytes: int  # the step boundary's units' fp32 state on the device (wrap's default on CUDA)
     activation_bytes: int
     logits_bytes: int
-    gpu_bytes: int  # slot + resident + activation + logits (device memory; host memory when device is cpu)
+    gpu_bytes: int  # slot + resident + device state + activation + logits (device memory; host memory on cpu)
     gpu_free_bytes: Optional[int]
     gpu_fits: Optional[bool]  # None: not checked (no CUDA here, or the host check is skipped)
     chunked_loss: str = "auto"  # the modes asked for (as megatrain.wrap) and what they give at this batch:
@@ -149,6 +150,9 @@ class MemoryEstimate:
                  f"{tokens}):")
         L.append(f"  {'layer slots':<28}{_fmt(self.slot_bytes):>12}  ({self.num_slots} per layer shape)")
         L.append(f"  {'resident unit + grads':<28}{_fmt(self.resident_bytes):>12}")
+        if self.device_state_bytes:
+            L.append(f"  {'boundary units fp32 state':<28}{_fmt(self.device_state_bytes):>12}  (resident unit, layer 0: "
+                     "device_state_layers='boundary')")
         L.append(f"  {'activations':<28}{'~' + _fmt(self.activation_bytes):>12}")
         L.append(f"  {'logits + loss':<28}{'~' + _fmt(self.logits_bytes):>12}")
         if self.seq_len:

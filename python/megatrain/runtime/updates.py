@@ -119,13 +119,15 @@ class UpdateQueue:
             u.update_tasks.append(handle)
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,
-                      zero_grads=()) -> None:
+                      zero_grads=(), finite_on_device: bool = False) -> None:
         """Queue the AdamW update of ``unit``'s ``entries`` (default all; worker, by deadline).
 
         Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
-        after a direct D2H.
+        after a direct D2H. ``finite_on_device``: a device-state unit's non-finite check on the
+        device (:meth:`~.device_state.DeviceState.update`).
         """
         self.invalidate([unit])  # now, on the main thread: slots holding the old weights are stale
         if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
-            return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads)
+            return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads,
+                                            finite_on_device=finite_on_device)
         self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)

@@ -83,11 +83,15 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             of layers), or ``"auto"``: first the resident unit (embedding, final norm, LM head: 16
             more device bytes per parameter, its compute copy is on the device already), then as many
             layers as fit in half of the device memory free at wrap time, computed from those exact
-            byte counts (an explicit K never moves the resident unit's state). Default ``None``: ``"auto"`` with
-            ``activation_policy="auto"`` on CUDA (the placement planner: first the training state of as
-            many layers as fit, then the activations of as many layers as fit in what is left;
-            ``model.megatrain.placement()`` says what it chose), else 0 (every layer's state in
-            the host store). The host store keeps these layers' sections too: checkpoints,
+            byte counts (an explicit K never moves the resident unit's state), or ``"boundary"``: the
+            units at the step boundary, the resident unit then layer 0 (their gradients are the last
+            of a backward, their weights the first need of the next forward), while together they
+            fit in 1/8 of the device memory free at wrap time (~5 GB for a 3.37B Llama). Default
+            ``None``: on CUDA ``"auto"`` with ``activation_policy="auto"`` (the placement planner:
+            first the training state of as many layers as fit, then the activations of as many
+            layers as fit in what is left) and ``"boundary"`` under the other policies; on the CPU
+            backend 0 (every layer's state in the host store). ``model.megatrain.placement()`` says
+            what was chosen; ``0`` keeps every unit's state in the host store (least GPU memory). The host store keeps these layers' sections too: checkpoints,
             ``state_dict()``, export and ``optimizer.state`` read and write them there (see
             ``megatrain.runtime.device_state`` and docs/placement.md).
         offload_dir: a directory on a local disk (NVMe) for the fp32 state (master, ``exp_avg``,
@@ -188,7 +192,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
-    if device_state_layers != "auto" and device_state_layers > len(layers):
+    if isinstance(device_state_layers, int) and device_state_layers > len(layers):
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)

@@ -118,7 +118,7 @@ def _rows_mode(key: str, value: Any) -> str:
 
 
 class PlacementCount(str):
-    """Type of ``runtime.device_state_layers``: ``auto`` or a number of decoder layers (>= 0), as
+    """Type of ``runtime.device_state_layers``: ``auto``, ``boundary`` or a number of decoder layers (>= 0), as
     ``megatrain.wrap(device_state_layers=)``; stored as a string, :func:`wrap_device_state_layers` converts."""
 
 
@@ -127,16 +127,17 @@ def _placement_count(key: str, value: Any) -> str:
         return str(value)
     if isinstance(value, str):
         v = value.strip().lower()
-        if v == "auto":
+        if v in ("auto", "boundary"):
             return v
         if v.isdigit():  # (a number >= 0)
             return str(int(v))
-    raise UsageError(f"{key} must be auto or a number of decoder layers >= 0, got {_describe(value)}")
+    raise UsageError(f"{key} must be auto, boundary or a number of decoder layers >= 0, got {_describe(value)}")
 
 
 def wrap_device_state_layers(value: Optional[str]):
-    """``runtime.device_state_layers`` as ``megatrain.wrap`` takes it: None (its default), ``"auto"`` or an int."""
-    return None if value is None else value if value == "auto" else int(value)
+    """``runtime.device_state_layers`` as ``megatrain.wrap`` takes it: None (its default), ``"auto"``,
+    ``"boundary"`` or an int."""
+    return None if value is None else value if value in ("auto", "boundary") else int(value)
 
 
 class ByteSize(int):

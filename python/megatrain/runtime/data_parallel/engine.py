@@ -90,7 +90,7 @@ class DataParallelEngine:
 
     # --------------------------------------------------------------- device-state layers: refused
     def init_device_state(self, layers) -> int:
-        if layers in (0, "auto", None):
+        if layers in (0, "auto", "boundary", None):
             return 0
         raise ValueError(f"megatrain.wrap: device_state_layers={layers} is not supported with data parallel "
                          "(torch.distributed) yet; use device_state_layers=0")
