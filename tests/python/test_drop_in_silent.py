@@ -278,3 +278,77 @@ def test_load_checkpoint_refuses_a_wrong_scheduler_or_restore_rng_before_writing
     assert_params_close(weights(w2), before, rtol=0)  # nothing was written
     p = next(iter(w2.parameters()))
     assert float(opt2.state[p]["exp_avg"].abs().sum()) == 0.0
+
+
+_PLACEHOLDER = r"^megatrain: torch\.autograd\.{call}\(\) cannot differentiate with respect to model\.layers\.0\.[\w.]+: .*CPUAdamW"
+
+
+def _step_matches_plain(w, opt, ref, ropt, loss, x):
+    """``loss`` (of ``w``) still backpropagates, and the step is the plain model's: nothing ran before the refusal."""
+    loss.backward()
+    opt.step()
+    ref(input_ids=x, labels=x).loss.backward()
+    ropt.step()
+    assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("allow_unused", [True, False])
+@pytest.mark.parametrize("given", ["list", "generator", "named_dict"])
+def test_autograd_grad_over_a_wrapped_model_s_parameters_is_refused(allow_unused, given):
+    """The decoder layers' parameters are meta placeholders outside the autograd graph: with
+    ``allow_unused=True`` torch returned None for every one of them (silently), without it torch's
+    "appears to not have been used in the graph"."""
+    torch.manual_seed(0)
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref))
+    x = batches(1)[0]
+    loss = w(input_ids=x, labels=x).loss
+    inputs = {"list": list(w.parameters()), "generator": w.parameters(), "named_dict": dict(w.named_parameters())}[given]
+    with pytest.raises(RuntimeError, match=_PLACEHOLDER.format(call="grad")) as err:
+        torch.autograd.grad(loss, inputs, allow_unused=allow_unused)
+    assert "\n" not in str(err.value)
+    _step_matches_plain(w, opt, ref, ropt, loss, x)
+
+
+@pytest.mark.parametrize("call", ["tensor_backward", "autograd_backward"])
+def test_backward_with_inputs_naming_layer_parameters_is_refused(call):
+    """``loss.backward(inputs=model.parameters())`` computed no gradient for the placeholders and said
+    nothing: the next ``step()`` left every decoder layer unchanged (torch would update them)."""
+    torch.manual_seed(0)
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref))
+    x = batches(1)[0]
+    loss = w(input_ids=x, labels=x).loss
+    with pytest.raises(RuntimeError, match=_PLACEHOLDER.format(call="backward")):
+        if call == "tensor_backward":
+            loss.backward(inputs=list(w.parameters()))
+        else:
+            torch.autograd.backward([loss], inputs=[w.model.layers[0].mlp.down_proj.weight])
+    _step_matches_plain(w, opt, ref, ropt, loss, x)
+
+
+def test_autograd_grad_of_inputs_embeds_and_resident_parameters_matches_the_plain_model():
+    """What ``torch.autograd.grad`` can give on a wrapped model (the input, the embedding and final norm,
+    real tensors in the graph) it gives as on the plain model, and the plain model's calls are torch's."""
+    import megatrain
+
+    torch.manual_seed(0)
+    ref = tiny()
+    w = megatrain.wrap(copy.deepcopy(ref), device="cpu", compute_dtype=torch.float32)
+    x = batches(1)[0]
+    resident = ["model.embed_tokens.weight", "model.norm.weight"]
+    got, want = [], []
+    for model, out in ((w, got), (ref, want)):
+        emb = ref.get_input_embeddings()(x).detach().requires_grad_(True)
+        named = dict(model.named_parameters())
+        loss = model(inputs_embeds=emb, labels=x).loss
+        out.extend(torch.autograd.grad(loss, [emb] + [named[n] for n in resident]))
+    for n, g, r in zip(["inputs_embeds"] + resident, got, want):
+        assert float(r.abs().max()) > 0, n
+        assert_params_close({n: g}, {n: r})
+    # the plain model, every parameter, against the gradients backward() accumulates
+    loss = ref(input_ids=x, labels=x).loss
+    grads = torch.autograd.grad(loss, list(ref.parameters()), retain_graph=True)
+    loss.backward()
+    for (n, p), g in zip(ref.named_parameters(), grads):
+        assert torch.equal(g, p.grad), n

@@ -6,3 +6,7 @@ __all__ = ["wrap", "find_decoder_layers", "UnsupportedModelError"]
 from .clip_grad import install_clip_grad_norm as _install_clip_grad_norm  # noqa: E402
 
 _install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ is exact on wrapped models' parameters
+
+from .autograd_guard import install_autograd_guard as _install_autograd_guard  # noqa: E402
+
+_install_autograd_guard()  # torch.autograd.grad / backward(inputs=...) refuse a wrapped model's layer placeholders
