@@ -702,3 +702,27 @@ def test_cuda_bf16_state_dict_load_state_dict_clip_and_save_pretrained(tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     for k, v in ref.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "dropped"])
+def test_a_wrapped_model_that_is_dropped_frees_its_engine_and_host_store(close):
+    """As any nn.Module: once the script drops the model and its optimizer (a notebook cell run again,
+    a sweep building one model after another), the engine and its host store are freed. The resident
+    parameters' gradient hooks held the engine where the garbage collector does not look, so every
+    wrapped model stayed in host memory (its whole store) until the process ended."""
+    import gc
+    import weakref
+
+    model = megatrain.wrap(tiny(tied=False), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    x = torch.randint(0, 96, (2, 12))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    eng = model.megatrain
+    refs = [weakref.ref(o) for o in (model, eng, eng.store)]
+    if close:
+        eng.close()
+    del model, opt, eng
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]

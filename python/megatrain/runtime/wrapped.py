@@ -8,6 +8,7 @@ hooks) and runs the checks at each forward; running a layer call is :mod:`.layer
 from __future__ import annotations
 
 import contextlib
+import weakref
 import warnings
 from typing import Optional
 
@@ -268,16 +269,24 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         return self._resident_staging
 
     def _make_resident_hook(self, i: int):
+        # A weak reference: torch keeps a tensor's post-accumulate-grad hooks where the garbage
+        # collector does not look, so a hook holding the engine (which holds the model, which holds
+        # the parameter) would keep the model and its host store alive for the process's lifetime.
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
+            eng = ref()
+            if eng is None:
+                return
             g = p.grad
             p.grad = None
-            grads = [None] * len(self.resident.entries)
+            grads = [None] * len(eng.resident.entries)
             grads[i] = g
-            self._timeline_backward()
+            eng._timeline_backward()
             # the worker may still read this entry's staging region from the last backward
-            self.wait_task(self._resident_consumed.get(i))
-            handle = self.submit_grads(self.resident, grads, staging=self.resident_staging)
-            self._resident_consumed[i] = handle  # only once submitted: a refused gradient leaves nothing to wait for
+            eng.wait_task(eng._resident_consumed.get(i))
+            handle = eng.submit_grads(eng.resident, grads, staging=eng.resident_staging)
+            eng._resident_consumed[i] = handle  # only once submitted: a refused gradient leaves nothing to wait for
         return hook
 
     def _hook_resident_grads(self) -> None:
