@@ -16,15 +16,14 @@ sections (same per-entry offsets):
 18 B/param in all (16 with fp32 state + 2 for the bf16 compute copy) on the device; the host
 store keeps its sections for these layers too (they are the checkpoint / state_dict surface).
 
-The update runs on the device in ``optimizer.step()`` (with or without clipping: after the global
-norm is known), with the group's ``lr`` / ``betas`` / ``eps`` / ``weight_decay`` of that moment, the
-per-parameter step counts, and the clip coefficient, exactly as ``torch.optim.AdamW``: the gradient
-is multiplied by the clip coefficient, then ``torch._fused_adamw_`` (CUDA) or the foreach
-formulation of ``torch.optim.AdamW`` (decoupled weight decay ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-b1)``,
-``v = b2*v + (1-b2)*g*g``, ``p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``); then the compute
-copy is rewritten from the new master (round to nearest even for bf16). Layer 0 .. K-1 are the
-layers the next forward needs first: their update takes a few milliseconds of GPU time, and the
-next forward runs on them while the CPU worker updates layers K and deeper.
+The update runs on the device in ``optimizer.step()`` (with clipping after the global norm is known;
+without it, with the fused kernel, enqueued before ``step()`` waits for the gradients, the
+non-finite check made on the device), with the group's ``lr`` / ``betas`` / ``eps`` /
+``weight_decay`` of that moment, the per-parameter step counts, and the clip coefficient, exactly as
+``torch.optim.AdamW`` (:mod:`.device_adamw`); then the compute copy is rewritten from the new master.
+Layer 0 .. K-1 (and the resident unit) are what the next forward needs first: their update takes a
+few milliseconds of GPU time, and the next forward runs on them while the CPU worker updates layers
+K and deeper.
 
 Host-visible state: :meth:`DeviceState.to_host` copies master / exp_avg / exp_avg_sq / compute of
 the device-state layers into their host-store sections (only when they changed since the last
@@ -50,6 +49,7 @@ from typing import List, Optional
 
 import torch
 
+from .device_adamw import device_adamw
 from .grads import grad_norms
 
 
@@ -362,27 +362,7 @@ class DeviceState:
                 found_inf = (~torch.isfinite(norms)).any().to(torch.float32)
         elif opt is not None and opt.max_grad_norm is None and items and self.skip_if_nonfinite(unit, items, zero):
             return
-        groups: dict = {}
-        for i, lr, b1, b2, eps, wd, step in items:
-            groups.setdefault((lr, b1, b2, eps, wd, step), []).append(i)
-        dev = du.master.device
-        for (lr, b1, b2, eps, wd, step), idx in groups.items():
-            params = [du.fp32("master", i) for i in idx]
-            m = [du.fp32("exp_avg", i) for i in idx]
-            v = [du.fp32("exp_avg_sq", i) for i in idx]
-            grads = [torch.zeros_like(p) if i in zero else du.fp32("grad", i) for i, p in zip(idx, params)]
-            if scale != 1.0:
-                torch._foreach_mul_(grads, scale)  # as clip_grad_norm_ scales .grad (fp32) in place
-            if self.impl == "fused":
-                # a fill kernel: torch.tensor(..., device=cuda) was a pageable H2D copy, which waits on the
-                # host for the compute stream's queued backward (16.7 ms of GPU idle per 3.37B step)
-                steps = [torch.full((), float(step), dtype=torch.float32, device=dev)] * len(idx)
-                torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
-                                    eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
-            else:
-                _foreach_adamw(params, grads, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step)
-            for i, p in zip(idx, params):
-                du.weights(i).copy_(p)
+        device_adamw(du, items, scale, zero, fused=self.impl == "fused", found_inf=found_inf)
         du.host_stale = du.host_master_stale = True
 
     def skip_if_nonfinite(self, unit, items, zero=()) -> bool:
@@ -403,20 +383,3 @@ class DeviceState:
         s, self._skipped = self._skipped, False
         return s
 
-
-def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float, eps: float,
-                   weight_decay: float, step: int) -> None:
-    """``torch.optim.AdamW``'s update (its foreach formulation) for tensors sharing one step count."""
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2 ** 0.5
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
