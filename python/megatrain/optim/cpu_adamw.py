@@ -600,7 +600,8 @@ class CPUAdamW(torch.optim.Optimizer):
         early = {}
         # resident unit first, then layers in forward order (as step()'s own loop)
         for index, (u, got) in sorted(units.items(), key=lambda kv: (kv[1][0].kind != "resident", kv[0])):
-            z = [i for i in range(len(u.entries)) if (index, i) in self._zero and not got[i] and (index, i) in self._entry]
+            z = [i for i in range(len(u.entries))
+                 if (index, i) in self._zero and not got[i] and (index, i) in self._entry]
             items = self._items(u, [g or i in z for i, g in enumerate(got)])
             if items:
                 eng.submit_update(u, items, 1.0, entries=list(range(len(u.entries))), zero_grads=z,
