@@ -6,7 +6,7 @@
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss attention
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
-#                                               cuda (CUDA_K: a pytest -k selection of the GPU tests)
+#                                               cuda (CUDA_K: a pytest -k selection of the GPU tests; CUDA_TIMEOUT, default 560 s: the GPU tests took ~390 + 96 s in two processes on 2026-12-03)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
@@ -65,7 +65,7 @@ for s in "${stages[@]}"; do
           -DCMAKE_CXX_FLAGS=-I/tmp/gt/usr/include >/dev/null && cmake --build build/cmake >/dev/null &&
         ctest --test-dir build/cmake 2>&1 | tail -n 5' ;;
     cuda)
-      run cuda timeout ${CUDA_TIMEOUT:-270} python3 -m pytest -q -x -s -m cuda tests/python -p no:cacheprovider ${CUDA_K:+-k "$CUDA_K"} ;;
+      run cuda timeout ${CUDA_TIMEOUT:-560} python3 -m pytest -q -x -s -m cuda tests/python -p no:cacheprovider ${CUDA_K:+-k "$CUDA_K"} ;;
     cpu)
       run cpu python3 -m pytest -q -x tests/python -p no:cacheprovider ;;
     adam)
