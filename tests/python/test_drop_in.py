@@ -260,6 +260,33 @@ def test_plain_loop_clip_grad_norm_matches_torch(opt_mgn, clip):
     assert_params_close(weights(wmodel), ref, rtol=3e-5 if opt_mgn < clip else RTOL)
 
 
+@pytest.mark.parametrize("opt_mgn", [0.5, float("inf"), 0.3], ids=["same-as-user", "only-user-clips", "clips-again"])
+def test_last_grad_norm_is_the_norm_before_any_clip_after_a_user_clip_grad_norm(opt_mgn):
+    """``CPUAdamW.last_grad_norm`` is what ``clip_grad_norm_`` returned (the norm before any clipping,
+    the HF Trainer's ``grad_norm``), not the norm after the caller's clip; with no clip call it is
+    the same norm; a second ``clip_grad_norm_`` in one step changes it no more than the first."""
+    data = batches(4)
+    model, opt = make(True, tiny(tied=False), max_grad_norm=opt_mgn)
+    ref_model = tiny(tied=False)
+    seen = []
+    for k, x in enumerate(data):
+        model(input_ids=x, labels=x).loss.backward()
+        ref_model(input_ids=x, labels=x).loss.backward()
+        ref = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf")))
+        ref_model.zero_grad()
+        if k % 2:
+            total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            again = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))  # the clipped gradient's norm
+            assert total == pytest.approx(ref, rel=1e-5) and again == pytest.approx(0.5, rel=1e-5)
+        opt.step()
+        opt.zero_grad()
+        ref_model.load_state_dict(weights(model))  # the next reference norm is taken at the same weights
+        seen.append((opt.last_grad_norm, ref))
+    assert all(r > 0.5 for _, r in seen), "clipping was not exercised"
+    for got, ref in seen:
+        assert got == pytest.approx(ref, rel=1e-5)
+
+
 def test_clip_grad_norm_without_max_grad_norm_is_refused_at_once():
     model, opt = make(True)
     x = batches(1)[0]

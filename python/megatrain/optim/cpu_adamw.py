@@ -244,7 +244,7 @@ class CPUAdamW(torch.optim.Optimizer):
         self.engine.attach_optimizer(self)
         if prev is not None:
             self._start_fresh()
-        self.last_grad_norm: Optional[float] = None
+        self._last_grad_norm: Optional[float] = None
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps whose update was skipped (whole or in part): non-finite gradients
         self._skipped_ids: set = set()
@@ -270,6 +270,19 @@ class CPUAdamW(torch.optim.Optimizer):
                 t.zero_()
                 self._moment_versions[(ui, i, k)] = t._version  # megatrain's write, not the user's
         eng.host_written()  # device-state layers take the zeros
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global L2 norm of the gradients of the last ``step()``, before any clipping in that step.
+
+        It is the norm ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns (and the HF
+        Trainer logs as ``grad_norm``): neither ``max_grad_norm`` nor a ``clip_grad_norm_`` called
+        before ``step()`` changes it (the weights are updated with the clipped gradient all the same).
+        A float (``nan`` / ``inf`` when the step was skipped as a whole for a non-finite gradient);
+        None before the first ``step()`` and otherwise without ``max_grad_norm`` (each layer's update
+        then starts during backward, before any global norm is known).
+        """
+        return self._last_grad_norm
 
     @property
     def steps_called(self) -> int:
@@ -523,14 +536,14 @@ class CPUAdamW(torch.optim.Optimizer):
             self._steps_called = number
             raise
         if not math.isfinite(sq):  # known before any of these updates: skip them all
-            self.last_grad_norm = math.sqrt(sq) if sq == sq else float("nan")
+            self._last_grad_norm = math.sqrt(sq) if sq == sq else float("nan")
             eng.zero_grad()  # gradients dropped, compute copies rewritten from the (untouched) masters
             self._consumed = bool(got)
             self.user_clip_scale = 1.0
             self._count_skipped(number)
             self._steps_called = number
             msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {number} (global norm "
-                   f"{self.last_grad_norm}): the step was skipped (weights, exp_avg, exp_avg_sq and step counts "
+                   f"{self._last_grad_norm}): the step was skipped (weights, exp_avg, exp_avg_sq and step counts "
                    "unchanged). Lower the learning rate or check the loss")
             eng.refresh_state_dict_views()  # eager updates of other entries may have run: held tensors read them
             eng.timeline_step_end(number)
@@ -539,12 +552,14 @@ class CPUAdamW(torch.optim.Optimizer):
             warnings.warn(msg, RuntimeWarning, stacklevel=4)  # past torch's step wrappers
             return loss
         if self.max_grad_norm is not None:
-            # the norm of what this step receives (after any clip_grad_norm_ of the caller)
-            self.last_grad_norm = math.sqrt(sq) * self.user_clip_scale
+            # reported: the norm before any clipping (what clip_grad_norm_ returned); clipped: the
+            # norm of what this step receives (after any clip_grad_norm_ of the caller)
+            self._last_grad_norm = math.sqrt(sq)
+            received = self._last_grad_norm * self.user_clip_scale
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
-            scale *= min(self.max_grad_norm / (self.last_grad_norm + 1e-6), 1.0)
+            scale *= min(self.max_grad_norm / (received + 1e-6), 1.0)
         else:
-            self.last_grad_norm = None
+            self._last_grad_norm = None
         # Resident unit first (the next forward needs the embedding first), then layers in forward order.
         for unit, idx in sorted(pending, key=lambda ui: (ui[0].kind != "resident", ui[0].index)):
             todo = set(idx)

@@ -40,6 +40,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     clip coefficient ``min(max_norm / (total + 1e-6), 1)``, which the next ``CPUAdamW.step()``
     applies inside its fused update (then ``max_grad_norm`` clips the clipped gradient again,
     exactly as torch would if both were applied; a ``max_grad_norm`` >= ``max_norm`` changes nothing).
+    That step's ``CPUAdamW.last_grad_norm`` is the first call's return value: the norm before any clipping.
 
     Args:
         parameters: the wrapped model's parameters (an iterable or a single tensor); every
