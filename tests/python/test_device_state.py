@@ -8,6 +8,7 @@ same model; parameters are compared per element after 10 steps.
 
 import copy
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -347,6 +348,30 @@ def test_nonfinite_gradient_in_a_device_layer_without_clipping_skips_that_layer_
     assert steps["model.layers.0.mlp.up_proj.weight"] == 1 and steps["model.layers.1.mlp.up_proj.weight"] == 1
     assert steps["model.layers.2.mlp.up_proj.weight"] == 2 and steps["lm_head.weight"] == 2
     assert all(torch.isfinite(v).all() for v in _masters(model).values())
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_nonfinite_skip_is_one_warning_per_step_in_the_host_words_with_the_boundary_on_the_device(monkeypatch, impl):
+    """No clipping, a NaN loss: with the resident unit and layer 0 on the device ("boundary") the step's
+    skips come as one warning, naming the parameters and layers exactly as with every unit host-stored
+    (the resident ones by parameter name, not by an internal unit index)."""
+    monkeypatch.setenv("MEGATRAIN_DEVICE_ADAM", impl)
+    x = torch.randint(0, 96, (2, 12))
+    said = {}
+    for k in ("boundary", 0):
+        model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=k)
+        assert (model.megatrain.resident.device_state is not None) == (k == "boundary")
+        opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (model(input_ids=x, labels=x).loss * float("nan")).backward()
+            opt.step()
+        said[k] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert opt.skipped_steps == 1
+    assert len(said[0]) == 1 and said["boundary"] == said[0], said
+    names = said[0][0].split("the update of ")[1].split(" was skipped")[0]
+    assert names == ("lm_head.weight, model.embed_tokens.weight, model.layers.0, model.layers.1, model.layers.2, "
+                     "model.norm.weight")
 
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["max_grad_norm", "no_clipping"])

@@ -121,6 +121,19 @@ def _ref(p: torch.Tensor):
     return ref
 
 
+def _skip_labels(unit, items) -> list:
+    """What a skipped update of ``unit``'s ``items`` is called in the non-finite warning: the decoder
+    layer's module name (``model.layers.3``) for several entries of a layer, else the parameter names
+    (the resident unit's embedding / final norm / LM head each by name, as their eager updates come
+    one parameter at a time)."""
+    names = sorted(unit.entries[i].name for i, *_ in items)
+    if unit.kind == "layer" and len(names) > 1:
+        prefix = os.path.commonprefix(names).rsplit(".", 1)[0]
+        if prefix:
+            return [prefix]
+    return names
+
+
 class CPUAdamW(torch.optim.Optimizer):
     """AdamW over fp32 master weights in host memory, run by megatrain's fused CPU kernel.
 
@@ -156,7 +169,9 @@ class CPUAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient L2 norm to this value (None: no clipping).
         nonfinite: what a non-finite (NaN / inf) gradient does; it never reaches the master weights.
             ``"skip"`` (the default, as ``torch.amp.GradScaler`` and DeepSpeed do on overflow): the
-            update is skipped with a warning and counted in ``skipped_steps``. ``"raise"``:
+            update is skipped with a ``RuntimeWarning`` (one per step, naming the skipped decoder
+            layers, e.g. ``model.layers.0``, and resident parameters, e.g. ``lm_head.weight``, wherever
+            their state is) and counted in ``skipped_steps``. ``"raise"``:
             ``step()`` raises ``FloatingPointError`` (after dropping the gradients). With
             ``max_grad_norm`` the global norm is known before any update, so the whole step is
             skipped (weights, ``exp_avg``, ``exp_avg_sq``, step counts unchanged). Without it a
@@ -327,27 +342,29 @@ class CPUAdamW(torch.optim.Optimizer):
         for i, *_ in items:
             st = self.state[self._entry[(unit.index, i)][1]]  # (dict access: no waiting for the unit's update)
             dict.__setitem__(st, "step", dict.get(st, "step") - 1)
-        names = [unit.entries[i].name for i, *_ in items]
-        label = names[0] if len(names) == 1 else (os.path.commonprefix(names).rsplit(".", 1)[0] or f"unit {unit.index}")
-        self._skipped_units.append((step_number, label))
+        self._skipped_units.extend((step_number, label) for label in _skip_labels(unit, items))
 
     def _count_skipped(self, step_number: int) -> None:
         self._skipped_ids.add(step_number)
         self.skipped_steps = len(self._skipped_ids)
 
     def _report_skipped_units(self) -> None:
+        """One warning (``nonfinite="raise"``: ``FloatingPointError``) per step whose updates were skipped
+        for a non-finite gradient since the last report, naming every skipped update of that step,
+        host-stored and device-state alike."""
         done, self._skipped_units = self._skipped_units, []
-        if not done:
-            return
-        for s, _ in done:
+        by_step: dict = {}
+        for s, label in done:
             self._count_skipped(s)
-        names = ", ".join(sorted({n for _, n in done}))
-        msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {done[0][0]}: the update of {names} "
-               "was skipped (its weights, exp_avg, exp_avg_sq and step count are unchanged; without max_grad_norm "
-               "layers with finite gradients were updated). Lower the learning rate or check the loss")
-        if self.nonfinite == "raise":
-            raise FloatingPointError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=5)  # past torch's step wrappers
+            by_step.setdefault(s, set()).add(label)
+        for s, labels in sorted(by_step.items()):
+            names = ", ".join(sorted(labels))
+            msg = (f"megatrain.optim.CPUAdamW: non-finite (NaN/inf) gradient at step {s}: the update of {names} "
+                   "was skipped (its weights, exp_avg, exp_avg_sq and step count are unchanged; without "
+                   "max_grad_norm layers with finite gradients were updated). Lower the learning rate or check the loss")
+            if self.nonfinite == "raise":
+                raise FloatingPointError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)  # past torch's step wrappers
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``: the group's parameters are updated from the next ``step()``.
@@ -529,13 +546,15 @@ class CPUAdamW(torch.optim.Optimizer):
                  if views[u.index][0][i] and (u.index, i) in self._entry
                  and (self.max_grad_norm is not None or u.device_state is None))
         number = self._steps_called + 1
-        try:
-            self._report_skipped_units()
-        except FloatingPointError:
-            eng.zero_grad()
-            self._steps_called = number
-            raise
+        if self.nonfinite == "raise":  # before any update of this step ("skip": one warning at the end)
+            try:
+                self._report_skipped_units()
+            except FloatingPointError:
+                eng.zero_grad()
+                self._steps_called = number
+                raise
         if not math.isfinite(sq):  # known before any of these updates: skip them all
+            self._report_skipped_units()  # the eager updates skipped before (each layer's own check)
             self._last_grad_norm = math.sqrt(sq) if sq == sq else float("nan")
             eng.zero_grad()  # gradients dropped, compute copies rewritten from the (untouched) masters
             self._consumed = bool(got)
@@ -578,8 +597,13 @@ class CPUAdamW(torch.optim.Optimizer):
         self._consumed = bool(got)
         self.user_clip_scale = 1.0
         eng.timeline_step_end(number)  # the worker timeline's step_end mark (nothing when it is off)
-        if eng.device_state is not None and eng.device_state.take_skipped():
-            self._report_skipped_units()  # a device-state layer's non-finite gradient: reported (or raised) now
+        if eng.device_state is not None:
+            eng.device_state.take_skipped()  # a device-state unit's skip is in _skipped_units already
+        if self._skipped_units:
+            # A non-finite gradient: this step's host-stored updates (eager ones may still run) are
+            # settled first, so that one warning (or error) names every skipped update of the step.
+            eng.flush()
+            self._report_skipped_units()
         return loss
 
     def _start_device_updates(self) -> dict:
