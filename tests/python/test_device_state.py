@@ -8,6 +8,7 @@ same model; parameters are compared per element after 10 steps.
 
 import copy
 import importlib
+import re
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import megatrain
 import megatrain.checkpoint
+from megatrain.runtime.engine import locate
 from parity import (PARITY_EPS, assert_close_rel, limit_auto_room, make_batches, poison_gradient_at, train_megatrain,
                     train_reference)
 from test_parity_cpu import NOISE_DRIVEN, tiny
@@ -451,16 +453,19 @@ def test_extra_backward_on_device_state_units_raises_as_on_the_host():
         model(input_ids=x, labels=x).loss.backward()
 
 
-@pytest.mark.parametrize("k", [1, "auto"])
-def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_step_is_refused(k):
+@pytest.mark.parametrize("k,name", [(1, "model.layers.0.mlp.up_proj.weight"), ("auto", "model.layers.0.mlp.up_proj.weight"),
+                                    ("boundary", "lm_head.weight")])
+def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_step_is_refused_naming_it(k, name):
     """A device-state unit's ``optimizer.state[p]["exp_avg"]`` is a host copy refreshed at each lookup:
     written through a tensor taken before the last ``step()``, it would put back older moments, so
-    the next ``step()`` refuses before it touches anything; a fresh lookup's write is taken."""
+    the next ``step()`` refuses before it touches anything, naming the parameter written (not its
+    unit's first one: layer 0 starts with q_proj, the resident unit with the embedding); a fresh
+    lookup's write is taken."""
     batches = make_batches(96, 4, 1, 2, 12, seed=6)
     model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=k)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2)
-    name = "model.layers.0.mlp.up_proj.weight"
     p = dict(model.named_parameters())[name]
+    assert locate(p)[1].device_state is not None  # the parameter's state is on the device
 
     def step(x):
         model(input_ids=x, labels=x).loss.backward()
@@ -475,7 +480,8 @@ def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_ste
     held.mul_(0.5)  # taken two steps ago
     model(input_ids=batches[3][0], labels=batches[3][0]).loss.backward()
     before = {n: t.clone() for n, t in megatrain.master_state_dict(model).items()}
-    with pytest.raises(RuntimeError, match="written through a tensor taken before the last optimizer.step"):
+    with pytest.raises(RuntimeError, match=rf"\['exp_avg'\] of {re.escape(name)} \(its state is on the device\) "
+                                           "was written through a tensor taken before the last optimizer.step"):
         opt.step()
     after = megatrain.master_state_dict(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # nothing of the step was applied

@@ -307,7 +307,12 @@ class CPUAdamW(torch.optim.Optimizer):
     def moments_written(self, unit) -> bool:
         """Whether a tensor handed out as ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` of one of
         ``unit``'s parameters was written in place since the last call (its version counter moved)."""
-        written = False
+        return bool(self._written_moments(unit))
+
+    def _written_moments(self, unit) -> list:
+        """``[(entry index, "exp_avg" | "exp_avg_sq")]`` of ``unit`` whose handed-out tensor was written in
+        place since the last call (:meth:`moments_written`; the versions seen are updated)."""
+        written = []
         for i in range(len(unit.entries)):
             gp = self._entry.get((unit.index, i))
             if gp is None:
@@ -317,7 +322,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 t = dict.get(st, k)
                 if isinstance(t, torch.Tensor) and self._moment_versions.get((unit.index, i, k), 0) != t._version:
                     self._moment_versions[(unit.index, i, k)] = t._version
-                    written = True
+                    written.append((i, k))
         return written
 
     def _check_held_moments(self) -> None:
@@ -326,10 +331,13 @@ class CPUAdamW(torch.optim.Optimizer):
         put back the older moments), before anything of this step is touched."""
         for u in self.engine.units:
             du = getattr(u, "device_state", None)
-            if du is None or du.host_dirty or not self.moments_written(u):
+            written = [] if du is None or du.host_dirty else self._written_moments(u)
+            if not written:
                 continue
+            keys = " / ".join(f"['{k}']" for k in ("exp_avg", "exp_avg_sq") if any(w == k for _, w in written))
+            names = ", ".join(dict.fromkeys(u.entries[i].name for i, _ in written))  # the parameters written
             raise RuntimeError(
-                f"megatrain: optimizer.state[p]['exp_avg'] / ['exp_avg_sq'] of {u.entries[0].name} (its state is on the "
+                f"megatrain: optimizer.state[p]{keys} of {names} (its state is on the "
                 "device) was written through a tensor taken before the last optimizer.step(); that tensor holds the "
                 "moments of that time, so the write would undo the steps since. Look the tensor up again "
                 "(optimizer.state[p]['exp_avg']) after each step() before writing into it")
@@ -511,6 +519,13 @@ class CPUAdamW(torch.optim.Optimizer):
 
         Returns:
             The closure's loss if a closure was given, else None.
+
+        Raises:
+            RuntimeError: a newer ``CPUAdamW`` of the same model replaced this one; no backward since
+                the last ``step()``; ``optimizer.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` of a
+                parameter whose state is on the device was written through a tensor taken before the
+                last ``step()`` (the message names that parameter; nothing of this step is applied).
+            FloatingPointError: a non-finite gradient with ``nonfinite="raise"``.
         """
         self._check_current("step")
         self._check_eager_hyper()
