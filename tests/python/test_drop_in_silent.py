@@ -352,3 +352,80 @@ def test_autograd_grad_of_inputs_embeds_and_resident_parameters_matches_the_plai
     loss.backward()
     for (n, p), g in zip(ref.named_parameters(), grads):
         assert torch.equal(g, p.grad), n
+
+
+_RESIDENT = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _resident_functional_call_matches_plain(w, opt, ref, ropt, x):
+    """``functional_call`` replacing resident parameters gives the plain model's loss and gradient of the tensors
+    given, and the step after it (the layers trained, the resident parameters put back) is the plain one."""
+    named = dict(ref.named_parameters())
+    new = {n: named[n].detach() * 1.5 + 0.01 for n in _RESIDENT}
+    got = []
+    for model, o in ((w, opt), (ref, ropt)):
+        given = {n: t.clone().requires_grad_(True) for n, t in new.items()}
+        loss = torch.func.functional_call(model, given, (), dict(input_ids=x, labels=x)).loss
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        got.append({"loss": loss.detach(), **{n: t.grad for n, t in given.items()}})
+    with torch.no_grad():
+        assert float(got[1]["loss"]) != float(ref(input_ids=x, labels=x).loss)  # the replacement mattered
+    assert_params_close(*got)
+    assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("what", ["layer_parameter", "layer_buffer", "with_resident", "stateless"])
+def test_functional_call_replacing_a_decoder_layer_tensor_is_refused(what):
+    """A streamed layer binds its streamed weights over its parameters when it runs: the tensor given to
+    ``torch.func.functional_call`` was ignored (loss 4.571054, torch's 4.574336). Resident ones are honoured."""
+    torch.manual_seed(0)
+    ref = tiny(tied=False)
+    ref.model.layers[1].mlp.register_buffer("scale", torch.ones(1))
+    w, opt = make(True, copy.deepcopy(ref))
+    ref, ropt = make(False, ref)
+    x = batches(1)[0]
+    name = "model.layers.1.mlp.scale" if what == "layer_buffer" else "model.layers.1.mlp.up_proj.weight"
+    given = {name: torch.zeros(dict(ref.named_parameters(), **dict(ref.named_buffers()))[name].shape)}
+    if what == "with_resident":  # swapped first, then put back by torch when the layer's is refused
+        given = {"model.norm.weight": torch.zeros(32), **given}
+    before = dict(w.named_parameters())
+    with pytest.raises(RuntimeError, match=rf"^megatrain: torch\.func\.functional_call cannot replace {name}: "
+                                           r".*unwrapped model$") as err:
+        if what == "stateless":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                torch.nn.utils.stateless.functional_call(w, given, (), dict(input_ids=x, labels=x))
+        else:
+            torch.func.functional_call(w, given, (), dict(input_ids=x, labels=x))
+    assert "\n" not in str(err.value)
+    assert all(p is before[n] for n, p in w.named_parameters())  # nothing left swapped
+    _resident_functional_call_matches_plain(w, opt, ref, ropt, x)
+
+
+@pytest.mark.parametrize("call", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_a_decoder_layer_parameter_are_refused(call):
+    """A decoder layer's parameter is a placeholder that never receives a gradient: its hooks never fired.
+    Hooks on resident parameters run as on the plain model (a post-accumulate-grad hook sees ``p.grad``
+    before megatrain takes it), and the engine's own still hands their gradients over."""
+    torch.manual_seed(0)
+    ref = tiny(tied=False)
+    w, opt = make(True, copy.deepcopy(ref))
+    ref, ropt = make(False, ref)
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match=rf"^megatrain: {call}\(\) on model\.layers\.0\.mlp\.up_proj\.weight: "
+                                           r"per-parameter gradient hooks are not supported .*last_grad_norm"):
+        getattr(w.model.layers[0].mlp.up_proj.weight, call)(lambda t: None)
+    seen = []
+    for model, o in ((w, opt), (ref, ropt)):
+        got = {}
+        named = dict(model.named_parameters())
+        for n in _RESIDENT:
+            named[n].register_hook(lambda g: g * 0.5)  # changes what the optimizer gets, in both
+            named[n].register_post_accumulate_grad_hook(lambda p, n=n: got.__setitem__(n, p.grad.clone()))
+        model(input_ids=x, labels=x).loss.backward()
+        o.step()
+        seen.append(got)
+    assert_params_close(*seen)
+    assert_params_close(weights(w), weights(ref))

@@ -10,3 +10,7 @@ _install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ is exact on wrapped 
 from .autograd_guard import install_autograd_guard as _install_autograd_guard  # noqa: E402
 
 _install_autograd_guard()  # torch.autograd.grad / backward(inputs=...) refuse a wrapped model's layer placeholders
+
+from .functional_call_guard import install_functional_call_guard as _install_functional_call_guard  # noqa: E402
+
+_install_functional_call_guard()  # torch.func.functional_call refuses to replace a wrapped model's layer tensors

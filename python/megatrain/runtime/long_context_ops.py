@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .functional_call_guard import streamed_swap
+
 GiB = 1024 ** 3
 
 # "auto": chunk the loss when the fp32 logits (B*T x V x 4 B) would exceed this fraction of the
@@ -261,7 +263,8 @@ class _TiledMLPFunction(torch.autograd.Function):
             with torch.enable_grad():
                 _local.bypass = True
                 try:
-                    o = torch.func.functional_call(mlp, dict(zip(names, leaves)), (xt,))
+                    with streamed_swap():
+                        o = torch.func.functional_call(mlp, dict(zip(names, leaves)), (xt,))
                 finally:
                     _local.bypass = False
                 targets = ([xt] if need_x else []) + wanted

@@ -48,7 +48,8 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from .module_guards import _install_cast_guard, _install_peft_merge_guard, _install_resize_guard
+from .module_guards import (_install_cast_guard, _install_grad_hook_guard, _install_peft_merge_guard,
+                            _install_resize_guard)
 from .save_pretrained import _save_pretrained
 from .state_dict_views import _compute_from_masters, _Masters
 
@@ -143,6 +144,7 @@ def install(eng, model: nn.Module) -> None:
     _install_cast_guard(eng, model)
     _install_peft_merge_guard(model)
     _install_resize_guard(model)
+    _install_grad_hook_guard(eng)
     if hasattr(model, "save_pretrained"):
         object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
     # Pickling walks the model's __dict__ in order: the engine goes first, so its refusal is the

@@ -6,7 +6,9 @@ the host store's back raise at once, with one line naming what to do instead.
 * PEFT's ``merge_and_unload`` / ``merge_adapter`` / ``unmerge_adapter`` / ``unload``
   (:func:`_install_peft_merge_guard`);
 * transformers' ``resize_token_embeddings`` / ``set_input_embeddings`` / ``set_output_embeddings``
-  (:func:`_install_resize_guard`).
+  (:func:`_install_resize_guard`);
+* ``register_hook`` / ``register_post_accumulate_grad_hook`` on a decoder layer's parameter
+  (:func:`_install_grad_hook_guard`).
 """
 
 from __future__ import annotations
@@ -99,3 +101,24 @@ def _install_resize_guard(model: nn.Module) -> None:
         for name in ("resize_token_embeddings", "set_input_embeddings", "set_output_embeddings"):
             if callable(getattr(type(m), name, None)):
                 object.__setattr__(m, name, refuse(name))
+
+
+_HOOK_MSG = ("megatrain: {call}() on {name}: per-parameter gradient hooks are not supported on the streamed decoder "
+             "layers of a model wrapped by megatrain.wrap (the parameter is a meta placeholder; the layer's gradients "
+             "are computed inside megatrain's backward and go to host memory, never to the parameter), so the hook "
+             "would never fire; take the gradient norm from torch.nn.utils.clip_grad_norm_(model.parameters(), "
+             "max_norm) or CPUAdamW(max_grad_norm=...).last_grad_norm, or register hooks on the unwrapped model")
+
+
+def _install_grad_hook_guard(eng) -> None:
+    """``register_hook`` / ``register_post_accumulate_grad_hook`` on a decoder layer's placeholder raise at once
+    (the resident parameters are real tensors in the graph: their hooks are torch's)."""
+    def refuse(call, name):
+        def f(*args, **kwargs):
+            raise RuntimeError(_HOOK_MSG.format(call=call, name=name))
+        return f
+
+    for u in eng.layers:
+        for e in u.entries:
+            for call in ("register_hook", "register_post_accumulate_grad_hook"):
+                setattr(e.param, call, refuse(call, e.name))

@@ -17,6 +17,7 @@ from torch import nn
 
 from .clip_grad import install_accelerate_clip
 from .engine import Engine
+from .functional_call_guard import note_streamed_layer
 from .layer_call import _Block, _LayerCall, _streamed_class
 from .layer_exec import LayerExecution
 from .layers import UnsupportedModelError, _move_buffers, model_units
@@ -24,6 +25,20 @@ from .module_api import EngineModuleApi
 from .planner import PlacementReplan
 from .policies import ActivationPolicies, check_activation_policy
 from .units import Unit
+
+
+def _keep_last(p: torch.Tensor, handle) -> None:
+    """Keep the post-accumulate-grad hook ``handle`` of ``p`` after those registered on ``p`` later: a user's
+    hook on a resident parameter then sees ``p.grad`` before the engine's hook takes it."""
+    ref = weakref.ref(p)  # not ``p``: the function is kept in p's __dict__
+
+    def register_post_accumulate_grad_hook(hook):
+        t = ref()
+        h = torch.Tensor.register_post_accumulate_grad_hook(t, hook)
+        hooks = t._post_accumulate_grad_hooks
+        hooks[handle.id] = hooks.pop(handle.id)  # re-inserted: autograd runs them in the dict's order
+        return h
+    p.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
 
 
 class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerExecution, Engine):
@@ -105,6 +120,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             layer.__class__ = _streamed_class(type(layer))
             layer._megatrain_engine = self
             layer._megatrain_unit = u
+            note_streamed_layer(layer, f"{layers_name}.{u.index}")
 
         # Resident unit: real device parameters viewing one device buffer.
         if self.resident is not None:
@@ -293,11 +309,12 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """Hand each resident parameter's gradient to the engine as autograd finishes it.
 
         A hook needs ``requires_grad``: a parameter unfrozen after ``wrap`` is hooked at the next
-        forward (without it its gradient would pile up in ``.grad``, never applied).
+        forward (without it its gradient would pile up in ``.grad``, never applied). It takes ``p.grad``,
+        so it stays the parameter's last post-accumulate-grad hook (:func:`_keep_last`).
         """
         for i, e in enumerate(self.resident.entries):
             if e.param.requires_grad and i not in self._resident_hooked:
-                e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i))
+                _keep_last(e.param, e.param.register_post_accumulate_grad_hook(self._make_resident_hook(i)))
                 self._resident_hooked.add(i)
 
     def checkpointing_requested(self, index: int, enabled: bool) -> None:
