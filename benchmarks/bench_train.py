@@ -295,7 +295,8 @@ def megatrain_variant(name: str) -> dict:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
     ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit; ``boundary``: the resident unit and layer 0, wrap's
-    default on CUDA under the policies other than ``auto``; ``0``: none).
+    default on CUDA under the policies other than ``auto``; ``0``: none), ``lean`` (1:
+    ``wrap(lean_activations=True)``, the norms and the gated MLP keep less for backward and recompute it).
 
     Raises:
         ValueError: an unknown key or a malformed option.
@@ -304,10 +305,10 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "acc", "devstate", *VARIANT_OPTIONS):
+        if not sep or k not in ("slots", "policy", "acc", "devstate", "lean", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
                              "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
-                             "devstate=K|auto|boundary")
+                             "devstate=K|auto|boundary, lean=0|1")
         if k == "devstate" and v not in ("auto", "boundary") and not v.isdigit():
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count, 'auto' "
                              "or 'boundary'")
@@ -328,12 +329,13 @@ def run_megatrain(spec):
     policy = opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
+    lean = opts.get("lean", "0") != "0"
     devstate = opts.get("devstate")  # None: wrap's default (the planner under policy=auto, else "boundary" on CUDA)
     devstate = devstate if devstate in (None, "auto", "boundary") else int(devstate)
     clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
-                    grad_accumulator=accumulator, device_state_layers=devstate,
+                    grad_accumulator=accumulator, device_state_layers=devstate, lean_activations=lean,
                     overlap=mo.overlap, d2h_overlap=mo.d2h_overlap, eager_updates=mo.eager_updates,
                     fused_grad_norms=mo.fused_grad_norms, cpp_slots=mo.cpp_slots, adam_threads=mo.adam_threads or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=clip, grad_accum=ga, **OPT,
@@ -341,7 +343,7 @@ def run_megatrain(spec):
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
     model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, num_slots=slots,
-                           grad_accumulator=accumulator, device_state_layers=devstate)
+                           grad_accumulator=accumulator, device_state_layers=devstate, lean_activations=lean)
     eng = model.megatrain
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                                    weight_decay=OPT["weight_decay"], max_grad_norm=clip,

@@ -52,6 +52,7 @@ def test_megatrain_variant_options_parse_and_bad_ones_are_refused():
     assert bench_train.megatrain_variant("megatrain:fusednorm=0,cslots=0") == {"fusednorm": "0", "cslots": "0"}
     assert bench_train.megatrain_variant("megatrain:devstate=14") == {"devstate": "14"}
     assert bench_train.megatrain_variant("megatrain:devstate=auto") == {"devstate": "auto"}
+    assert bench_train.megatrain_variant("megatrain:lean=0,policy=auto") == {"lean": "0", "policy": "auto"}
     with pytest.raises(ValueError, match="devstate is a layer count"):
         bench_train.megatrain_variant("megatrain:devstate=all")
 

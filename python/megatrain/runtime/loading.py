@@ -155,7 +155,8 @@ class _CheckpointSource:
 # ---------------------------------------------------------------------------------------------- init replay
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "reuse_attention"}
+                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "reuse_attention",
+                 "lean_activations"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -175,7 +176,7 @@ def _wrap_with(model, source, wrap_kwargs):
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
                  tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"),
                  offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"),
-                 reuse_attention=kw.get("reuse_attention", True))
+                 reuse_attention=kw.get("reuse_attention", True), lean_activations=kw.get("lean_activations", False))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .layer_call import mixed_class
+from .lean_ops import lean_forward, lean_kind
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss, checkpoint_spacing: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
     _rows_for, _TiledMLPFunction, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
@@ -63,12 +64,14 @@ class _TiledMixin:
                 or x.dim() < 2):
             return self._megatrain_untiled_forward(x, *args, **kwargs)
         rows = plan.tile_rows(self, x)
+        named = list(self.named_parameters())
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for _, p in named))
         if rows is None:
+            if grad and plan.lean and self._megatrain_lean is not None:
+                return lean_forward(self, x)
             return self._megatrain_untiled_forward(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        named = list(self.named_parameters())
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for _, p in named))
         if grad:
             out = _TiledMLPFunction.apply(self, [n for n, _ in named], rows, x2, *[p for _, p in named])
         else:
@@ -117,17 +120,20 @@ class LongContext:
 
     Attributes:
         chunked_loss, tile_mlp: the modes given to ``wrap`` (False | True | "auto" | rows).
+        lean: ``wrap``'s ``lean_activations``: untiled calls with grad of the norms and of a gated
+            MLP keep less for backward (:mod:`.lean_ops`).
         last: what the last forward did: ``loss_rows`` (rows per loss chunk, None: not chunked),
             ``mlp_rows`` (rows per MLP tile of the last tiled call, None: not tiled), ``norm_rows``,
             ``tokens``, and ``mlp_tiled_calls`` / ``norm_tiled_calls``: how many MLP / norm calls
             ran tiled since that forward began (its backward's re-runs included).
     """
 
-    def __init__(self, model: nn.Module, engine, chunked_loss, tile_mlp):
+    def __init__(self, model: nn.Module, engine, chunked_loss, tile_mlp, lean: bool = False):
         self.model = model
         self.engine = engine
         self.chunked_loss = _check_mode(chunked_loss, "chunked_loss")
         self.tile_mlp = _check_mode(tile_mlp, "tile_mlp")
+        self.lean = bool(lean)
         self.last = dict(loss_rows=None, mlp_rows=None, norm_rows=None, tokens=None, mlp_tiled_calls=0,
                          norm_tiled_calls=0)
         self._forward_free: Optional[int] = None  # free device bytes when the last model forward began
@@ -143,15 +149,17 @@ class LongContext:
         self._pos = {n: i - 1 for i, n in enumerate(sig.parameters)}  # positional index without self
         if self._loss_ok and self.chunked_loss is not False:
             self._install_loss()
-        if self.tile_mlp is not False:
+        if self.tile_mlp is not False or self.lean:
             for u in engine.layers:
                 mlp = _mlp_of(u.module)
                 if mlp is None:
                     continue
+                mlp._megatrain_lean = lean_kind(mlp, is_norm=False)
                 mlp.__class__ = _tiled_class(type(mlp))
                 mlp._megatrain_long = self
             for u in engine.layers:  # the norms: per token too; untiled they keep fp32 copies of their input
                 for norm in _norms_of(u.module):
+                    norm._megatrain_lean = lean_kind(norm, is_norm=True)
                     norm.__class__ = _tiled_class(type(norm))
                     norm._megatrain_long = self
                     norm._megatrain_norm = True
@@ -397,8 +405,8 @@ def check(model: nn.Module, layers, chunked_loss, tile_mlp) -> None:
                                  "per-token MLP at .mlp (absent, or a mixture of experts); use tile_mlp=False")
 
 
-def install(model: nn.Module, engine, chunked_loss="auto", tile_mlp="auto") -> LongContext:
-    """Install the chunked loss and the tiled MLP on a model being wrapped (called by ``wrap``
-    after :func:`check`)."""
-    return LongContext(model, engine, chunked_loss, tile_mlp)
+def install(model: nn.Module, engine, chunked_loss="auto", tile_mlp="auto", lean: bool = False) -> LongContext:
+    """Install the chunked loss, the tiled MLP and the lean norms / gated product
+    (:mod:`.lean_ops`) on a model being wrapped (called by ``wrap`` after :func:`check`)."""
+    return LongContext(model, engine, chunked_loss, tile_mlp, lean)
 
