@@ -429,3 +429,92 @@ def test_gradient_hooks_on_a_decoder_layer_parameter_are_refused(call):
         seen.append(got)
     assert_params_close(*seen)
     assert_params_close(weights(w), weights(ref))
+
+
+def _untouched(model, params):
+    """A refused wrap changed nothing: not wrapped, the same real parameters, the config as it was."""
+    assert getattr(model, "megatrain", None) is None and model.config.use_cache
+    assert all(p is params[n] and p.device.type == "cpu" for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("call", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_registered_before_wrap_on_a_decoder_layer_parameter_are_refused(call):
+    """Registered before wrap, a decoder layer parameter's hook stayed on the tensor that wrap replaces by a
+    placeholder: it never fired. Once removed, wrap goes on; gradient hooks on resident parameters and module
+    hooks on a layer (forward pre-, forward, full backward) registered before wrap run as on the plain model."""
+    import megatrain
+
+    torch.manual_seed(0)
+    ref = tiny(tied=False)
+    model = copy.deepcopy(ref)
+    handle = getattr(model.model.layers[0].mlp.up_proj.weight, call)(lambda *a: None)
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=rf"^megatrain\.wrap: model\.layers\.0\.mlp\.up_proj\.weight has a {call}\(\) "
+                                         r"hook registered before wrap: .*last_grad_norm$") as err:
+        megatrain.wrap(model, device="cpu", compute_dtype=torch.float32)
+    assert "\n" not in str(err.value)
+    _untouched(model, params)
+    handle.remove()
+    seen = []
+    for m in (model, ref):
+        got = {"fwd": [], "bwd": []}
+        named = dict(m.named_parameters())
+        named["model.norm.weight"].register_hook(lambda g: g * 0.5)
+        named["lm_head.weight"].register_post_accumulate_grad_hook(lambda p, got=got: got.__setitem__("lm", p.grad.clone()))
+        m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: (args[0] * 1.5,))
+        m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out, got=got: got["fwd"].append(out.detach().clone()))
+        m.model.layers[1].register_full_backward_hook(lambda mod, gin, gout, got=got: got["bwd"].append(gin[0].clone()))
+        seen.append(got)
+    w, opt = make(True, model)
+    ref, ropt = make(False, ref)
+    x = batches(1)[0]
+    for m, o in ((w, opt), (ref, ropt)):
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+    got, want = seen
+    # the re-run of layer 0 in backward (activation_policy="recompute") runs its forward hooks again, as
+    # torch.utils.checkpoint does
+    assert len(got["fwd"]) == 2 and torch.equal(got["fwd"][0], got["fwd"][1])
+    assert len(want["fwd"]) == 1 and len(got["bwd"]) == len(want["bwd"]) == 1
+    assert_params_close({k: got[k][0] for k in ("fwd", "bwd")} | {"lm": got["lm"]},
+                        {k: want[k][0] for k in ("fwd", "bwd")} | {"lm": want["lm"]})
+    assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+def test_parametrizing_a_decoder_layer_module_is_refused(when):
+    """A decoder layer parametrized before wrap ran its parametrization on the weights bound at each call:
+    spectral_norm's power iteration ran again in the backward re-run (0.44 relative from torch after two
+    steps), and under ``parametrize.cached()`` the re-run read a cached weight from a slot since reused (0.26).
+    Parametrized after wrap, the module was changed and the next forward failed, naming in-place writes.
+    A parametrized LM head (resident) trains as on the plain model."""
+    import megatrain
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    ref = tiny(tied=False)
+    parametrizations.weight_norm(ref.lm_head)
+    model = copy.deepcopy(ref)
+    if when == "before_wrap":
+        bad = copy.deepcopy(model)
+        parametrizations.spectral_norm(bad.model.layers[1].mlp.up_proj)
+        params = dict(bad.named_parameters())
+        with pytest.raises(ValueError, match=r"^megatrain\.wrap: model\.layers\.1\.mlp\.up_proj is parametrized "
+                                             r"\(torch\.nn\.utils\.parametrize: weight\): .*remove_parametrizations"):
+            megatrain.wrap(bad, device="cpu", compute_dtype=torch.float32)
+        _untouched(bad, params)
+    w, opt = make(True, model)
+    if when == "after_wrap":
+        up = w.model.layers[1].mlp.up_proj
+        cls, weight = type(up), up._parameters["weight"]
+        for register in (lambda: parametrize.register_parametrization(up, "weight", torch.nn.Identity()),
+                         lambda: parametrizations.spectral_norm(up)):
+            with pytest.raises(RuntimeError, match=r"^megatrain: torch\.nn\.utils\.parametrize cannot parametrize "
+                                                   r"model\.layers\.1\.mlp\.up_proj\.weight: .*before wrap$"):
+                register()
+            assert type(up) is cls and up._parameters["weight"] is weight and not parametrize.is_parametrized(up)
+    ref, ropt = make(False, ref)
+    _train(w, opt, batches(2))
+    _train(ref, ropt, batches(2))
+    assert "lm_head.parametrizations.weight.original0" in weights(w)
+    assert_params_close(weights(w), weights(ref))

@@ -12,5 +12,7 @@ from .autograd_guard import install_autograd_guard as _install_autograd_guard  #
 _install_autograd_guard()  # torch.autograd.grad / backward(inputs=...) refuse a wrapped model's layer placeholders
 
 from .functional_call_guard import install_functional_call_guard as _install_functional_call_guard  # noqa: E402
+from .functional_call_guard import install_parametrize_guard as _install_parametrize_guard  # noqa: E402
 
 _install_functional_call_guard()  # torch.func.functional_call refuses to replace a wrapped model's layer tensors
+_install_parametrize_guard()  # parametrize.register_parametrization refuses a wrapped model's layer modules

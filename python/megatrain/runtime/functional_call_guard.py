@@ -1,5 +1,6 @@
 """``torch.func.functional_call`` refuses to replace a parameter or buffer of a wrapped model's decoder
-layers (installed when megatrain is imported).
+layers, and ``torch.nn.utils.parametrize.register_parametrization`` to parametrize one of their modules
+(installed when megatrain is imported).
 
 functional_call (also ``torch.nn.utils.stateless.functional_call`` and any other swap through
 ``torch.nn.utils._named_member_accessor``) puts the given tensors into the modules' ``_parameters`` /
@@ -21,11 +22,13 @@ import threading
 import weakref
 
 import torch.nn.utils._named_member_accessor as _accessor
+import torch.nn.utils.parametrize as _parametrize
 from torch import nn
 
 
 _torch_swap_tensor = _accessor.swap_tensor
 _torch_set_tensor = _accessor.set_tensor
+_torch_register_parametrization = _parametrize.register_parametrization
 _streamed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module of a streamed layer -> its name
 _local = threading.local()  # _local.allowed: inside streamed_swap()
 
@@ -33,6 +36,12 @@ _MSG = ("megatrain: torch.func.functional_call cannot replace {name}: a decoder 
         "megatrain.wrap runs on the weights megatrain streams into it (and runs again in backward, after the call), "
         "so the tensor given would be ignored; replace only resident parameters (embedding, final norm, LM head), "
         "or use functional transforms on the unwrapped model")
+
+
+_PARAMETRIZE_MSG = ("megatrain: torch.nn.utils.parametrize cannot parametrize {name}: a decoder layer of a model wrapped "
+                    "by megatrain.wrap runs on weights bound at each call (and runs again in backward), so the "
+                    "parametrization would not apply to the weights that train; parametrize only the embedding, final "
+                    "norm or LM head, and before wrap")
 
 
 def note_streamed_layer(layer: nn.Module, name: str) -> None:
@@ -90,3 +99,24 @@ def install_functional_call_guard() -> None:
         _accessor.swap_tensor = swap_tensor
     if _accessor.set_tensor is _torch_set_tensor:
         _accessor.set_tensor = set_tensor
+
+
+@functools.wraps(_torch_register_parametrization, assigned=("__name__", "__qualname__"), updated=())
+def register_parametrization(module, tensor_name, *args, **kwargs):
+    """torch's ``register_parametrization``; refuses a module of a wrapped model's decoder layer.
+
+    Raises:
+        RuntimeError: ``module`` belongs to a streamed decoder layer (before anything is changed).
+            Otherwise torch's own.
+    """
+    prefix = _streamed.get(module) if isinstance(module, nn.Module) else None
+    if prefix is not None:
+        raise RuntimeError(_PARAMETRIZE_MSG.format(name=f"{prefix}.{tensor_name}"))
+    return _torch_register_parametrization(module, tensor_name, *args, **kwargs)
+
+
+def install_parametrize_guard() -> None:
+    """Route ``torch.nn.utils.parametrize.register_parametrization`` (also what ``torch.nn.utils.parametrizations``'
+    ``weight_norm`` / ``orthogonal`` / ``spectral_norm`` call) through the wrapper above (idempotent)."""
+    if _parametrize.register_parametrization is _torch_register_parametrization:
+        _parametrize.register_parametrization = register_parametrization

@@ -9,6 +9,9 @@ the host store's back raise at once, with one line naming what to do instead.
   (:func:`_install_resize_guard`);
 * ``register_hook`` / ``register_post_accumulate_grad_hook`` on a decoder layer's parameter
   (:func:`_install_grad_hook_guard`).
+
+:func:`check_layers_unhooked` refuses, at ``wrap``, the same hooks registered before it and
+parametrized decoder layers.
 """
 
 from __future__ import annotations
@@ -122,3 +125,31 @@ def _install_grad_hook_guard(eng) -> None:
         for e in u.entries:
             for call in ("register_hook", "register_post_accumulate_grad_hook"):
                 setattr(e.param, call, refuse(call, e.name))
+
+
+_PRE_HOOK_MSG = ("megatrain.wrap: {name} has a {call}() hook registered before wrap: the decoder layers' parameters "
+                 "become meta placeholders whose gradients go to host memory, so it would never fire; remove it "
+                 "(handle.remove()) before wrap, and take the gradient norm from "
+                 "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or CPUAdamW(max_grad_norm=...).last_grad_norm")
+_PARAMETRIZED_MSG = ("megatrain.wrap: {name} is parametrized (torch.nn.utils.parametrize: {tensors}): a streamed decoder "
+                     "layer runs on weights bound at each call and runs again in backward, so a parametrization's cache "
+                     "(parametrize.cached()) or state (spectral_norm's power iteration) would be silently wrong; remove "
+                     "it before wrap (torch.nn.utils.parametrize.remove_parametrizations(module, name)); parametrizations "
+                     "of the embedding, final norm and LM head are supported")
+
+
+def check_layers_unhooked(layers_name: str, layers: nn.Module) -> None:
+    """Refuse decoder layers whose parameters carry gradient hooks, or whose modules are parametrized.
+
+    Raises:
+        ValueError: a decoder layer's parameter has a ``register_hook`` / ``register_post_accumulate_grad_hook``
+            hook, or one of its modules is parametrized (``torch.nn.utils.parametrize``).
+    """
+    for mod_name, mod in layers.named_modules(prefix=layers_name):
+        if torch.nn.utils.parametrize.is_parametrized(mod):
+            raise ValueError(_PARAMETRIZED_MSG.format(name=mod_name, tensors=", ".join(mod.parametrizations)))
+        for attr, p in mod._parameters.items():
+            for hooks, call in (("_backward_hooks", "register_hook"),
+                                ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook")):
+                if getattr(p, hooks, None):
+                    raise ValueError(_PRE_HOOK_MSG.format(name=f"{mod_name}.{attr}", call=call))

@@ -27,6 +27,7 @@ from .device_state_plan import check_device_state_layers, resolve_device_state_l
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .module_api import install as _install_module_api
+from .module_guards import check_layers_unhooked
 from .policies import AUTO_STORE_FRACTION, check_activation_policy  # noqa: F401 - public here
 from .attention_reuse import AttentionReuse
 from .wrapped import WrappedEngine
@@ -135,7 +136,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     Raises:
         UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
-            ``compute_dtype`` / ``num_slots``, or the model is already wrapped.
+            ``compute_dtype`` / ``num_slots``, the model is already wrapped, a decoder layer's parameter
+            has a gradient hook (``register_hook`` / ``register_post_accumulate_grad_hook``) or a decoder
+            layer's module is parametrized (``torch.nn.utils.parametrize``).
         HostMemoryError: the host store does not fit in host memory (nothing is allocated), even
             with the layers' fp32 state on disk when ``offload_dir`` is given.
         DiskSpaceError: ``offload_dir``'s filesystem has less free space than the disk tier's files
@@ -203,6 +206,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
+    check_layers_unhooked(layers_name, layers)
     if isinstance(device_state_layers, int) and device_state_layers > len(layers):
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
