@@ -176,6 +176,45 @@ def test_new_storage_for_a_resident_parameter_is_refused_at_the_next_forward():
     assert float(p.mean()) == 0.5 and float(before["model.embed_tokens.weight"].mean()) != 0.5
 
 
+@pytest.mark.parametrize("where", ["model.layers.0.mlp.down_proj", "model.norm"])
+def test_a_parameter_replaced_after_wrap_is_refused_at_the_next_forward(where):
+    """``module.weight = nn.Parameter(t)`` after the optimizer was made: a decoder layer kept using its
+    streamed weight, a resident module used the new tensor while state_dict() kept the old master."""
+    w, opt = make(True)
+    x = batches(1)[0]
+    _train(w, opt, [x])
+    mod = w.get_submodule(where)
+    new = torch.nn.Parameter(torch.zeros_like(mod.weight, device="cpu"))
+    mod.weight = new
+    with pytest.raises(RuntimeError, match=rf"{where}.weight was replaced by another tensor after megatrain.wrap"):
+        w(input_ids=x, labels=x)
+    with pytest.raises(RuntimeError, match="replaced by another tensor"):
+        w.state_dict()
+
+
+def test_a_dropped_wrapped_model_is_freed_before_the_next_wrap_allocates():
+    """A wrapped model sits in reference cycles: dropped (a notebook cell run again), its host store
+    stayed allocated until the cyclic collector ran, beside the next model's."""
+    import gc
+    import weakref
+
+    import megatrain
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        first = megatrain.wrap(tiny(), device="cpu")
+        engine = weakref.ref(first.megatrain)
+        del first
+        assert engine() is not None  # kept by its cycles
+        second = megatrain.wrap(tiny(), device="cpu")
+        assert engine() is None
+        del second
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_accelerate_imported_after_wrap_still_clips_a_wrapped_model(monkeypatch):
     """``wrap`` routes ``Accelerator.clip_grad_norm_`` to megatrain's clip (accelerate >= 1.16 sums
     ``p.grad``, never set here: 0.0 and no clip). An accelerate imported after ``wrap`` had the

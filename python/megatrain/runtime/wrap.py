@@ -16,6 +16,7 @@ so autograd sums both contributions before the hook fires).
 
 from __future__ import annotations
 
+import gc
 from typing import Optional
 
 import torch
@@ -220,6 +221,9 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     long_context.check(model, layers, chunked_loss, tile_mlp)
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
+    # A wrapped model that was dropped (a notebook cell run again) sits in reference cycles until the
+    # cyclic collector runs: collect it now so that its host store is freed before this one is allocated.
+    gc.collect()
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
                            source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,

@@ -240,7 +240,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
     def check_resident_params(self, where: str, overwritten=()) -> None:
         """Raise if a parameter was written in place since wrap: a resident one (embedding, final norm,
         LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``, ``p.copy_``),
-        or a resident one was given new storage (``p.data = tensor``).
+        or a resident one was given new storage (``p.data = tensor``), or a module's parameter was
+        replaced by another tensor (``module.weight = nn.Parameter(...)``).
 
         A resident parameter's write changes only the compute copy it views on the device, a
         placeholder's (a meta tensor) changes nothing: the fp32 master in the host store (what the
@@ -251,6 +252,17 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         recorded = getattr(self, "_resident_versions", None)
         if self.resident is None or recorded is None:  # (not before wrap has finished)
             return
+        # An assignment puts an nn.Parameter there (torch refuses a plain tensor); torch.func.functional_call's
+        # temporary tensors (resident ones pass: functional_call_guard) are not Parameters.
+        swapped = [e.name for e, _, _, _ in recorded for mod, attr in e.owners
+                   if isinstance(mod._parameters.get(attr), nn.Parameter) and mod._parameters[attr] is not e.param]
+        if swapped:  # the wrapped model trains, streams and saves its own parameter objects
+            raise RuntimeError(
+                f"megatrain: {', '.join(swapped[:3])}{' ...' if len(swapped) > 3 else ''} was replaced by another tensor "
+                f"after megatrain.wrap (seen at {where}); the wrapped model streams, trains and saves the parameters it "
+                "was wrapped with, so the new one would be ignored or used by half. Set weights with "
+                "model.load_state_dict(...) or model.state_dict()[name].copy_(...), or replace the parameter before "
+                "megatrain.wrap")
         replaced = [e.name for e, pid, _, ptr in recorded
                     if id(e.param) == pid and ptr is not None and e.param.data_ptr() != ptr]
         if replaced:  # `param.data = tensor`: the parameter no longer views the compute copy
