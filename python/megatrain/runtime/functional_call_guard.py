@@ -60,8 +60,13 @@ def streamed_swap():
         _local.allowed = False
 
 
+def _layer_name(module):
+    """The name of ``module`` in its wrapped model when it belongs to a streamed decoder layer, else None."""
+    return _streamed.get(module) if isinstance(module, nn.Module) else None
+
+
 def _check(module, name: str, tensor) -> None:
-    prefix = _streamed.get(module) if isinstance(module, nn.Module) else None
+    prefix = _layer_name(module)
     if prefix is None or getattr(_local, "allowed", False):
         return
     for d in (module._parameters, module._buffers):
@@ -109,7 +114,7 @@ def register_parametrization(module, tensor_name, *args, **kwargs):
         RuntimeError: ``module`` belongs to a streamed decoder layer (before anything is changed).
             Otherwise torch's own.
     """
-    prefix = _streamed.get(module) if isinstance(module, nn.Module) else None
+    prefix = _layer_name(module)
     if prefix is not None:
         raise RuntimeError(_PARAMETRIZE_MSG.format(name=f"{prefix}.{tensor_name}"))
     return _torch_register_parametrization(module, tensor_name, *args, **kwargs)

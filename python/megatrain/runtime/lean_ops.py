@@ -47,8 +47,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .functional_call_guard import streamed_swap
-from .long_context_ops import _local
+from .long_context_ops import rerun_untiled
 
 
 def _gated_mlp_reference(self, x):
@@ -128,12 +127,7 @@ class _RecomputedNorm(torch.autograd.Function):
         if not targets:
             return (None, None, None) + (None,) * len(params)
         with torch.enable_grad():
-            _local.bypass = True  # the module's forward is the tiling mixin's: run the original one
-            try:
-                with streamed_swap():
-                    out = torch.func.functional_call(ctx.norm, dict(zip(ctx.names, leaves)), (xl,))
-            finally:
-                _local.bypass = False
+            out = rerun_untiled(ctx.norm, dict(zip(ctx.names, leaves)), xl)
             grads = iter(torch.autograd.grad(out, targets, go, allow_unused=True))
         gx = next(grads) if need_x else None
         return (None, None, gx) + tuple(next(grads) if need else None for need in need_p)

@@ -64,12 +64,12 @@ class _TiledMixin:
                 or x.dim() < 2):
             return self._megatrain_untiled_forward(x, *args, **kwargs)
         rows = plan.tile_rows(self, x)
+        if rows is None:
+            if plan.lean and self._megatrain_lean is not None and torch.is_grad_enabled():
+                return lean_forward(self, x)  # (an autograd Function: no graph when nothing requires grad)
+            return self._megatrain_untiled_forward(x)
         named = list(self.named_parameters())
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for _, p in named))
-        if rows is None:
-            if grad and plan.lean and self._megatrain_lean is not None:
-                return lean_forward(self, x)
-            return self._megatrain_untiled_forward(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if grad:

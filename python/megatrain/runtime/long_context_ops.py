@@ -261,12 +261,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         for s in range(0, x.shape[0], rows):
             xt = x[s:s + rows].detach().requires_grad_(need_x)
             with torch.enable_grad():
-                _local.bypass = True
-                try:
-                    with streamed_swap():
-                        o = torch.func.functional_call(mlp, dict(zip(names, leaves)), (xt,))
-                finally:
-                    _local.bypass = False
+                o = rerun_untiled(mlp, dict(zip(names, leaves)), xt)
                 targets = ([xt] if need_x else []) + wanted
                 grads = torch.autograd.grad(o, targets, go[s:s + rows], allow_unused=True)
             if need_x:
@@ -279,6 +274,17 @@ class _TiledMLPFunction(torch.autograd.Function):
                         acc[k] += g
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
         return (None, None, None, gx, *pgrads)
+
+
+def rerun_untiled(module, params: dict, x):
+    """``module(x)`` on ``params`` (``torch.func.functional_call``) through its original, untiled
+    forward: the re-run of a tiled MLP / norm tile or of a lean norm (:mod:`.lean_ops`) in backward."""
+    _local.bypass = True  # the module's forward is the tiling mixin's: run the original one
+    try:
+        with streamed_swap():
+            return torch.func.functional_call(module, params, (x,))
+    finally:
+        _local.bypass = False
 
 
 def _original_mlp_forward(mlp, x):
