@@ -612,8 +612,6 @@ class CPUAdamW(torch.optim.Optimizer):
         self._consumed = bool(got)
         self.user_clip_scale = 1.0
         eng.timeline_step_end(number)  # the worker timeline's step_end mark (nothing when it is off)
-        if eng.device_state is not None:
-            eng.device_state.take_skipped()  # a device-state unit's skip is in _skipped_units already
         if self._skipped_units:
             # A non-finite gradient: this step's host-stored updates (eager ones may still run) are
             # settled first, so that one warning (or error) names every skipped update of the step.

@@ -150,7 +150,6 @@ class DeviceState:
         # torch._fused_adamw_ on CUDA (what torch.optim.AdamW(fused=True) runs); the foreach
         # formulation of torch.optim.AdamW elsewhere. Both are torch's own AdamW math.
         self.impl = impl or ("fused" if eng.cuda else "foreach")
-        self._skipped = False
         self.add(units)
 
     @torch.no_grad()
@@ -368,18 +367,12 @@ class DeviceState:
     def skip_if_nonfinite(self, unit, items, zero=()) -> bool:
         """Without clipping: when the host's norms of ``unit``'s ``items`` (``grad_sq``, known once its
         gradient task ran) are not all finite, put the optimizer's step counts back and record the
-        skip for :meth:`take_skipped`. Returns whether it was skipped (the update then did not run, or
+        skip with the optimizer (``skip_unit_update``: its non-finite warning). Returns whether it was skipped (the update then did not run, or
         ran with ``found_inf`` set, which left every state unchanged)."""
         sq = unit.grad_sq
         if all(math.isfinite(sq[i]) for i, *_ in items if i not in zero):
             return False
         opt = self.eng.optimizer
         opt.skip_unit_update(unit, items, opt.steps_called + 1)
-        self._skipped = True
         return True
-
-    def take_skipped(self) -> bool:
-        """Whether an update was skipped (non-finite gradient) since the last call."""
-        s, self._skipped = self._skipped, False
-        return s
 
