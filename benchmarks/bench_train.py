@@ -24,6 +24,19 @@ micro-batches per optimizer step in every system, each the way its users do it):
 * ``deepspeed_zero2`` ZeRO-Offload: ZeRO-2 with offload_optimizer to pinned CPU (bf16 weights stay on
                       the GPU), DeepSpeedCPUAdam, bf16, HF gradient checkpointing on.
 
+Peers whose code is not in this repository (benchmarks/peers/; never in the default list; each needs
+its public source checked out at ``$MEGATRAIN_PEERS_DIR/<name>`` (default ``.peers/<name>``), else its row
+is "skipped: ... source not found"; CUDA only). Their rows add ``precision`` (master-weight dtype),
+``clips`` and ``clip_support``, read from their code (cited in benchmarks/peers/*.py):
+
+* ``megatrain_official`` github.com/DLYuanGod/MegaTrain: CPUMasterModel as its examples/sft/train.py
+                      drives it; bf16 master weights on the CPU, clip_grad_norm_ when --max-grad-norm is
+                      given (its trainer always clips at 1.0); DeepSpeedCPUAdam if importable, else
+                      torch AdamW (its fallback).
+* ``slideformer``     github.com/RegiaYoung/SlideFormer: SlideFormerOffloader as its scripts/main_bench.py
+                      drives it; fp32 master weights, per-layer CPU Adam inside backward: it cannot clip
+                      (runs unclipped, clips=false) nor accumulate (--grad-accum > 1: skipped).
+
 Clipping: megatrain ``CPUAdamW(max_grad_norm=...)``; torch_* ``clip_grad_norm_`` before ``step()``;
 FSDP2 ``clip_grad_norm_`` on the DTensor parameters; DeepSpeed ``gradient_clipping`` in its config.
 Accumulation: the loss of each micro-batch is scaled by 1 / grad_accum (DeepSpeed scales it itself).
@@ -52,6 +65,8 @@ the input embedding; at the 3b preset that is ~3% less.
     python benchmarks/bench_train.py --sweep size --out docs/benchmarks/sweep_size.json
     python benchmarks/bench_train.py --preset tiny --device cpu --systems megatrain torch_ckpt \\
         --steps 2 --warmup 1 --out /tmp/b.json                                     # CPU smoke test
+    MEGATRAIN_PEERS_DIR=.peers python benchmarks/bench_train.py --systems megatrain torch_ckpt \\
+        megatrain_official slideformer --max-grad-norm 1.0 --steps 3 --warmup 1    # with the peers
 """
 
 from __future__ import annotations
@@ -71,8 +86,11 @@ import time
 
 from bench_common import git_commit, report_child
 
-SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"]
-CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"}
+# peers run from their own public source (benchmarks/peers/, $MEGATRAIN_PEERS_DIR): only when named in --systems
+PEER_SYSTEMS = ["megatrain_official", "slideformer"]
+DEFAULT_SYSTEMS = ["megatrain", "torch_ckpt", "torch_nockpt", "fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2"]
+SYSTEMS = DEFAULT_SYSTEMS + PEER_SYSTEMS
+CUDA_ONLY = {"fsdp2_offload", "deepspeed_zero3", "deepspeed_zero2", *PEER_SYSTEMS}
 RESULT_TAG = "BENCH_RESULT "
 
 # hidden, layers, intermediate, vocab, heads, kv heads; default batch, seq
@@ -587,6 +605,15 @@ def run_deepspeed(spec, stage: int):
     return r
 
 
+def run_peer(spec):
+    """A peer of benchmarks/peers/ (its source under $MEGATRAIN_PEERS_DIR), driven in this child process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import peers
+    return peers.run(spec, sys.modules[__name__])
+
+
 def run_matmul(spec):
     """bf16 8192^3 matmul rate on CUDA: mean of 10 after 3 warm-ups."""
     import torch
@@ -611,13 +638,24 @@ def child_main(spec: dict) -> None:
     fn = {"torch_ckpt": lambda s: run_torch(s, True),
           "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
           "deepspeed_zero3": lambda s: run_deepspeed(s, 3), "deepspeed_zero2": lambda s: run_deepspeed(s, 2),
-          "matmul": run_matmul}.get(name, run_megatrain)
+          "matmul": run_matmul, **{p: run_peer for p in PEER_SYSTEMS}}.get(name, run_megatrain)
     report_child(row, lambda: fn(spec), spec["device"], RESULT_TAG)
 
 
 # ----------------------------------------------------------------------------------------------
 # parent
 # ----------------------------------------------------------------------------------------------
+
+def peer_skip_reason(spec: dict) -> str | None:
+    """``"skipped: ..."`` for a peer system whose source is missing or that cannot run ``spec``, else None."""
+    if spec["system"] not in PEER_SYSTEMS:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import peers
+    return peers.skip_reason(spec["system"], spec)
+
 
 def spawn(spec: dict, timeout: float) -> dict:
     """Run one child; stream its output (prefixed) to stderr; parse its BENCH_RESULT line."""
@@ -803,9 +841,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--systems", nargs="+", type=system_name, default=None,
-                    help="default: all (sweeps: megatrain torch_ckpt / megatrain); "
-                         f"one of {', '.join(SYSTEMS)}, or a megatrain variant such as "
-                         "megatrain:slots=3 / megatrain:overlap=0 / megatrain:policy=block:2")
+                    help=f"default: {' '.join(DEFAULT_SYSTEMS)} (sweeps: megatrain torch_ckpt / megatrain); "
+                         f"any of {', '.join(SYSTEMS)}, or a megatrain variant such as "
+                         "megatrain:slots=3 / megatrain:overlap=0 / megatrain:policy=block:2. The peers "
+                         f"{' and '.join(PEER_SYSTEMS)} run only when named, from their public source at "
+                         "$MEGATRAIN_PEERS_DIR/<name> (default .peers/<name>; missing: a skipped row)")
     ap.add_argument("--mt-policy", default="recompute", help="megatrain activation_policy: recompute | block:K")
     ap.add_argument("--dtype", choices=["bf16", "fp32"],
                     help="compute dtype of megatrain / autocast of torch_* (default: bf16 on cuda, fp32 on cpu, "
@@ -878,7 +918,7 @@ def main() -> None:
                       model={k: SIZE_SHAPES[name][k] for k in ("hidden", "layers", "inter", "vocab", "heads", "kv_heads")},
                       batch=batch, seq=seq) for name in args.sizes for n in systems]
     else:
-        systems = args.systems or SYSTEMS
+        systems = args.systems or DEFAULT_SYSTEMS
         specs = [dict(base, system=n, model=model, batch=batch, seq=seq) for n in systems]
 
     rows = []
@@ -888,7 +928,10 @@ def main() -> None:
         if spec.get("size") and spec["system"].startswith("megatrain"):
             acc = megatrain_variant(spec["system"]).get("acc", "1") != "0"
             need_gib = llama_params(spec["model"]) * HOST_BYTES_PER_PARAM[acc] / GiB
-        if spec["system"] in CUDA_ONLY and not cuda:
+        peer_skip = peer_skip_reason(spec)
+        if peer_skip:
+            row = dict(system=spec["system"], status=peer_skip)
+        elif spec["system"] in CUDA_ONLY and not cuda:
             row = dict(system=spec["system"], status="skipped: needs CUDA")
         elif need_gib is not None and host_gib is not None and need_gib > 0.92 * host_gib:
             row = dict(system=spec["system"], status=f"skipped: needs ~{need_gib:.0f} GiB of host memory "
@@ -935,6 +978,9 @@ def main() -> None:
         st = next((r["settings"] for r in rows if r["system"] == name and r.get("settings")), None)
         if st:
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "config"))
+        pr = next((r for r in rows if r["system"] == name and "precision" in r), None)
+        if pr:
+            print(f"  {name}: master weights {pr['precision']}, clipped: {pr['clips']} (clipping support: {pr['clip_support']})")
     for r in rows:
         pr = r.get("profile")
         if pr and "error" in pr:

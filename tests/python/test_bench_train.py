@@ -90,3 +90,124 @@ def test_disk_train_benchmark_runs_end_to_end_small(tmp_path):
         assert t["disk_read_bytes_per_step"] > 0 and t["disk_write_bytes_per_step"] == row["disk_state_bytes"]
         assert 0.0 <= t["io_hidden_fraction"] <= 1.0 and t["disk_floor_s"] > 0
     assert not (tmp_path / "d" / "megatrain_tier").exists() or not os.listdir(tmp_path / "d" / "megatrain_tier")
+
+
+# ---- peers run from their own public source (benchmarks/peers/) ----
+
+def test_peers_are_named_systems_but_not_in_the_default_list():
+    assert set(bench_train.PEER_SYSTEMS) == {"megatrain_official", "slideformer"}
+    assert not set(bench_train.PEER_SYSTEMS) & set(bench_train.DEFAULT_SYSTEMS)
+    for name in bench_train.PEER_SYSTEMS:
+        assert bench_train.system_name(name) == name
+
+
+def test_peer_rows_are_skipped_when_their_source_is_missing(tmp_path):
+    out = tmp_path / "peers.json"
+    env = dict(os.environ, MEGATRAIN_PEERS_DIR=str(tmp_path / "no_peers"),
+               PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--preset", "tiny",
+                        "--device", "cpu", "--systems", "megatrain_official", "slideformer", "--steps", "1",
+                        "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["system"] for row in rows] == ["megatrain_official", "slideformer"]
+    for row in rows:
+        assert row["status"].startswith(f"skipped: {row['system']} source not found (")
+        assert str(tmp_path / "no_peers" / row["system"]) in row["status"]
+    assert "==== " not in r.stderr  # decided in the parent: no child was started
+
+
+def test_peer_adapters_import_without_a_gpu_and_say_what_they_cannot_run():
+    import peers.megatrain_official as mo
+    import peers.slideformer as sf
+    assert mo.unsupported(dict(device="cuda", grad_accum=4)) is None
+    assert "needs CUDA" in mo.unsupported(dict(device="cpu"))
+    assert sf.unsupported(dict(device="cuda", grad_accum=1)) is None
+    assert "no gradient accumulation (grad_accum=2)" in sf.unsupported(dict(device="cuda", grad_accum=2))
+
+
+_STUB_INFINITY = '''
+import torch
+class CPUMasterConfig:
+    def __init__(self, dataset_name="", dtype=torch.bfloat16, checkpoint_interval=4, num_grad_slabs=12, **kw):
+        assert dataset_name, "the real config raises without a dataset"
+        self.__dict__.update(kw, dataset_name=dataset_name, dtype=dtype, checkpoint_interval=checkpoint_interval,
+                             num_grad_slabs=num_grad_slabs)
+class CPUMasterModel:
+    calls = []
+    def __init__(self, hf_model, config):
+        self.model, self.config = hf_model, config
+    def _build_layer_kwargs(self, mask, cache_position, position_ids, position_embeddings):
+        return {"attention_mask": mask, "use_cache": False, "output_attentions": False}
+    def forward_and_backward(self, input_ids, attention_mask, labels):
+        kw = self._build_layer_kwargs(attention_mask, None, None, None)
+        CPUMasterModel.calls.append(("fb", kw["attention_mask"], input_ids.device.type))
+        loss = self.model(input_ids=input_ids, labels=labels, attention_mask=kw["attention_mask"]).loss
+        loss.backward()
+        return loss.item(), input_ids.numel(), {}
+    def get_parameters(self):
+        return list(self.model.parameters())
+    def _sync_params_to_gpu(self):
+        CPUMasterModel.calls.append(("sync",))
+    def zero_grad(self):
+        for p in self.get_parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+    def cleanup(self):
+        CPUMasterModel.calls.append(("cleanup",))
+'''
+
+
+def test_megatrain_official_adapter_drives_the_trainer_sequence(tmp_path, monkeypatch):
+    """The adapter on a CPU stand-in of infinity's API: micro-batches per step, clipping, bf16 parameters,
+    the attention-mask shim and the row fields (the real CPUMasterModel needs CUDA)."""
+    import torch
+    import peers
+    src = tmp_path / "megatrain_official"
+    (src / "infinity" / "model").mkdir(parents=True)
+    (src / "infinity" / "model" / "cpu_master.py").write_text("")
+    (src / "infinity" / "__init__.py").write_text(_STUB_INFINITY)
+    (src / ".source").write_text("github.com/DLYuanGod/MegaTrain 919520f07182c0d4d3e9765b2f915702e71c11a4\n")
+    monkeypatch.setenv("MEGATRAIN_PEERS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(peers.megatrain_official, "unsupported", lambda spec: None)  # the stand-in runs on CPU
+    monkeypatch.delitem(sys.modules, "infinity", raising=False)
+    spec = dict(system="megatrain_official", device="cpu", model=dict(bench_train.PRESETS["tiny"], layers=2),
+                batch=1, seq=16, steps=2, warmup=1, seed=0, max_grad_norm=1.0, grad_accum=2)
+    try:
+        row = peers.run(spec, bench_train)
+        infinity = sys.modules["infinity"]
+    finally:
+        sys.modules.pop("infinity", None)
+        sys.path.remove(str(src))
+    calls = infinity.CPUMasterModel.calls
+    assert [c[0] for c in calls] == ["fb", "fb", "sync"] * 3 + ["cleanup"]
+    assert all(c[1] is None and c[2] == "cpu" for c in calls if c[0] == "fb")
+    assert row["precision"] == "bf16" and row["clips"] is True and "train.py:268" in row["clip_support"]
+    assert row["peer_source"]["commit"].startswith("919520f")
+    assert row["n_params"] == bench_train.llama_params(spec["model"]) and row["step_s"] > 0
+    assert len(row["step_times_s"]) == 2 and row["settings"]["grad_accum"] == 2
+    assert row["settings"]["optimizer"].startswith(("torch.optim.AdamW", "DeepSpeedCPUAdam"))
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(
+    os.environ.get("MEGATRAIN_PEERS_DIR") or os.path.join(ROOT, ".peers"), "megatrain_official", "infinity", "__init__.py")),
+    reason="the official MegaTrain source is not checked out under $MEGATRAIN_PEERS_DIR")
+def test_megatrain_official_source_has_the_api_the_adapter_calls(monkeypatch):
+    import inspect
+    import peers
+    src = peers.source_dir("megatrain_official")
+    monkeypatch.syspath_prepend(src)
+    monkeypatch.delitem(sys.modules, "infinity", raising=False)
+    from infinity import CPUMasterConfig, CPUMasterModel
+    assert list(inspect.signature(CPUMasterModel._build_layer_kwargs).parameters) == \
+        ["self", "mask", "cache_position", "position_ids", "position_embeddings"]
+    assert list(inspect.signature(CPUMasterModel.forward_and_backward).parameters)[:4] == \
+        ["self", "input_ids", "attention_mask", "labels"]
+    for m in ("get_parameters", "_sync_params_to_gpu", "zero_grad", "cleanup"):
+        assert callable(getattr(CPUMasterModel, m))
+    fields = set(inspect.signature(CPUMasterConfig).parameters)
+    assert {"device", "dtype", "attn_implementation", "dataset_name", "max_grad_norm", "beta1", "beta2", "eps",
+            "gradient_accumulation_steps", "learning_rate", "weight_decay"} <= fields
+    sys.modules.pop("infinity", None)
