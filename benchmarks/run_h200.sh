@@ -7,7 +7,9 @@
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests; CUDA_TIMEOUT, default 560 s: the GPU tests took ~390 + 96 s in two processes on 2026-12-03)
-#                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0)
+#                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0;
+#                                                 PEERS_SYSTEMS may name megatrain_official / slideformer: their public source in .peers/<name>
+#                                                 (git-ignored: the device call carries .peers), else a skipped row)
 #                                               disk (bench_disk.py on the disk under the repository, DISK_ARGS: extra flags)
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
@@ -178,6 +180,19 @@ PY
       systems=${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload}
       case " $systems " in *deepspeed*)  # only when a DeepSpeed row is asked for (the install takes ~1 min)
         if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi ;;
+      esac
+      # Peers from their own source (benchmarks/peers/): megatrain_official is pure Python (no build; it takes
+      # DeepSpeedCPUAdam when deepspeed is importable, as its trainer does, else torch AdamW). slideformer
+      # JIT-builds its CPU Adam with g++ on first use (~/.cache/oom_optimizer): built here first, so that the
+      # bench child does not pay for it; its benchmark runs with liger-kernel by default, installed from .whl/
+      # when the wheel is there (SLIDEFORMER_LIGER=0: without).
+      case " $systems " in *" slideformer "*)
+        if [ -f .peers/slideformer/offload_transformer.py ]; then
+          ls .whl/liger_kernel*.whl >/dev/null 2>&1 && [ "${SLIDEFORMER_LIGER:-auto}" != 0 ] &&
+            python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl
+          run slideformer_build timeout 600 python3 -c "import sys; sys.path.insert(0, '.peers/slideformer')
+from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); print('slideformer cpu_adam built')"
+        fi ;;
       esac
       clip=${PEERS_CLIP:-1.0}; clipflag=; [ "$clip" != 0 ] && clipflag="--max-grad-norm $clip"
       tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip$([ "$clip" = 0 ] && echo 0)}
