@@ -103,11 +103,17 @@ def _check_arch(arch: str) -> None:
     )
 
 
-def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
+def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer: str = "the tokenizer",
+                      weights: bool = True):
     """The HF config of the model to train (from ``model.path`` or built from ``model.arch``).
 
+    Args:
+        tokenizer: how the vocabulary check's error names the tokenizer.
+        weights: require weights in ``model.path`` (False for ``--dry-run``: config.json is enough).
+
     Raises:
-        UsageError: missing directory / config.json / weights, unknown architecture, bad sizes.
+        UsageError: missing directory / config.json / weights, unknown architecture, bad sizes, a
+            tokenizer with more tokens than the model's embedding has rows.
     """
     from transformers import AutoConfig
 
@@ -117,10 +123,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
             raise UsageError(f"model path {m.path!r} is not a directory; give a local Hugging Face model directory")
         if not os.path.isfile(os.path.join(m.path, "config.json")):
             raise UsageError(f"model directory {m.path!r} has no config.json; save the model with save_pretrained")
-        if not any(glob.glob(os.path.join(m.path, p)) for p in WEIGHT_PATTERNS):
+        if weights and not has_weights(m.path):
             raise UsageError(
                 f"model directory {m.path!r} has no weights (*.safetensors or pytorch_model.bin); "
-                "save the model with save_pretrained or build one from model.arch"
+                "save the model with save_pretrained or build one from model.arch (--dry-run estimates the memory "
+                "from config.json alone)"
             )
         try:
             config = AutoConfig.from_pretrained(m.path, local_files_only=True)
@@ -173,9 +180,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
         )
     model_vocab = getattr(config, "vocab_size", None)
     if model_vocab is not None and vocab_size > model_vocab:
+        fix = ("pass the tokenizer the model was trained with: --tokenizer DIR" if m.path is not None
+               else "raise model.vocab_size or pass a smaller tokenizer with --tokenizer")
         raise UsageError(
-            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {model_vocab}; "
-            "use the model's own tokenizer (data.tokenizer) or a larger model.vocab_size"
+            f"{tokenizer} has {vocab_size} tokens but the model's embedding has {model_vocab} rows (vocab_size): "
+            f"token ids past {model_vocab - 1} have no embedding; {fix}"
         )
     return config
 
@@ -199,6 +208,11 @@ class DoesNotFit(UsageError):
     def __init__(self, message: str, estimate):
         super().__init__(message)
         self.estimate = estimate
+
+
+def has_weights(path: str) -> bool:
+    """Whether model directory ``path`` holds weight files (:data:`WEIGHT_PATTERNS`)."""
+    return any(glob.glob(os.path.join(path, p)) for p in WEIGHT_PATTERNS)
 
 
 def has_safetensors(path: str) -> bool:
@@ -321,9 +335,10 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     check_writable(ancestor, out_dir)
     if cfg.log.save_model:
         check_model_dest(out_dir)
-    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
-    model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
+    model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id, weights=not dry_run,
+                                     tokenizer=f"the tokenizer {tokenizer.source!r}")
     device = (ranks or Ranks()).device_for(resolve_device(cfg.runtime.device))
     compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
     if cfg.model.path is not None and has_safetensors(cfg.model.path):
@@ -1060,6 +1075,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
             "engine_stats": stats.read(),
             "model_dir": model_dir,
+            "tokenizer": d.tokenizer.source,
             "checkpoints": [p for _, p in list_checkpoints(out_dir)],
             "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
             "out_dir": out_dir,
