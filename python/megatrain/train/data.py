@@ -41,6 +41,7 @@ class ByteTokenizer:
 
     kind = "byte"
     source = "byte"  # what the run's summary names
+    note: Optional[str] = None  # a warning for the user (see load_tokenizer)
     vocab_size = 257
     eos_token_id = 256
 
@@ -169,8 +170,9 @@ def load_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
             :class:`HFTokenizer`; ``None`` -> ``model_dir``'s own tokenizer when it has one
             (:func:`has_tokenizer`), else :class:`ByteTokenizer`.
         model_dir: ``model.path`` (None: the model is built from ``model.arch``). When it is a model
-            directory (has ``config.json``) without tokenizer files and ``spec`` is None, one
-            warning line on stderr says that the run trains on bytes.
+            directory (has ``config.json``) without tokenizer files and ``spec`` is None, the byte
+            tokenizer returned carries ``note``: the one warning line to print once the run's input
+            is checked (that it trains on bytes).
 
     Raises:
         UsageError: the tokenizer directory cannot be loaded or has no EOS token (one line).
@@ -181,11 +183,12 @@ def load_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
         return HFTokenizer(spec)
     if model_dir is not None and os.path.isdir(model_dir) and has_tokenizer(model_dir):
         return HFTokenizer(model_dir, fix="fix its tokenizer files, or pass --tokenizer DIR or --tokenizer byte")
+    tok = ByteTokenizer()
     if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
-        warn(f"model directory {model_dir!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
-             "training on the byte tokenizer (UTF-8 bytes + EOS, 257 ids), saved with the model; pass "
-             "--tokenizer DIR for another, or --tokenizer byte to choose bytes")
-    return ByteTokenizer()
+        tok.note = (f"model directory {model_dir!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
+                    "training on the byte tokenizer (UTF-8 bytes + EOS, 257 ids), saved with the model; pass "
+                    "--tokenizer DIR for another, or --tokenizer byte to choose bytes")
+    return tok
 
 
 def stdlib_dir() -> str:

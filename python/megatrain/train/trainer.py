@@ -8,6 +8,7 @@ without writing anything. :func:`run` then creates the output directory and trai
     out/metrics.jsonl    one JSON record per log line / eval (see docs/metrics.md)
     out/tensorboard/     the same scalars for TensorBoard
     out/summary.json     final numbers, incl. final_eval_loss
+    out/loss_curve.png   train and held-out loss vs step, drawn from metrics.jsonl at the end of the run
     out/model/           HF-format model (megatrain.export_pretrained) + tokenizer files; written to
                          a temporary directory and renamed, so it is complete or absent
 """
@@ -363,6 +364,8 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
                 f"the training data differs from that of checkpoint {resume.path!r}; resume with the same data.path, "
                 "data.seq_len, data.max_documents, data.eval_fraction, data.tokenizer and train.seed"
             )
+    if getattr(tokenizer, "note", None) and (ranks is None or ranks.main):
+        data_mod.warn(tokenizer.note)  # once the input is good: a refusal stays one line
     return Plan(
         cfg=cfg,
         data=text,
@@ -1036,6 +1039,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         if cfg.log.save_model:
             model_dir = ranks.on_main(lambda: save_model(model, d.tokenizer, out_dir, plan),
                                       others=os.path.abspath(os.path.join(out_dir, "model")))
+        loss_curve = write_loss_curve(sink.path, out_dir) if ranks.main else None
         status = "completed"
         first, steady = ms["first_window"], ms["steady"]
         tok_tot, time_tot, count = (steady[0], steady[1], ms["windows"] - 1) if ms["windows"] > 1 else (
@@ -1076,6 +1080,9 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "engine_stats": stats.read(),
             "model_dir": model_dir,
             "tokenizer": d.tokenizer.source,
+            "loss_curve": loss_curve,
+            "metrics_file": sink.path,
+            "tensorboard_dir": sink.tensorboard_dir,
             "checkpoints": [p for _, p in list_checkpoints(out_dir)],
             "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
             "out_dir": out_dir,
@@ -1116,8 +1123,22 @@ def _step_outcome(ranks: Ranks, step_loss, signum: Optional[int]):
     return loss / ranks.world, (signal.SIGTERM if sigterm else signal.SIGINT if sigint else None)
 
 
+def write_loss_curve(metrics_path: str, out_dir: str) -> Optional[str]:
+    """``out_dir/loss_curve.png`` drawn from ``metrics_path`` (:func:`metrics.plot_loss_curve`); its path,
+    or None after one warning line when it cannot be drawn (the trained model is not lost over a plot)."""
+    path = os.path.join(out_dir, metrics_mod.LOSS_CURVE_FILE)
+    try:
+        return metrics_mod.plot_loss_curve(metrics_path, path, title=f"megatrain train: {out_dir}")
+    except Exception as exc:  # noqa: BLE001 - matplotlib missing / broken, a full disk
+        data_mod.warn(f"the loss curve {path!r} was not written ({_first_line(exc)}); metrics.jsonl holds the losses")
+        return None
+
+
 class _NullSink:
     """The metrics sink of ranks other than 0 under torchrun (rank 0 writes the metrics)."""
+
+    path = None
+    tensorboard_dir = None
 
     def write(self, record: dict, prefix: str = "train") -> None:
         pass
@@ -1158,4 +1179,8 @@ def summary_rows(summary: dict) -> list:
         rows.append(("host bytes/param", f(stats["bytes_per_param"], ".2f")))
     rows.append(("wall time", f"{summary['wall_time_s']:.1f} s"))
     rows.append(("model saved to", summary.get("model_dir") or "(not saved)"))
+    rows.append(("tokenizer", summary.get("tokenizer") or "n/a"))
+    rows.append(("loss curve", summary.get("loss_curve") or "(not written)"))
+    rows.append(("metrics", summary.get("metrics_file") or "n/a"))
+    rows.append(("TensorBoard logs", summary.get("tensorboard_dir") or "(off: log.tensorboard=false or not installed)"))
     return rows
