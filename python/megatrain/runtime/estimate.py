@@ -140,7 +140,8 @@ def _offload_would_fit(units, compute_dtype, accum_mode, staging_buffers, reclai
         cap = min(cap if cap is not None else available, available - device_need)
         if cap <= 0:
             return None
-    plan = plan_offload(units, compute_dtype, accum_mode, staging_buffers, offload_dir=os.getcwd(),
+    # offload_dir only names a filesystem to plan for: nothing is created there
+    plan = plan_offload(units, compute_dtype, accum_mode, staging_buffers, offload_dir=os.sep,
                         host_memory_limit=cap, reclaimable_bytes=reclaim, cuda=cuda,
                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False)
     if not plan.disk_units or host_budget_shortfall(plan.host_bytes, plan.pinned_bytes, reclaim) is not None:
