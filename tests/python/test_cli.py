@@ -327,3 +327,60 @@ def test_torchrun_two_ranks_match_one_process_with_the_global_batch(tmp_path, ca
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["checkpoints"][-1].endswith("step-00000004")
     megatrain.checkpoint.verify_checkpoint(summary["checkpoints"][-1])
+
+
+def _assert_png(path):
+    from matplotlib.image import imread
+
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    pixels = imread(str(path))
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert float(pixels[..., :3].std()) > 0.01  # something is drawn on it
+
+
+def test_loss_curve_png_and_the_table_names_the_output_paths_also_on_resume(tmp_path, capsys):
+    from megatrain.train.metrics import loss_history
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    out = tmp_path / "out"
+    argv = ["train", "--out", str(out), "--steps", "4", "--log-every", "2", "--eval-every", "2",
+            "--set", "eval.batches=1", "--set", "train.save_every=2", "--device", "cpu", *TINY,
+            "--data", str(corpus), "--seq-len", "32", "--micro-batch-size", "2"]  # fmt: skip
+    code, stdout, err = run_cli(argv, capsys)
+    assert code == 0, err
+    curve, metrics, tb = out / "loss_curve.png", out / "metrics.jsonl", out / "tensorboard"
+    _assert_png(curve)
+    for name, path in (("loss curve", curve), ("metrics", metrics), ("TensorBoard logs", tb)):
+        row = [line for line in stdout.splitlines() if line.startswith(f"| {name} ")]
+        assert len(row) == 1 and str(path) in row[0], (name, stdout)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["loss_curve"], summary["metrics_file"], summary["tensorboard_dir"]) == (str(curve), str(metrics),
+                                                                                             str(tb))
+    before = curve.stat().st_mtime_ns
+    code, stdout, err = run_cli(["train", "--resume", str(out), "--steps", "6", "--no-progress"], capsys)
+    assert code == 0, err
+    _assert_png(curve)
+    assert curve.stat().st_mtime_ns != before  # drawn again, over the whole run
+    assert str(curve) in stdout and str(metrics) in stdout and str(tb) in stdout
+    train, held = loss_history(str(metrics))
+    assert [s for s, _ in train] == [2, 4, 6] and [s for s, _ in held] == [0, 2, 4, 6]
+
+
+def test_loss_history_keeps_the_resumed_runs_records_of_repeated_steps(tmp_path):
+    from megatrain.train.metrics import loss_history, plot_loss_curve
+
+    recs = [{"kind": "eval", "step": 0, "eval_loss": 5.0}, {"kind": "train", "step": 1, "loss": 4.0},
+            {"kind": "train", "step": 2, "loss": 3.0}, {"kind": "train", "step": 3, "loss": 2.9},  # crash after 3
+            {"kind": "resume", "step": 2, "checkpoint": "c"}, {"kind": "train", "step": 3, "loss": 2.5},
+            {"kind": "eval", "step": 3, "eval_loss": 2.7}, {"kind": "train", "step": 4, "loss": float("nan")}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "train", "st')  # a torn last line
+    assert loss_history(str(path)) == ([(1, 4.0), (2, 3.0), (3, 2.5)], [(0, 5.0), (3, 2.7)])
+    png = tmp_path / "curve.png"
+    assert plot_loss_curve(str(path), str(png)) == str(png)
+    _assert_png(png)
+    assert sorted(os.listdir(tmp_path)) == ["curve.png", "metrics.jsonl"]

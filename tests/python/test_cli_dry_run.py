@@ -202,3 +202,55 @@ def test_bad_chunked_loss_value_is_one_line_exit_2(tmp_path, capsys):
     assert code == 2 and not out.exists()
     assert err.strip().splitlines() == [
         "megatrain: error: runtime.chunked_loss must be auto, true, false or a positive number of rows, got 'sometimes'"]
+
+
+def _config_only_dir(path, **sizes):
+    from transformers import LlamaConfig
+
+    LlamaConfig(**sizes).save_pretrained(str(path))
+    assert os.listdir(path) == ["config.json"]
+    return path
+
+
+def test_dry_run_estimates_a_model_directory_holding_only_config_json(tmp_path, corpus, capsys):
+    """Before downloading the weights: --dry-run --model DIR with config.json alone prints the estimate
+    (exit 0 when it fits); the real run still refuses the directory, pointing at --dry-run."""
+    model = _config_only_dir(tmp_path / "cfg", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=64, vocab_size=320, max_position_embeddings=64)
+    out = tmp_path / "out"
+    argv = ["train", "--model", str(model), "--out", str(out), "--data", str(corpus), *TINY, "--seq-len", "32"]
+    code, stdout, err = _run_main([*argv, "--dry-run"], capsys)
+    assert code == 0, err
+    assert "estimated from its config.json alone" not in stdout  # the CLI estimates the config object
+    assert "LlamaForCausalLM" in stdout and "fits this machine" in stdout and "on this CPU" in stdout
+    assert not out.exists()
+    code, _, err = _run_main(argv, capsys)
+    assert code == 2 and "has no weights" in err and "--dry-run estimates the memory from config.json alone" in err
+    assert not out.exists()
+
+
+def test_dry_run_of_a_70b_config_on_the_cpu_suggests_only_what_would_fit(tmp_path, corpus, capsys, monkeypatch):
+    """A Llama-3-70B config.json on a CPU with 24 GiB: refused in one line that names no GPU, does not
+    suggest offload_dir (the 280 GB of fp32 compute copies stay in RAM) or LoRA, and plans no
+    "chunks of 1 rows"."""
+    from megatrain.runtime import host_memory
+
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(
+        mem_available_bytes=24 << 30, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
+        cgroup_path=None))
+    model = _config_only_dir(tmp_path / "llama70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                             max_position_embeddings=8192)
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(["train", "--dry-run", "--model", str(model), "--out", str(out), "--data",
+                                   str(corpus), "--device", "cpu", "--seq-len", "4096", "--no-progress"], capsys)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("megatrain: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    line = errors[0]
+    assert "70.55B parameters" in line and "of host memory but only" in line, line
+    assert "offload_dir" not in line and "LoRA" not in line and "GPU" not in line, line
+    assert "smaller model" in line
+    assert "on this CPU" in stdout and "chunks of 1 rows" not in stdout and "tiles of 1 rows" not in stdout
+    assert not out.exists()

@@ -211,7 +211,8 @@ def test_estimate_auto_policy_spaces_checkpoints_when_the_inputs_do_not_fit(monk
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
     layer_in = 4096 * 64 * 4  # tokens x hidden x fp32
-    free = int(layer_in * 6 / 0.6)  # room for 6 saved inputs of 16
+    host = megatrain.estimate(cfg, device="cpu", seq_len=4096).host_bytes  # the store must fit beside them
+    free = host + int(layer_in * 6 / 0.6)  # room for 6 saved inputs of 16
     monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(  # the CPU device's free memory
         mem_available_bytes=free, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
         cgroup_path=None))
@@ -254,3 +255,65 @@ def test_estimate_for_cuda_counts_the_boundary_units_state_as_wrap_places_it():
     assert "boundary units fp32 state" in str(est)
     auto = megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, activation_policy="auto")
     assert auto.device_state_bytes == 0
+
+
+def test_a_directory_with_only_config_json_is_estimated_before_download(tmp_path):
+    """Whether a model fits can be asked before its weights are downloaded: config.json alone is estimated,
+    with the same numbers as the config object, and a note saying so."""
+    _llama().save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    est = megatrain.estimate(str(tmp_path), device="cpu", seq_len=16)
+    ref = megatrain.estimate(_llama(), device="cpu", seq_len=16)
+    assert (est.num_params, est.host_bytes, est.gpu_bytes) == (ref.num_params, ref.host_bytes, ref.gpu_bytes)
+    assert f"note: {tmp_path} holds no weights: estimated from its config.json alone" in str(est)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")  # weights, but not safetensors: as from_pretrained
+    with pytest.raises(megatrain.CheckpointError, match="only safetensors checkpoints are read"):
+        megatrain.estimate(str(tmp_path), device="cpu")
+
+
+def test_the_estimate_names_the_device_it_checked():
+    est = megatrain.estimate(_llama(), device="cpu", seq_len=16)
+    assert est.device_name == "this CPU" and "float32 compute on this CPU" in str(est)
+
+
+def _wide_llama(layers=8):
+    return LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)
+
+
+def test_on_the_cpu_a_model_far_too_large_gets_only_advice_that_would_fit(monkeypatch):
+    """A model whose compute copies alone exceed this CPU's memory (a 70B config on a small machine): the
+    estimate suggests neither offload_dir (its compute copies stay in RAM) nor LoRA (the frozen model does
+    not fit either), says nothing about a GPU, and plans no "chunks of 1 rows" against memory that is not there."""
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    cfg = _wide_llama()
+    full = megatrain.estimate(cfg, device="cpu", seq_len=4096)
+    frozen = full.host_sections["compute"]
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(frozen // 2))
+    est = megatrain.estimate(cfg, device="cpu", seq_len=4096)
+    text, line = str(est), est.reason()
+    assert not est.fits and "\n" not in line
+    assert "offload_dir" not in line and "LoRA" not in line and "GPU" not in line, line
+    assert "smaller model" in line and "more host RAM" in line
+    assert "chunks of 1 rows" not in text and "tiles of 1 rows" not in text
+    assert est.gpu_fits is None and "this CPU's layer slots and activations" in text
+
+
+def test_offload_dir_is_suggested_only_where_it_makes_the_model_fit(monkeypatch, tmp_path):
+    """Host memory for the compute copies and the CPU device's batch but not for the fp32 state:
+    offload_dir is suggested with the number of layers (and the host_memory_limit that leaves room for
+    the CPU device's batch), and with those the model fits."""
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
+    cfg = _wide_llama()
+    full = megatrain.estimate(cfg, device="cpu", seq_len=256)
+    room = full.host_bytes * 3 // 4 + full.gpu_bytes
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(room))
+    est = megatrain.estimate(cfg, device="cpu", seq_len=256)
+    assert not est.fits
+    line = est.reason()
+    assert "or offload_dir=<a local disk> and host_memory_limit=" in line and " of 8 decoder layers" in line, line
+    n = int(line.split("the fp32 state of ")[1].split(" of 8")[0])
+    limit = int(line.split("host_memory_limit=")[1].split(" ")[0])
+    on_disk = megatrain.estimate(cfg, device="cpu", seq_len=256, offload_dir=str(tmp_path), host_memory_limit=limit)
+    assert on_disk.disk_layers == n and on_disk.host_fits and on_disk.gpu_fits, on_disk.reason()
+    assert list(tmp_path.iterdir()) == []  # the estimate creates nothing

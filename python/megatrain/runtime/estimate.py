@@ -99,6 +99,58 @@ def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Opt
     return loss_rows, mlp_rows, norm_rows
 
 
+# Weight files of a Hugging Face model directory (any of them: not "config.json alone").
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def has_weight_files(path: str) -> bool:
+    """Whether model directory ``path`` holds weight files (:data:`WEIGHT_FILES`); without, it is
+    estimated from its ``config.json`` alone (before the weights are downloaded)."""
+    import glob
+
+    return any(glob.glob(os.path.join(glob.escape(path), p)) for p in WEIGHT_FILES)
+
+
+def device_name(device: torch.device) -> str:
+    """How messages name the device a run was checked against: "this CPU", "cuda:0 (NVIDIA H200)"."""
+    if device.type == "cpu":
+        return "this CPU"
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(device)
+
+
+def _offload_would_fit(units, compute_dtype, accum_mode, staging_buffers, reclaim, cuda, accumulating,
+                       host_memory_limit, device_need) -> Optional[tuple]:
+    """``(disk layers, disk bytes, host_memory_limit)`` of the fewest decoder layers whose fp32 state on
+    disk makes the host part fit, or None when even every layer on disk does not (the compute copies,
+    the resident unit and the staging stay in host memory): then ``offload_dir`` cannot help.
+
+    ``device_need``: bytes the CPU device's slots and activations take beside the store. The disk tier
+    plans for the host part alone, so the ``host_memory_limit`` returned (None: none needed) keeps
+    that much free."""
+    from .disk_offload import plan_offload
+    from .host_memory import host_budget_shortfall, host_memory_limits
+    from .options import options
+
+    cap = host_memory_limit
+    available = host_memory_limits()["mem_available_bytes"]
+    if device_need and available is not None:  # the CPU device's bytes come out of the same memory
+        cap = min(cap if cap is not None else available, available - device_need)
+        if cap <= 0:
+            return None
+    # offload_dir only names a filesystem to plan for: nothing is created there
+    plan = plan_offload(units, compute_dtype, accum_mode, staging_buffers, offload_dir=os.sep,
+                        host_memory_limit=cap, reclaimable_bytes=reclaim, cuda=cuda,
+                        num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False)
+    if not plan.disk_units or host_budget_shortfall(plan.host_bytes, plan.pinned_bytes, reclaim) is not None:
+        return None
+    if cap is not None and plan.host_bytes > cap:
+        return None
+    return len(plan.disk_units), plan.disk_total_bytes, cap if cap != host_memory_limit else None
+
+
 def _model_and_kind(model, model_kwargs, transform):
     """The model to plan (meta for a config / directory), its config, and whether its weights are in memory."""
     from .loading import CheckpointError, CheckpointIndex, _CheckpointSource, _load_config, meta_model
@@ -118,10 +170,12 @@ def _model_and_kind(model, model_kwargs, transform):
                                   "transformers config or an nn.Module)")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"megatrain.estimate: {path} has no config.json")
-        index = CheckpointIndex(path)  # headers only
+        weights = has_weight_files(path)
+        index = CheckpointIndex(path) if weights else None  # headers only
         config = _load_config(path)
         meta = meta_model(config, **model_kwargs)
-        _CheckpointSource(meta, index)  # every parameter present with its shape (headers only)
+        if index is not None:
+            _CheckpointSource(meta, index)  # every parameter present with its shape (headers only)
     else:
         from transformers import PretrainedConfig
 
@@ -148,7 +202,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         model: an ``nn.Module`` (as ``wrap`` takes it; not changed), a ``transformers``
             ``PretrainedConfig`` (as ``from_config``) or a local Hugging Face model directory
             (as ``from_pretrained``: only ``config.json`` and the safetensors headers are read,
-            and every parameter is checked present with its shape; never the weights).
+            and every parameter is checked present with its shape; never the weights). A
+            directory with ``config.json`` and no weight files is estimated from the config alone
+            (a note says so): whether a model fits can be asked before downloading it.
         device, compute_dtype, activation_policy, num_slots, grad_accumulator: as :func:`megatrain.wrap`
             (same defaults: CUDA when available; bf16 on CUDA, fp32 on CPU).
         gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
@@ -179,10 +235,12 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         ``disk_pool_bytes``), whether it fits this machine (the budget check's limits: MemAvailable,
         cgroup, RLIMIT_MEMLOCK, ``host_memory_limit``; ``torch.cuda.mem_get_info`` for a CUDA
         device; the disk's free space) and, if not, why (``reason()``, one line) and what to
-        change (``advice``).
+        change (``advice``: only changes that would make it fit there). Messages name the device
+        checked (``device_name``: "this CPU", "cuda:0 (NVIDIA H200)").
 
     Raises:
-        CheckpointError: a directory without config.json / safetensors, or missing a parameter.
+        CheckpointError: a directory without config.json, with weights but no safetensors, or
+            missing a parameter.
         UnsupportedModelError: no decoder layer list (as ``wrap``).
         ValueError / TypeError: a bad option or input.
     """
@@ -297,13 +355,18 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         if first is not None and boundary_bytes + elem * unit_numel[first] + 16 * state_numel[first] <= budget:
             boundary_bytes += elem * unit_numel[first] + 16 * state_numel[first]
     tokens = micro_batch_size * seq_len if seq_len else 0
-    loss_rows, mlp_rows, norm_rows = _long_context_rows(module, config, layers, tokens, elem, free, chunked_loss,
-                                                        tile_mlp)
-    act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, free, mlp_rows)
+    # On the CPU device a host store that does not fit leaves no memory to plan the batch against:
+    # the rows and the policy are then those of ample memory, and the device part is not checked.
+    host_short_cpu = not cuda and short is not None
+    rows_free = None if host_short_cpu else free
+    loss_rows, mlp_rows, norm_rows = _long_context_rows(module, config, layers, tokens, elem, rows_free,
+                                                        chunked_loss, tile_mlp)
+    act, chosen = _activation_bytes(config, len(layers), tokens, elem, activation_policy, block_k, rows_free,
+                                    mlp_rows)
     logits = _logits_bytes(config, tokens, elem, loss_rows)
     gpu = slot_bytes + resident_bytes + boundary_bytes + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
-    checked = cuda or (tokens > 0 and not options().skip_host_memory_check)
+    checked = cuda or (tokens > 0 and not options().skip_host_memory_check and not host_short_cpu)
     gpu_fits = (gpu <= free) if free is not None and checked else None
 
     total = int(layout["total_numel"])
@@ -326,7 +389,12 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         activation_bytes=act, logits_bytes=logits,
         gpu_bytes=gpu, gpu_free_bytes=free if gpu_fits is not None else None, gpu_fits=gpu_fits,
         chunked_loss=str(chunked_loss).lower(), tile_mlp=str(tile_mlp).lower(), loss_rows=loss_rows, mlp_rows=mlp_rows,
-        norm_rows=norm_rows)
+        norm_rows=norm_rows, device_name=device_name(device))
+    if isinstance(model, (str, os.PathLike)) and not has_weight_files(os.fspath(model)):
+        est.notes.append(f"{os.fspath(model)} holds no weights: estimated from its config.json alone")
+    if host_short_cpu and tokens:
+        est.notes.append(f"this CPU's layer slots and activations (~{_fmt(gpu)}) need host memory too, beside the "
+                         "host store: not checked while the store alone does not fit")
     if cuda and not torch.cuda.is_available():
         est.notes.append("CUDA is not available here: GPU memory not checked")
 
@@ -336,8 +404,14 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         what = f" with the fp32 state of {len(oplan.disk_units)} layers on disk" if oplan.disk_units else ""
         est.reasons.append(f"needs {_fmt(host)} ({host} bytes) of host memory{what} but host_memory_limit is "
                            f"{_fmt(host_memory_limit)} ({host_memory_limit} bytes)")
-        est.advice.append("raise host_memory_limit" if offload_dir is not None else
-                          "pass offload_dir=<a local disk> to keep the fp32 state of the layers that do not fit there")
+        if offload_dir is not None:
+            est.advice.append("raise host_memory_limit")
+        elif _offload_would_fit(units, compute_dtype, accum_mode, staging_buffers, reclaim, cuda, accumulating,
+                                host_memory_limit, 0) is not None:
+            est.advice.append("pass offload_dir=<a local disk> to keep the fp32 state of the layers that do not fit "
+                              "there")
+        else:
+            est.advice.append("raise host_memory_limit (the compute copies alone exceed it: offload_dir cannot help)")
     if est.disk_fits is False:
         est.reasons.append(f"the disk tier needs {_fmt(oplan.disk_total_bytes)} under {offload_dir} but its filesystem has "
                            f"{_fmt(oplan.free_bytes)} free")
@@ -353,32 +427,38 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
                                f"available under the {short['limit']}")
             est.advice.append(f"needs {(host - have) / gib:.2f} GiB more host RAM")
             if offload_dir is None:
-                est.advice.append("or offload_dir=<a local disk>: the fp32 state of the layers that do not fit goes "
-                                  "there (megatrain.wrap(..., offload_dir=...))")
-            if accum:
+                disk = _offload_would_fit(units, compute_dtype, accum_mode, staging_buffers, reclaim, cuda,
+                                          accumulating, host_memory_limit, 0 if cuda or not tokens else gpu)
+                if disk is not None:  # never when the compute copies alone do not fit: it cannot help then
+                    cap = f" and host_memory_limit={disk[2]} (room for this CPU's batch)" if disk[2] else ""
+                    est.advice.append(f"or offload_dir=<a local disk>{cap}: the fp32 state of {disk[0]} of "
+                                      f"{len(layers)} decoder layers goes there ({_fmt(disk[1])} on disk; "
+                                      "megatrain.wrap(..., offload_dir=...))")
+            if accum and host - accum <= have:
                 est.advice.append(f"gradient_accumulation_steps={gradient_accumulation_steps} allocates the fp32 "
                                   f"accumulator, 4 B/param more ({_fmt(accum)}): use 1 with a larger micro-batch")
-            elif accum_mode is True:
+            elif accum_mode is True and host - layout['section_bytes'].get('grad_accum', 0) <= have:
                 est.advice.append(f"grad_accumulator=True puts 4 B/param in the store ({_fmt(layout['section_bytes'].get('grad_accum', 0))}): "
                                   "use the default grad_accumulator=None")
-            if trainable_n:
-                frozen_all = plan_host_memory(_all_frozen(units), compute_dtype, None, staging_buffers)
+            frozen_all = plan_host_memory(_all_frozen(units), compute_dtype, None, staging_buffers)
+            if trainable_n and frozen_all["store_bytes"] + frozen_all["staging_bytes"] <= have:
                 est.advice.append(f"freeze the base / use LoRA (a frozen parameter costs {elem} B; all frozen: "
                                   f"{_fmt(frozen_all['store_bytes'])})")
-            if host and have > 0:
-                est.advice.append(f"or a smaller model (about {_count(int(total * have / host))} parameters fit)")
+            if host and have > 0:  # on the CPU device its slots and activations share the same memory
+                need = host + (gpu if host_short_cpu else 0)
+                est.advice.append(f"or a smaller model (about {_count(int(total * have / need))} parameters fit)")
     if gpu_fits is False:
-        est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory but {_fmt(free)} are free" if cuda else
+        est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory on {est.device_name} but {_fmt(free)} are free" if cuda else
                            f"needs ~{_fmt(gpu)} of host memory for the CPU device's slots and activations, but "
                            f"{_fmt(free)} are left beside the {_fmt(host)} of the host store")
-        if act + logits > slot_bytes + resident_bytes:
+        if slot_bytes + resident_bytes + boundary_bytes < free:  # a smaller batch can fit
             tip = "lower micro_batch_size or seq_len"
             if chosen == "store" or chosen.startswith("block:"):
                 tip += ", or activation_policy='recompute'"
             est.advice.append(tip)
         else:
             est.advice.append(f"the streamed slots ({_fmt(slot_bytes)}) and the resident embedding / LM head "
-                              f"({_fmt(resident_bytes)}) alone are too large for this GPU: a smaller model"
+                              f"({_fmt(resident_bytes)}) alone are too large for {est.device_name}: a smaller model"
                               + (" or num_slots=2" if num_slots > 2 else ""))
     return est
 

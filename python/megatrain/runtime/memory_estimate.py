@@ -74,6 +74,7 @@ class MemoryEstimate:
     loss_rows: Optional[int] = None  # rows per chunk of the chunked loss (None: full logits)
     mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
     norm_rows: Optional[int] = None  # rows per tile of the layers' norms (None: untiled)
+    device_name: str = ""  # the device checked, for messages: "this CPU", "cuda:0 (NVIDIA H200)"
     host_memory_limit: Optional[int] = None  # as wrap's (None: the budget check's limits alone)
     offload_dir: Optional[str] = None  # the disk tier's directory (None: no disk tier)
     disk_layers: int = 0  # decoder layers whose fp32 state goes to disk
@@ -112,7 +113,7 @@ class MemoryEstimate:
         L = []
         L.append(f"megatrain estimate: {self.model_class}, {_count(self.num_params)} parameters "
                  f"({_count(self.trainable_params)} trainable, {_count(self.frozen_params)} frozen), "
-                 f"{self.num_layers} streamed layers, {self.compute_dtype} compute on {self.device}")
+                 f"{self.num_layers} streamed layers, {self.compute_dtype} compute on {self.device_name or self.device}")
         L.append("host memory (exact):")
         for key, label in _SECTION_LABELS:
             if key in self.host_sections:

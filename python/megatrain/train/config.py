@@ -70,7 +70,7 @@ class DataConfig:
     path: str = "stdlib"
     include: list = field(default_factory=lambda: ["*.txt", "*.md", "*.jsonl"])
     text_field: str = "text"
-    tokenizer: Optional[str] = None  # None or "byte": 256 bytes + EOS; else a local tokenizer dir
+    tokenizer: Optional[str] = None  # None: model.path's own, else bytes; "byte": 256 bytes + EOS; or a local dir
     seq_len: int = 256
     eval_fraction: float = 0.05
     max_documents: Optional[int] = None  # cap after the seeded shuffle (quick runs on big corpora)

@@ -14,7 +14,8 @@ Pipeline (all deterministic given the seed):
 5. Training order: an endless sequence of epochs, epoch ``e`` visiting the training rows in the
    order ``default_rng([seed, e]).permutation``; micro batches are consecutive runs of that order.
 
-The byte tokenizer (no tokenizer given) maps UTF-8 bytes to ids 0..255 and EOS to 256.
+The byte tokenizer (``data.tokenizer: byte``, or none given and the model has none of its own) maps
+UTF-8 bytes to ids 0..255 and EOS to 256.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, EOS = 256 (vocab 257)."""
 
     kind = "byte"
+    source = "byte"  # what the run's summary names
+    note: Optional[str] = None  # a warning for the user (see load_tokenizer)
     vocab_size = 257
     eos_token_id = 256
 
@@ -106,11 +109,19 @@ def _bytes_to_unicode() -> dict:
 
 
 class HFTokenizer:
-    """A local tokenizer directory loaded with ``transformers.AutoTokenizer`` (no downloads)."""
+    """A local tokenizer directory loaded with ``transformers.AutoTokenizer`` (no downloads).
+
+    Args:
+        path: the directory (``data.tokenizer``, or the model directory's own tokenizer).
+        fix: what to do when it cannot be loaded (the end of the one-line error).
+
+    Raises:
+        UsageError: not a directory, unreadable tokenizer files, or no ``eos_token``.
+    """
 
     kind = "hf"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fix: str = "give a directory with tokenizer files"):
         if not os.path.isdir(path):
             raise UsageError(f"data.tokenizer {path!r} is not a directory; give a local tokenizer directory or 'byte'")
         try:
@@ -119,10 +130,12 @@ class HFTokenizer:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure is a user-side problem here
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(f"cannot load tokenizer from {path!r} ({msg}); give a directory with tokenizer files") from None
+            msg = msg if len(msg) <= 160 else msg[:157] + "..."
+            raise UsageError(f"cannot load tokenizer from {path!r} ({msg}); {fix}") from None
         if self.tok.eos_token_id is None:
-            raise UsageError(f"tokenizer in {path!r} has no eos_token; set one in its tokenizer_config.json")
-        self.path = path
+            raise UsageError(f"tokenizer in {path!r} has no eos_token; set one in its tokenizer_config.json"
+                             + ("" if fix.startswith("give") else f", or {fix}"))
+        self.path = self.source = path
         self.eos_token_id = int(self.tok.eos_token_id)
         self.vocab_size = len(self.tok)
 
@@ -140,11 +153,42 @@ class HFTokenizer:
         self.tok.save_pretrained(out_dir)
 
 
-def load_tokenizer(spec: Optional[str]):
-    """``None``/``"byte"`` -> :class:`ByteTokenizer`; a directory -> :class:`HFTokenizer`."""
-    if spec is None or spec == "byte":
+# Files any of which makes a directory hold a tokenizer AutoTokenizer can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether directory ``path`` holds tokenizer files (:data:`TOKENIZER_FILES`)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
+    """The tokenizer of a run.
+
+    Args:
+        spec: ``data.tokenizer``: ``"byte"`` -> :class:`ByteTokenizer`; a directory ->
+            :class:`HFTokenizer`; ``None`` -> ``model_dir``'s own tokenizer when it has one
+            (:func:`has_tokenizer`), else :class:`ByteTokenizer`.
+        model_dir: ``model.path`` (None: the model is built from ``model.arch``). When it is a model
+            directory (has ``config.json``) without tokenizer files and ``spec`` is None, the byte
+            tokenizer returned carries ``note``: the one warning line to print once the run's input
+            is checked (that it trains on bytes).
+
+    Raises:
+        UsageError: the tokenizer directory cannot be loaded or has no EOS token (one line).
+    """
+    if spec == "byte":
         return ByteTokenizer()
-    return HFTokenizer(spec)
+    if spec is not None:
+        return HFTokenizer(spec)
+    if model_dir is not None and os.path.isdir(model_dir) and has_tokenizer(model_dir):
+        return HFTokenizer(model_dir, fix="fix its tokenizer files, or pass --tokenizer DIR or --tokenizer byte")
+    tok = ByteTokenizer()
+    if model_dir is not None and os.path.isfile(os.path.join(model_dir, "config.json")):
+        tok.note = (f"model directory {model_dir!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
+                    "training on the byte tokenizer (UTF-8 bytes + EOS, 257 ids), saved with the model; pass "
+                    "--tokenizer DIR for another, or --tokenizer byte to choose bytes")
+    return tok
 
 
 def stdlib_dir() -> str:

@@ -179,17 +179,25 @@ class StatsWindow:
 
 
 class MetricsSink:
-    """Writes metric records to ``metrics.jsonl`` and (optionally) TensorBoard under ``out_dir``."""
+    """Writes metric records to ``metrics.jsonl`` and (optionally) TensorBoard under ``out_dir``.
+
+    Attributes:
+        path: the ``metrics.jsonl`` file.
+        tensorboard_dir: the TensorBoard log directory, None when TensorBoard is off or unavailable.
+    """
 
     def __init__(self, out_dir: str, tensorboard: bool = True, append: bool = True):
         """``append=False`` starts ``metrics.jsonl`` afresh (a new run in a reused directory)."""
-        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w", buffering=1)
+        self.path = os.path.join(out_dir, METRICS_FILE)
+        self.jsonl = open(self.path, "a" if append else "w", buffering=1)
         self.writer = None
+        self.tensorboard_dir = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+                self.tensorboard_dir = os.path.join(out_dir, "tensorboard")
             except Exception:  # noqa: BLE001 - tensorboard is optional
                 self.writer = None
 
@@ -205,6 +213,81 @@ class MetricsSink:
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_CURVE_FILE = "loss_curve.png"
+
+
+def loss_history(metrics_path: str) -> tuple:
+    """``(train, eval)``: lists of ``(step, loss)`` from a ``metrics.jsonl``, in step order.
+
+    ``train`` holds the ``"kind": "train"`` records' window mean ``loss``, ``eval`` the held-out
+    ``eval_loss``. A ``"kind": "resume"`` record at step N drops the earlier records after step N (a
+    run that crashed after its last checkpoint logged them; the resumed run logs those steps again).
+    Non-finite losses are left out; lines that are not JSON are skipped.
+    """
+    train: list = []
+    held: list = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                continue
+            kind, step = rec.get("kind"), rec["step"]
+            if kind == "resume":
+                train = [p for p in train if p[0] <= step]
+                held = [p for p in held if p[0] <= step]
+            elif kind == "train" and isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["loss"]):
+                train.append((step, float(rec["loss"])))
+            elif kind == "eval" and isinstance(rec.get("eval_loss"), (int, float)) and math.isfinite(rec["eval_loss"]):
+                held.append((step, float(rec["eval_loss"])))
+    return train, held
+
+
+def plot_loss_curve(metrics_path: str, out_path: str, title: Optional[str] = None) -> str:
+    """Draws the training loss and the held-out loss against the step from ``metrics_path``
+    (:func:`loss_history`) into the PNG ``out_path`` (matplotlib's Agg canvas: no display, no pyplot
+    state), written to a temporary file and renamed. Returns ``out_path``.
+
+    Raises:
+        OSError: ``metrics_path`` cannot be read or ``out_path`` written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    train, held = loss_history(metrics_path)
+    fig = Figure(figsize=(7, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], label="train loss (mean over the log window)",
+                color="tab:blue", linewidth=1.5, marker="." if len(train) < 50 else None)
+    if held:
+        ax.plot([s for s, _ in held], [v for _, v in held], label="held-out loss", color="tab:orange",
+                marker="o", markersize=4, linewidth=1.5)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(True, alpha=0.3)
+    if train or held:
+        ax.legend()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    tmp = out_path + ".partial.png"
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
 
 
 def _json_default(value):

@@ -8,6 +8,7 @@ without writing anything. :func:`run` then creates the output directory and trai
     out/metrics.jsonl    one JSON record per log line / eval (see docs/metrics.md)
     out/tensorboard/     the same scalars for TensorBoard
     out/summary.json     final numbers, incl. final_eval_loss
+    out/loss_curve.png   train and held-out loss vs step, drawn from metrics.jsonl at the end of the run
     out/model/           HF-format model (megatrain.export_pretrained) + tokenizer files; written to
                          a temporary directory and renamed, so it is complete or absent
 """
@@ -103,11 +104,17 @@ def _check_arch(arch: str) -> None:
     )
 
 
-def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
+def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer: str = "the tokenizer",
+                      weights: bool = True):
     """The HF config of the model to train (from ``model.path`` or built from ``model.arch``).
 
+    Args:
+        tokenizer: how the vocabulary check's error names the tokenizer.
+        weights: require weights in ``model.path`` (False for ``--dry-run``: config.json is enough).
+
     Raises:
-        UsageError: missing directory / config.json / weights, unknown architecture, bad sizes.
+        UsageError: missing directory / config.json / weights, unknown architecture, bad sizes, a
+            tokenizer with more tokens than the model's embedding has rows.
     """
     from transformers import AutoConfig
 
@@ -117,10 +124,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
             raise UsageError(f"model path {m.path!r} is not a directory; give a local Hugging Face model directory")
         if not os.path.isfile(os.path.join(m.path, "config.json")):
             raise UsageError(f"model directory {m.path!r} has no config.json; save the model with save_pretrained")
-        if not any(glob.glob(os.path.join(m.path, p)) for p in WEIGHT_PATTERNS):
+        if weights and not has_weights(m.path):
             raise UsageError(
                 f"model directory {m.path!r} has no weights (*.safetensors or pytorch_model.bin); "
-                "save the model with save_pretrained or build one from model.arch"
+                "save the model with save_pretrained or build one from model.arch (--dry-run estimates the memory "
+                "from config.json alone)"
             )
         try:
             config = AutoConfig.from_pretrained(m.path, local_files_only=True)
@@ -173,9 +181,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int):
         )
     model_vocab = getattr(config, "vocab_size", None)
     if model_vocab is not None and vocab_size > model_vocab:
+        fix = ("pass the tokenizer the model was trained with: --tokenizer DIR" if m.path is not None
+               else "raise model.vocab_size or pass a smaller tokenizer with --tokenizer")
         raise UsageError(
-            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {model_vocab}; "
-            "use the model's own tokenizer (data.tokenizer) or a larger model.vocab_size"
+            f"{tokenizer} has {vocab_size} tokens but the model's embedding has {model_vocab} rows (vocab_size): "
+            f"token ids past {model_vocab - 1} have no embedding; {fix}"
         )
     return config
 
@@ -199,6 +209,11 @@ class DoesNotFit(UsageError):
     def __init__(self, message: str, estimate):
         super().__init__(message)
         self.estimate = estimate
+
+
+def has_weights(path: str) -> bool:
+    """Whether model directory ``path`` holds weight files (:data:`WEIGHT_PATTERNS`)."""
+    return any(glob.glob(os.path.join(path, p)) for p in WEIGHT_PATTERNS)
 
 
 def has_safetensors(path: str) -> bool:
@@ -321,9 +336,10 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     check_writable(ancestor, out_dir)
     if cfg.log.save_model:
         check_model_dest(out_dir)
-    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
-    model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id)
+    model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id, weights=not dry_run,
+                                     tokenizer=f"the tokenizer {tokenizer.source!r}")
     device = (ranks or Ranks()).device_for(resolve_device(cfg.runtime.device))
     compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
     if cfg.model.path is not None and has_safetensors(cfg.model.path):
@@ -348,6 +364,8 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
                 f"the training data differs from that of checkpoint {resume.path!r}; resume with the same data.path, "
                 "data.seq_len, data.max_documents, data.eval_fraction, data.tokenizer and train.seed"
             )
+    if getattr(tokenizer, "note", None) and (ranks is None or ranks.main):
+        data_mod.warn(tokenizer.note)  # once the input is good: a refusal stays one line
     return Plan(
         cfg=cfg,
         data=text,
@@ -1021,6 +1039,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         if cfg.log.save_model:
             model_dir = ranks.on_main(lambda: save_model(model, d.tokenizer, out_dir, plan),
                                       others=os.path.abspath(os.path.join(out_dir, "model")))
+        loss_curve = write_loss_curve(sink.path, out_dir) if ranks.main else None
         status = "completed"
         first, steady = ms["first_window"], ms["steady"]
         tok_tot, time_tot, count = (steady[0], steady[1], ms["windows"] - 1) if ms["windows"] > 1 else (
@@ -1060,6 +1079,10 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "host_rss_bytes": metrics_mod.host_rss_bytes(),
             "engine_stats": stats.read(),
             "model_dir": model_dir,
+            "tokenizer": d.tokenizer.source,
+            "loss_curve": loss_curve,
+            "metrics_file": sink.path,
+            "tensorboard_dir": sink.tensorboard_dir,
             "checkpoints": [p for _, p in list_checkpoints(out_dir)],
             "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
             "out_dir": out_dir,
@@ -1100,8 +1123,22 @@ def _step_outcome(ranks: Ranks, step_loss, signum: Optional[int]):
     return loss / ranks.world, (signal.SIGTERM if sigterm else signal.SIGINT if sigint else None)
 
 
+def write_loss_curve(metrics_path: str, out_dir: str) -> Optional[str]:
+    """``out_dir/loss_curve.png`` drawn from ``metrics_path`` (:func:`metrics.plot_loss_curve`); its path,
+    or None after one warning line when it cannot be drawn (the trained model is not lost over a plot)."""
+    path = os.path.join(out_dir, metrics_mod.LOSS_CURVE_FILE)
+    try:
+        return metrics_mod.plot_loss_curve(metrics_path, path, title=f"megatrain train: {out_dir}")
+    except Exception as exc:  # noqa: BLE001 - matplotlib missing / broken, a full disk
+        data_mod.warn(f"the loss curve {path!r} was not written ({_first_line(exc)}); metrics.jsonl holds the losses")
+        return None
+
+
 class _NullSink:
     """The metrics sink of ranks other than 0 under torchrun (rank 0 writes the metrics)."""
+
+    path = None
+    tensorboard_dir = None
 
     def write(self, record: dict, prefix: str = "train") -> None:
         pass
@@ -1142,4 +1179,8 @@ def summary_rows(summary: dict) -> list:
         rows.append(("host bytes/param", f(stats["bytes_per_param"], ".2f")))
     rows.append(("wall time", f"{summary['wall_time_s']:.1f} s"))
     rows.append(("model saved to", summary.get("model_dir") or "(not saved)"))
+    rows.append(("tokenizer", summary.get("tokenizer") or "n/a"))
+    rows.append(("loss curve", summary.get("loss_curve") or "(not written)"))
+    rows.append(("metrics", summary.get("metrics_file") or "n/a"))
+    rows.append(("TensorBoard logs", summary.get("tensorboard_dir") or "(off: log.tensorboard=false or not installed)"))
     return rows
