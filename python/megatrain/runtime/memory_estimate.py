@@ -82,6 +82,7 @@ class MemoryEstimate:
     disk_free_bytes: Optional[int] = None  # free bytes of offload_dir's filesystem
     disk_fits: Optional[bool] = None  # None: no disk tier
     host_available_fits: Optional[bool] = None  # host_bytes against the available memory alone (None: host_fits)
+    host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
@@ -135,8 +136,9 @@ class MemoryEstimate:
         else:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
             avail = self.host_fits if self.host_available_fits is None else self.host_available_fits
-            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
-                     + ("fits" if avail else "DOES NOT FIT"))
+            margin = f" (with a {_fmt(self.host_margin_bytes)} margin kept free)" if self.host_margin_bytes else ""
+            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}"
+                     f"{margin}: " + ("fits" if avail else "DOES NOT FIT"))
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
