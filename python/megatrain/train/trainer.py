@@ -1167,9 +1167,11 @@ def write_text_atomic(path: str, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            raise OSError(exc.errno, exc.strerror, path) from None  # a failed write() names no file: name it
         raise
 
 
