@@ -34,9 +34,10 @@ class MemoryEstimate:
     Exact (the numbers the allocation uses): ``host_sections``, ``store_bytes``,
     ``accumulator_bytes``, ``staging_bytes``, ``host_bytes``, ``pinned_bytes``, the parameter
     counts, ``slot_bytes`` and ``resident_bytes``. Estimated: ``activation_bytes`` and
-    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack
-    (~0.5-1 GiB of GPU memory), the Python process itself (~0.5-1 GiB of host memory),
-    transient buffers (one tensor while loading a non-fp32 checkpoint).
+    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack (~0.5-1 GiB
+    of GPU memory), the Python process itself (~0.5-1 GiB of host memory), transient buffers (one
+    tensor while loading a non-fp32 checkpoint): ``host_margin_bytes`` (``megatrain train``: 1 GiB)
+    is kept free for them beyond the counted bytes when ``host_fits`` / ``gpu_fits`` are decided.
     """
 
     model_class: str
