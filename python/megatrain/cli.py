@@ -200,6 +200,7 @@ def cmd_train(args) -> int:
     from megatrain.train.distributed import Ranks
 
     stopped_by: list = []
+    out_dir = None  # the run's output directory, once known
     ranks = Ranks.from_env()  # under torchrun: data parallel over its ranks (megatrain/train/distributed.py)
     try:
         resume, base = None, None
@@ -225,7 +226,9 @@ def cmd_train(args) -> int:
             raise UsageError("runtime.offload_dir (the disk tier) is not supported with data parallel yet; run "
                              "without torchrun, or without --offload-dir")
         ranks.init(ranks.device_for(trainer.resolve_device(cfg.runtime.device)))
+        out_dir = cfg.log.out
         plan = ranks.agree(lambda: trainer.prepare(cfg, resume=resume, ranks=ranks))  # before any rank writes
+        out_dir = plan.out_dir
         with _sigterm_as_interrupt() as stopped_by:
             summary = trainer.run(cfg, plan)
     except UsageError as exc:
@@ -238,8 +241,7 @@ def cmd_train(args) -> int:
         if exc.errno not in _USER_ERRNOS:
             raise
         where = f" {exc.filename!r}" if exc.filename else ""
-        _fail(f"cannot write{where}: {exc.strerror or exc}; {_USER_ERRNOS[exc.errno]} (a model saved "
-              "earlier in --out is intact)")
+        _fail(f"cannot write{where}: {exc.strerror or exc}; {_USER_ERRNOS[exc.errno]}{_what_is_kept(exc, out_dir)}")
     except KeyboardInterrupt as exc:
         sigterm = bool(stopped_by) or getattr(exc, "signum", None) == signal.SIGTERM
         how = "terminated (SIGTERM)" if sigterm else "interrupted"
@@ -261,6 +263,21 @@ def cmd_train(args) -> int:
     if ranks.main:
         print(summary_table(trainer.summary_rows(summary)))
     return 0
+
+
+def _what_is_kept(exc: BaseException, out_dir: Optional[str]) -> str:
+    """What a failed run left in ``out_dir``, for its error line: the model saved there (when there is
+    one), or that ``--out`` is as it was (a run that failed before its first step takes back its files)."""
+    if not out_dir:
+        return ""
+    from megatrain.train import trainer
+
+    model = os.path.join(out_dir, "model")
+    if trainer.is_train_model_dir(model):
+        return f" (the model in {model} is intact)"
+    if getattr(exc, "out_left_as_found", False):
+        return f" ({out_dir} is left as it was)"
+    return ""
 
 
 def _dry_run(cfg, resume) -> int:

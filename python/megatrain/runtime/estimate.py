@@ -20,6 +20,11 @@ from torch import nn
 
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
 
+# Host memory ``megatrain train`` keeps free beyond everything the estimate counts (the Python
+# process and its libraries, allocator slack, the rough activation estimate on the CPU device):
+# a run that would leave less is refused before it starts, by --dry-run and the real run alike.
+RUN_HOST_MARGIN_BYTES = 1 << 30
+
 
 def _cfg_int(cfg, *names, default=None):
     for n in names:
@@ -195,7 +200,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
              staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
-             host_memory_limit: Optional[int] = None, **model_kwargs) -> MemoryEstimate:
+             host_memory_limit: Optional[int] = None, host_margin_bytes: int = 0, **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -225,6 +230,11 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             go to disk (the same planning, :func:`megatrain.runtime.disk_offload.plan_offload`), the
             disk bytes against the free space of ``offload_dir``'s filesystem, and the tier's RAM
             buffers in the host bytes. Nothing is created.
+        host_margin_bytes: host memory kept free beyond everything counted (the Python process,
+            allocator slack, the error of the rough activation estimate): it must fit too, beside
+            the host bytes (and, on the CPU device, beside the slots and activations). 0 (default):
+            the engine's own allocation check, exact; ``megatrain train`` passes
+            :data:`RUN_HOST_MARGIN_BYTES`.
         **model_kwargs: passed to ``AutoModelForCausalLM.from_config`` for a config / directory.
 
     Returns:
@@ -310,20 +320,24 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     host = store + staging + accum + pools
     pinned = store + staging if cuda else 0
     limits = host_memory_limits()
-    short = host_budget_shortfall(host, pinned, reclaim, limits)
+    if isinstance(host_margin_bytes, bool) or not isinstance(host_margin_bytes, int) or host_margin_bytes < 0:
+        raise ValueError(f"megatrain.estimate: host_margin_bytes must be an int >= 0, got {host_margin_bytes!r}")
+    margin = host_margin_bytes
+    short = host_budget_shortfall(host + margin, pinned, reclaim, limits)
     over_limit = host_memory_limit is not None and host > host_memory_limit
+    cands = []  # the memory limits that apply, the tightest first
+    if limits["mem_available_bytes"] is not None:
+        cands.append((limits["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)"))
+    if limits["cgroup_limit_bytes"] is not None:
+        cands.append((limits["cgroup_limit_bytes"] - (limits["cgroup_usage_bytes"] or 0),
+                      f"cgroup memory limit ({limits['cgroup_path']}, minus current usage)"))
+    cands.sort()
     if options().skip_host_memory_check:
         available, limit_name = None, None
     elif short is not None:
         available, limit_name = short["available_bytes"], short["limit"]
-    else:  # the tightest limit that applies
-        cands = []
-        if limits["mem_available_bytes"] is not None:
-            cands.append((limits["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)"))
-        if limits["cgroup_limit_bytes"] is not None:
-            cands.append((limits["cgroup_limit_bytes"] - (limits["cgroup_usage_bytes"] or 0),
-                          f"cgroup memory limit ({limits['cgroup_path']}, minus current usage)"))
-        available, limit_name = min(cands) if cands else (None, None)
+    else:
+        available, limit_name = cands[0] if cands else (None, None)
 
     # ---- device
     elem = torch.tensor([], dtype=compute_dtype).element_size()
@@ -338,8 +352,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     free = None
     if cuda and torch.cuda.is_available():
         free = int(torch.cuda.mem_get_info(device)[0])
-    elif not cuda and limits["mem_available_bytes"] is not None:  # the CPU device's memory is the host's:
-        free = max(0, limits["mem_available_bytes"] - host)           # what the host store leaves
+    elif not cuda and cands:  # the CPU device's memory is the host's: what the host store
+        free = max(0, cands[0][0] - host - margin)  # and the margin leave under the tightest limit
     # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
     # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)
     boundary_bytes = 0
@@ -381,7 +395,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         accumulator_bytes=accum, staging_bytes=staging, host_bytes=host, pinned_bytes=pinned,
         reclaimable_bytes=reclaim, host_available_bytes=available, host_limit=limit_name,
         host_fits=short is None and not over_limit, host_available_fits=short is None,
-        host_memory_limit=host_memory_limit, offload_dir=offload_dir,
+        host_memory_limit=host_memory_limit, offload_dir=offload_dir, host_margin_bytes=margin,
         disk_layers=len(oplan.disk_units), disk_bytes=oplan.disk_total_bytes, disk_pool_bytes=pools,
         disk_free_bytes=oplan.free_bytes,
         disk_fits=None if offload_dir is None else oplan.disk_total_bytes <= (oplan.free_bytes or 0),
@@ -423,9 +437,10 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             est.advice.append(short["advice"].rstrip("."))
         else:
             have = short["available_bytes"] + short["credit_bytes"]
-            est.reasons.append(f"needs {_fmt(host)} of host memory but only {_fmt(short['available_bytes'])} are "
+            plus = f" + {_fmt(margin)} margin" if margin else ""
+            est.reasons.append(f"needs {_fmt(host)}{plus} of host memory but only {_fmt(short['available_bytes'])} are "
                                f"available under the {short['limit']}")
-            est.advice.append(f"needs {(host - have) / gib:.2f} GiB more host RAM")
+            est.advice.append(f"needs {(host + margin - have) / gib:.2f} GiB more host RAM")
             if offload_dir is None:
                 disk = _offload_would_fit(units, compute_dtype, accum_mode, staging_buffers, reclaim, cuda,
                                           accumulating, host_memory_limit, 0 if cuda or not tokens else gpu)
@@ -450,7 +465,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     if gpu_fits is False:
         est.reasons.append(f"needs ~{_fmt(gpu)} of GPU memory on {est.device_name} but {_fmt(free)} are free" if cuda else
                            f"needs ~{_fmt(gpu)} of host memory for the CPU device's slots and activations, but "
-                           f"{_fmt(free)} are left beside the {_fmt(host)} of the host store")
+                           f"{_fmt(free)} are left beside the {_fmt(host)} of the host store"
+                           + (f" and the {_fmt(margin)} margin" if margin else ""))
         if slot_bytes + resident_bytes + boundary_bytes < free:  # a smaller batch can fit
             tip = "lower micro_batch_size or seq_len"
             if chosen == "store" or chosen.startswith("block:"):

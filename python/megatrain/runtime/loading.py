@@ -125,6 +125,19 @@ def init_buffers(model: nn.Module, index: Optional[CheckpointIndex] = None) -> N
                         "megatrain.wrap")
 
 
+def count_nonfinite(t: torch.Tensor, chunk_numel: int = 1 << 24) -> int:
+    """How many elements of floating-point tensor ``t`` (any device, any float dtype; not changed) are
+    NaN or +-inf, checked ``chunk_numel`` elements at a time (a temporary of 1 B per element of a
+    chunk, never of the whole tensor: an embedding can be gigabytes)."""
+    flat = t.detach().reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), chunk_numel):
+        part = flat[start:start + chunk_numel]
+        if not bool(torch.isfinite(part).all()):
+            bad += int(part.numel() - torch.isfinite(part).sum())
+    return bad
+
+
 class _CheckpointSource:
     """Fills the store's masters from a :class:`CheckpointIndex` (validated before allocation)."""
 
@@ -144,10 +157,24 @@ class _CheckpointSource:
             self.keys[first] = key
 
     def fill(self, eng) -> None:
+        """Reads every parameter into the store.
+
+        Raises:
+            CheckpointError: a tensor holds NaN or inf (names it and its file): training would start
+                from it and every loss would be NaN.
+        """
         try:
             for u in eng.units:
                 for i, e in enumerate(u.entries):
-                    self.index.read_into(self.keys[e.name], eng.entry_view(u, i, "compute" if e.frozen else "master"))
+                    key = self.keys[e.name]
+                    dst = eng.entry_view(u, i, "compute" if e.frozen else "master")
+                    self.index.read_into(key, dst)
+                    bad = count_nonfinite(dst)
+                    if bad:
+                        raise CheckpointError(
+                            f"megatrain: tensor {key} in {self.index.tensors[key][0]} holds {bad} non-finite "
+                            f"value(s) (NaN or inf) of {dst.numel()}; training would start from them: use an intact "
+                            "checkpoint")
         finally:
             self.index.close()
 
@@ -202,8 +229,8 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
     Raises:
         CheckpointError: no config / weights, a shard missing, an index naming a file that is not
             there, a truncated file, a tensor of the wrong shape or dtype, a parameter the
-            checkpoint lacks. Raised before the store is allocated; the message names the file
-            and the tensor.
+            checkpoint lacks (raised before the store is allocated), or a tensor holding NaN or inf
+            (raised while the store is filled). The message names the file and the tensor.
         UnsupportedModelError, ValueError, HostMemoryError: as :func:`megatrain.wrap`.
     """
     if not os.path.isdir(path):

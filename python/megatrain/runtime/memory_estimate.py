@@ -34,9 +34,10 @@ class MemoryEstimate:
     Exact (the numbers the allocation uses): ``host_sections``, ``store_bytes``,
     ``accumulator_bytes``, ``staging_bytes``, ``host_bytes``, ``pinned_bytes``, the parameter
     counts, ``slot_bytes`` and ``resident_bytes``. Estimated: ``activation_bytes`` and
-    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack
-    (~0.5-1 GiB of GPU memory), the Python process itself (~0.5-1 GiB of host memory),
-    transient buffers (one tensor while loading a non-fp32 checkpoint).
+    ``logits_bytes`` (rough, +-50%); not counted: the CUDA context and allocator slack (~0.5-1 GiB
+    of GPU memory), the Python process itself (~0.5-1 GiB of host memory), transient buffers (one
+    tensor while loading a non-fp32 checkpoint): ``host_margin_bytes`` (``megatrain train``: 1 GiB)
+    is kept free for them beyond the counted bytes when ``host_fits`` / ``gpu_fits`` are decided.
     """
 
     model_class: str
@@ -83,6 +84,7 @@ class MemoryEstimate:
     disk_free_bytes: Optional[int] = None  # free bytes of offload_dir's filesystem
     disk_fits: Optional[bool] = None  # None: no disk tier
     host_available_fits: Optional[bool] = None  # host_bytes against the available memory alone (None: host_fits)
+    host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
@@ -136,8 +138,9 @@ class MemoryEstimate:
         else:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
             avail = self.host_fits if self.host_available_fits is None else self.host_available_fits
-            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}: "
-                     + ("fits" if avail else "DOES NOT FIT"))
+            margin = f" (with a {_fmt(self.host_margin_bytes)} margin kept free)" if self.host_margin_bytes else ""
+            L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}"
+                     f"{margin}: " + ("fits" if avail else "DOES NOT FIT"))
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))

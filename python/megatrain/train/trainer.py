@@ -162,8 +162,11 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer
                 f"cannot build a {m.arch!r} model config ({_first_line(exc)}); "
                 "model.arch must be a transformers model_type such as llama, qwen2, mistral"
             ) from None
+        # A key the config class consumes (transformers 5 folds rope_theta into rope_parameters) is read even
+        # though it is no attribute; only a key the config stores as it came, unknown to its class, is read by nothing.
         known = set(type(config)().to_dict())
-        unknown = sorted(k for k in m.extra if k not in known)
+        stored = config.to_dict()
+        unknown = sorted(k for k in m.extra if k not in known and k in stored)
         if unknown:
             data_mod.warn(f"model.extra key(s) {', '.join(map(repr, unknown))} are not attributes of "
                           f"{type(config).__name__} (a typo?); they are stored in config.json but no layer reads them")
@@ -259,20 +262,26 @@ def check_checkpoint(path: str, model_config) -> None:
 
 def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool = False):
     """The run's memory (:func:`megatrain.estimate`, from the model config on the meta device: nothing
-    is allocated) and the refusal when it does not fit.
+    is allocated) and the refusal when it does not fit: the one rule of ``--dry-run`` and of the
+    real run (``dry_run`` changes nothing; it is accepted for the callers that pass it).
 
-    The run is refused when the host part does not fit (the store's own budget check, exact). With
-    ``dry_run`` also when the GPU part does not (activations are a rough estimate).
+    Refused unless everything the run allocates fits the memory available now: the host store,
+    gradient staging, the accumulator and the disk tier's buffers, plus a margin of
+    :data:`~megatrain.runtime.estimate.RUN_HOST_MARGIN_BYTES` (1 GiB) kept free, in host memory; the
+    layer slots, resident unit, activations and logits (rough) in GPU memory on CUDA, or in the host
+    memory left beside the store and the margin on the CPU device; the disk tier's files on its disk.
 
     Raises:
         DoesNotFit: one line, the estimate attached.
         UsageError: transformers cannot build the model from this config.
     """
     import megatrain
+    from megatrain.runtime.estimate import RUN_HOST_MARGIN_BYTES
 
     t = cfg.train
     try:
         est = megatrain.estimate(model_config, device=device, compute_dtype=compute_dtype,
+                                 host_margin_bytes=RUN_HOST_MARGIN_BYTES,
                                  activation_policy=cfg.runtime.activation_policy,
                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
@@ -282,9 +291,10 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(_first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001
+        extra = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.model.extra.items()))
         raise UsageError(f"cannot build a model from this config ({_first_line(exc)}); check the model sizes and "
-                         "model.extra") from None
-    if not est.host_fits or (dry_run and not est.fits):
+                         "model.extra" + (f" ({extra})" if extra else "")) from None
+    if not est.fits:
         sizes = "" if cfg.model.path is not None else "; or lower model.hidden_size, model.num_layers, model.vocab_size"
         from megatrain.runtime.estimate import _count
 
@@ -304,7 +314,7 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     Args:
         resume: continue this checkpoint (:func:`find_resume_point`); the output directory may then
             be the run directory holding it. The data must be the checkpointed run's.
-        dry_run: refuse also when the rough GPU estimate does not fit (``--dry-run``).
+        dry_run: ``--dry-run``: the same checks and the same memory rule (:func:`estimate_run`) as a real run.
         ranks: under torchrun, this process's rank (:mod:`megatrain.train.distributed`); every rank
             runs ``prepare`` (through :meth:`Ranks.agree`) before any writes.
 
@@ -344,7 +354,6 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
     if cfg.model.path is not None and has_safetensors(cfg.model.path):
         check_checkpoint(cfg.model.path, model_config)
-    estimate = estimate_run(cfg, model_config, device, compute_dtype, dry_run=dry_run)
     text = data_mod.load_text_data(cfg.data, cfg.train.seed, tokenizer)
     if text.max_token_id() >= model_config.vocab_size:
         raise UsageError(
@@ -364,6 +373,8 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
                 f"the training data differs from that of checkpoint {resume.path!r}; resume with the same data.path, "
                 "data.seq_len, data.max_documents, data.eval_fraction, data.tokenizer and train.seed"
             )
+    # Last, with the data loaded: the memory available now, which the model build and training take next.
+    estimate = estimate_run(cfg, model_config, device, compute_dtype, dry_run=dry_run)
     if getattr(tokenizer, "note", None) and (ranks is None or ranks.main):
         data_mod.warn(tokenizer.note)  # once the input is good: a refusal stays one line
     return Plan(
@@ -464,6 +475,13 @@ def build_model(plan: Plan):
             if bars:
                 hf_logging.enable_progress_bar()
         check_loading_info(path, info)
+        from megatrain.runtime.loading import count_nonfinite
+
+        for name, p in model.named_parameters():
+            bad = count_nonfinite(p)
+            if bad:
+                raise UsageError(f"cannot load model {path!r} (tensor {name} holds {bad} non-finite value(s) (NaN or "
+                                 f"inf) of {p.numel()}; training would start from them: use an intact checkpoint)")
         return model
     return AutoModelForCausalLM.from_config(plan.model_config, dtype=torch.float32)
 
@@ -870,16 +888,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         start_step = int(extra["step"])
         ms.update(extra.get("metrics") or {})
 
-    # Everything is checked; only now does anything get written (by global rank 0 under torchrun).
     out_dir = plan.out_dir
-    if ranks.main:
-        os.makedirs(out_dir, exist_ok=True)
-        if resume is None:  # a new run in a reused (log.overwrite) directory: nothing of the old run is mixed in
-            for name in (CHECKPOINTS, "tensorboard"):
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
-
     # Under torchrun a global micro-batch has world x micro_batch_size rows; this rank trains on its share.
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * d.seq_len * ranks.world
     rows_per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks.world
@@ -900,8 +909,20 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         say("megatrain train: a model this small fits in GPU memory; `megatrain train --preset 1b` streams a 1B "
             "model's layers from host memory (about 2 minutes on an H200)")
 
-    sink = (metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
-            if ranks.main else _NullSink())
+    # Everything is checked; only now does anything get written (by global rank 0 under torchrun).
+    added = RunFiles(out_dir)  # what this run adds to out_dir: taken back if the run fails before its first step
+    sink = _NullSink()
+    if ranks.main:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            if resume is None:  # a new run in a reused (log.overwrite) directory: nothing of the old run is mixed in
+                for name in (CHECKPOINTS, "tensorboard"):
+                    shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            write_text_atomic(os.path.join(out_dir, "config.yaml"), to_yaml(cfg))
+            sink = metrics_mod.MetricsSink(out_dir, tensorboard=cfg.log.tensorboard, append=resume is not None)
+        except BaseException as exc:
+            added.take_back(exc)
+            raise
     stats = metrics_mod.StatsWindow(engine)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -911,6 +932,8 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
     bar = _NullBar()
     start_time = time.perf_counter()
     done_step = start_step  # optimizer steps completed
+    failed_to_start: Optional[BaseException] = None  # the error of a run that failed before its first step
+    final_signals = contextlib.ExitStack()  # the signal handlers of the final export, restored in `finally`
     saved = {"step": None, "path": None}  # the newest checkpoint this process wrote
 
     def save(at_step: int, window_time_s: float) -> str:
@@ -1036,9 +1059,18 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
         bar.close()
         bar = _NullBar()
         model_dir = None
+        final_signals.enter_context(stop.installed())  # not deferred: a signal during the export stops it at once
         if cfg.log.save_model:
-            model_dir = ranks.on_main(lambda: save_model(model, d.tokenizer, out_dir, plan),
-                                      others=os.path.abspath(os.path.join(out_dir, "model")))
+            final = os.path.abspath(os.path.join(out_dir, "model"))
+            before = _dir_id(final)
+            try:
+                model_dir = ranks.on_main(lambda: save_model(model, d.tokenizer, out_dir, plan), others=final)
+                stop.deferred = True  # the model is in place: a signal from now on is noted, the run completes
+            except KeyboardInterrupt:
+                if not (ranks.main and before != _dir_id(final) and is_train_model_dir(final)):
+                    raise  # before the swap: the previous model (or none) is in place
+                model_dir, stop.deferred = final, True  # after the swap: the new model is saved
+        stop.deferred = True
         loss_curve = write_loss_curve(sink.path, out_dir) if ranks.main else None
         status = "completed"
         first, steady = ms["first_window"], ms["steady"]
@@ -1087,15 +1119,24 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
             "out_dir": out_dir,
         }
+        if stop.signum is not None:
+            saved_to = f"the final model was saved to {model_dir}" if model_dir else "training had finished"
+            say(f"megatrain train: {signal.Signals(stop.signum).name} arrived after {saved_to}; the run is complete")
         return summary
     except KeyboardInterrupt:
         status = "interrupted"
         raise
+    except Exception as exc:
+        if ranks.main and done_step == start_step and saved["path"] is None:
+            failed_to_start = exc  # nothing was trained: out_dir is taken back to what it was
+        raise
     finally:
-        stop.deferred = False
+        stop.deferred = status == "completed"  # a completed run's records are written whatever signal comes
         bar.close()
         sink.close()
-        if not summary:
+        if failed_to_start is not None:
+            added.take_back(failed_to_start)
+        elif not summary:
             summary = {
                 "status": status,
                 "step": done_step,
@@ -1108,9 +1149,12 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             }
             if summary["checkpoint"]:
                 summary["resume_command"] = f"megatrain train --resume {out_dir}"
-        if ranks.main:
-            with open(os.path.join(out_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2, default=metrics_mod._json_default)
+        try:
+            if ranks.main and not added.taken_back:
+                with open(os.path.join(out_dir, "summary.json"), "w") as f:
+                    json.dump(summary, f, indent=2, default=metrics_mod._json_default)
+        finally:
+            final_signals.close()
 
 
 def _step_outcome(ranks: Ranks, step_loss, signum: Optional[int]):
@@ -1132,6 +1176,75 @@ def write_loss_curve(metrics_path: str, out_dir: str) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - matplotlib missing / broken, a full disk
         data_mod.warn(f"the loss curve {path!r} was not written ({_first_line(exc)}); metrics.jsonl holds the losses")
         return None
+
+
+def _dir_id(path: str):
+    """``(st_dev, st_ino)`` of directory ``path``, None if there is none: an atomic swap changes it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if os.path.isdir(path) else None
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes ``path`` through a temporary file beside it and one rename: a full disk or a kill leaves
+    the old file (or none), never an empty or half-written one.
+
+    Raises:
+        OSError: the file system refused (ENOSPC, permissions); the temporary file is removed.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            raise OSError(exc.errno, exc.strerror, path) from None  # a failed write() names no file: name it
+        raise
+
+
+class RunFiles:
+    """What a new run adds to its output directory, so that a run that fails before its first step
+    leaves ``--out`` as it found it (a rerun is then not refused as "not empty").
+
+    Files the run replaced (``log.overwrite``, ``--resume``) stay; only what did not exist is
+    removed, and the directories the run created, if they are empty again.
+    """
+
+    NAMES = ("config.yaml", "metrics.jsonl", "tensorboard", "summary.json")
+
+    def __init__(self, out_dir: str):
+        self.out_dir = os.path.abspath(out_dir)
+        self.ancestor = self.out_dir if os.path.isdir(self.out_dir) else existing_ancestor(self.out_dir)
+        self.new = [n for n in self.NAMES if not os.path.lexists(os.path.join(self.out_dir, n))]
+        self.taken_back = False
+
+    def take_back(self, exc: Optional[BaseException] = None) -> None:
+        """Removes what this run added; marks ``exc`` (``out_left_as_found = True``) for the message."""
+        for name in self.new:
+            path = os.path.join(self.out_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        d = self.out_dir
+        while d != self.ancestor and len(d) > len(self.ancestor):
+            try:
+                os.rmdir(d)  # only an empty directory: never anything the user put there
+            except OSError:
+                break
+            d = os.path.dirname(d)
+        self.taken_back = True
+        if exc is not None:
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.out_left_as_found = True
 
 
 class _NullSink:
