@@ -12,9 +12,15 @@ micro-batches per optimizer step in every system, each the way its users do it):
 
 * ``megatrain``       megatrain.wrap(bf16 compute, --mt-policy recompute | block:K) + CPUAdamW;
                       fp32 master weights and Adam state in host memory, layers streamed.
+                      ``megatrain:policy=default``: ``megatrain.wrap(model)`` as a user gets it, no
+                      placement option passed (``auto`` on CUDA: the planner; Liger-Kernel when
+                      installed); ``,liger=0`` / ``,liger=1`` turns Liger off / requires it.
 * ``torch_ckpt``      fp32 master weights on the GPU, torch.autocast(bf16), AdamW(fused=True),
                       HF gradient checkpointing (non-reentrant).
 * ``torch_nockpt``    the same without gradient checkpointing (CUDA OOM -> status "oom").
+                      ``torch_ckpt:liger=1`` / ``torch_nockpt:liger=1``: Liger-Kernel applied to the model
+                      first, as ``Trainer(use_liger_kernel=True)`` does (its defaults: RoPE, RMSNorm,
+                      SwiGLU, fused linear cross-entropy).
 * ``fsdp2_offload``   FSDP2 world size 1: fully_shard(each decoder layer, then root) with
                       CPUOffloadPolicy(pin_memory=True), MixedPrecisionPolicy(bf16 params,
                       fp32 reduce), AdamW(fused=True) on the CPU params (foreach if fused fails),
@@ -60,6 +66,8 @@ the input embedding; at the 3b preset that is ~3% less.
 
     python benchmarks/bench_train.py --out docs/benchmarks/train_3b.json          # all systems, 3b
     python benchmarks/bench_train.py --systems megatrain torch_ckpt --mt-policy block:2
+    python benchmarks/bench_train.py --systems megatrain:policy=default torch_ckpt torch_ckpt:liger=1 \
+        --max-grad-norm 1.0 --out docs/benchmarks/train_3b_clip_defaults_h200.json   # defaults vs PyTorch (+Liger)
     python benchmarks/bench_train.py --sweep tokens --out docs/benchmarks/sweep_tokens.json
     python benchmarks/bench_train.py --sweep depth --out docs/benchmarks/sweep_depth.json
     python benchmarks/bench_train.py --sweep size --out docs/benchmarks/sweep_size.json
@@ -311,7 +319,9 @@ def megatrain_variant(name: str) -> dict:
     (0: ``Options.cpp_slots=False``, the slot pool and the H2D / D2H copies in Python on torch streams), ``replan``
     (0: ``Options.replan=False``, the planner does not place again after the first step), ``acc`` (0:
     ``wrap(grad_accumulator=False)``, 14 instead of 18 host bytes per parameter; one micro-batch per step),
-    ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
+    ``policy=default``: no ``activation_policy`` passed, nor any option not given in the name (``wrap``'s defaults:
+    ``auto`` on CUDA), ``liger`` (0 / 1: ``wrap(liger_kernel=False / True)``; absent: not passed, so Liger-Kernel
+    is used when installed, on CUDA), ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit; ``boundary``: the resident unit and layer 0, wrap's
     default on CUDA under the policies other than ``auto``; ``0``: none), ``lean`` (1:
     ``wrap(lean_activations=True)``, the norms and the gated MLP keep less for backward and recompute it).
@@ -323,10 +333,12 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "acc", "devstate", "lean", *VARIANT_OPTIONS):
+        if not sep or k not in ("slots", "policy", "acc", "devstate", "lean", "liger", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
-                             "use slots=N, policy=P, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
-                             "devstate=K|auto|boundary, lean=0|1")
+                             "use slots=N, policy=P|default, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
+                             "devstate=K|auto|boundary, lean=0|1, liger=0|1")
+        if k == "liger" and v not in ("0", "1"):
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: liger is 0 or 1")
         if k == "devstate" and v not in ("auto", "boundary") and not v.isdigit():
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count, 'auto' "
                              "or 'boundary'")
@@ -344,15 +356,25 @@ def run_megatrain(spec):
                for k, f in VARIANT_OPTIONS.items() if k in opts}
     mo = set_options(**changes)  # read by the engine when wrap() builds it
     dev = spec["device"]
-    policy = opts.get("policy", spec["mt_policy"])
+    default = opts.get("policy") == "default"  # wrap(model) as a user gets it: only the options named
+    policy = None if default else opts.get("policy", spec["mt_policy"])
     slots = int(opts.get("slots", 2))
     accumulator = opts.get("acc", "1") != "0"
     lean = opts.get("lean", "0") != "0"
     devstate = opts.get("devstate")  # None: wrap's default (the planner under policy=auto, else "boundary" on CUDA)
     devstate = devstate if devstate in (None, "auto", "boundary") else int(devstate)
+    liger = None if "liger" not in opts else opts["liger"] == "1"
+    wrap_kw = dict(activation_policy=policy, num_slots=slots, grad_accumulator=accumulator, device_state_layers=devstate,
+                   lean_activations=lean, liger_kernel=liger)
+    if default:  # no placement option passed unless the system's name gives it
+        named = {"slots": "num_slots", "acc": "grad_accumulator", "devstate": "device_state_layers",
+                 "lean": "lean_activations", "liger": "liger_kernel"}
+        wrap_kw = {w: wrap_kw[w] for k, w in named.items() if k in opts}
+    elif liger is None:
+        del wrap_kw["liger_kernel"]
     clip, ga = clip_and_accum(spec)
     cdt = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
-    settings = dict(compute_dtype=spec["dtype"], activation_policy=policy, num_slots=slots,
+    settings = dict(compute_dtype=spec["dtype"], activation_policy=policy or "wrap default", num_slots=slots,
                     grad_accumulator=accumulator, device_state_layers=devstate, lean_activations=lean,
                     overlap=mo.overlap, d2h_overlap=mo.d2h_overlap, eager_updates=mo.eager_updates,
                     fused_grad_norms=mo.fused_grad_norms, cpp_slots=mo.cpp_slots, adam_threads=mo.adam_threads or "torch default",
@@ -360,9 +382,12 @@ def run_megatrain(spec):
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
-    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, activation_policy=policy, num_slots=slots,
-                           grad_accumulator=accumulator, device_state_layers=devstate, lean_activations=lean)
+    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, **wrap_kw)
     eng = model.megatrain
+    settings.update(wrap_kwargs={k: str(v) for k, v in wrap_kw.items()}, activation_policy=eng.activation_policy,
+                    liger_kernel=eng.placement().get("liger_kernel"))
+    if default:
+        settings.update(num_slots=eng.num_slots, grad_accumulator=eng.accumulator_mode)
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"],
                                    weight_decay=OPT["weight_decay"], max_grad_norm=clip,
                                    gradient_accumulation_steps=ga)
@@ -423,8 +448,34 @@ def run_megatrain(spec):
     return r
 
 
+def torch_variant(name: str) -> dict:
+    """``torch_ckpt[:liger=0|1]`` / ``torch_nockpt[:liger=0|1]`` -> options (``liger``: Liger-Kernel applied first).
+
+    Raises:
+        ValueError: an unknown key or value.
+    """
+    base, _, rest = name.partition(":")
+    opts = {}
+    for kv in filter(None, rest.split(",")):
+        k, sep, v = kv.partition("=")
+        if not sep or k != "liger" or v not in ("0", "1"):
+            raise ValueError(f"bad {base} variant option {kv!r} in {name!r}: use liger=0|1")
+        opts[k] = v
+    return opts
+
+
+def apply_liger(model) -> str:
+    """Liger-Kernel on a plain model, as ``Trainer(use_liger_kernel=True)`` applies it (Liger's defaults)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    import importlib.metadata
+
+    _apply_liger_kernel_to_instance(model=model)
+    return importlib.metadata.version("liger-kernel")
+
+
 def run_torch(spec, ckpt: bool):
     import torch
+    liger = torch_variant(spec["system"]).get("liger") == "1"
     dev = spec["device"]
     dtype = "cuda" if dev.startswith("cuda") else "cpu"
     import contextlib
@@ -435,6 +486,7 @@ def run_torch(spec, ckpt: bool):
                     max_grad_norm=clip, grad_accum=ga, clipping="torch.nn.utils.clip_grad_norm_" if clip else "off")
     model = build_model(spec["model"], spec["seq"], spec["device"])
     n_params = sum(p.numel() for p in model.parameters())
+    settings.update(liger_kernel=apply_liger(model) if liger else None)  # (its version)
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(dev)
@@ -638,7 +690,7 @@ def child_main(spec: dict) -> None:
     fn = {"torch_ckpt": lambda s: run_torch(s, True),
           "torch_nockpt": lambda s: run_torch(s, False), "fsdp2_offload": run_fsdp2,
           "deepspeed_zero3": lambda s: run_deepspeed(s, 3), "deepspeed_zero2": lambda s: run_deepspeed(s, 2),
-          "matmul": run_matmul, **{p: run_peer for p in PEER_SYSTEMS}}.get(name, run_megatrain)
+          "matmul": run_matmul, **{p: run_peer for p in PEER_SYSTEMS}}.get(name.partition(":")[0], run_megatrain)
     report_child(row, lambda: fn(spec), spec["device"], RESULT_TAG)
 
 
@@ -756,15 +808,19 @@ def print_table(rows: list, extra_key: str | None = None) -> None:
 
 
 def ratios(rows: list) -> list:
-    mt = next((r for r in rows if r["system"] == "megatrain" and r.get("status") == "ok"), None)
+    """Each other row against the ``megatrain`` row (or, without one, the first megatrain variant run,
+    e.g. ``megatrain:policy=default``): tokens/s and GPU peak ratios."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    mt = next((r for r in ok if r["system"] == "megatrain"), None) or next(
+        (r for r in ok if r["system"].startswith("megatrain")), None)
     out = []
     if mt is None:
         return out
-    for r in rows:
-        if r["system"] == "megatrain" or r.get("status") != "ok":  # variants: the "before" of a ratio
+    for r in ok:
+        if r is mt:  # other variants: the "before" of a ratio
             continue
         gpu = (mt["gpu_peak_gib"] / r["gpu_peak_gib"]) if mt.get("gpu_peak_gib") and r.get("gpu_peak_gib") else None
-        out.append(dict(peer=r["system"], throughput_ratio=mt["tokens_per_s"] / r["tokens_per_s"],
+        out.append(dict(megatrain=mt["system"], peer=r["system"], throughput_ratio=mt["tokens_per_s"] / r["tokens_per_s"],
                         gpu_memory_ratio=gpu))
     return out
 
@@ -827,7 +883,14 @@ def system_name(text: str) -> str:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e))
         return text
-    raise argparse.ArgumentTypeError(f"unknown system {text!r}: choose from {', '.join(SYSTEMS)} or megatrain:OPTIONS")
+    if text.startswith(("torch_ckpt:", "torch_nockpt:")):
+        try:
+            torch_variant(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+        return text
+    raise argparse.ArgumentTypeError(f"unknown system {text!r}: choose from {', '.join(SYSTEMS)}, megatrain:OPTIONS or "
+                                     "torch_ckpt:liger=1 / torch_nockpt:liger=1")
 
 
 def main() -> None:
@@ -970,7 +1033,7 @@ def main() -> None:
     print_table(rows, extra)
     rat = [] if args.sweep else ratios(rows)
     if rat:
-        print("\nmegatrain vs peer:  throughput ratio (>1: megatrain faster),  GPU memory ratio (<1: megatrain uses less)")
+        print(f"\n{rat[0]['megatrain']} vs peer:  throughput ratio (>1: megatrain faster),  GPU memory ratio (<1: megatrain uses less)")
         for x in rat:
             print(f"  vs {x['peer']:<16} throughput x{x['throughput_ratio']:.2f}   GPU memory x{fmt(x['gpu_memory_ratio'], '{:.2f}')}")
     print("\nsettings:")

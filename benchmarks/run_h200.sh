@@ -7,6 +7,7 @@
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests; CUDA_TIMEOUT, default 560 s: the GPU tests took ~390 + 96 s in two processes on 2026-12-03)
+#                                               defaults (DEFAULTS_PRESET: wrap(model) with / without Liger vs PyTorch + ckpt with / without Liger, clip 1.0)
 #                                               peers (PEERS_PRESET, PEERS_SYSTEMS, PEERS_ARGS, PEERS_TAG, PEERS_CLIP: every system, max_grad_norm 1.0;
 #                                                 PEERS_SYSTEMS may name megatrain_official / slideformer: their public source in .peers/<name>
 #                                                 (git-ignored: the device call carries .peers), else a skipped row)
@@ -198,6 +199,16 @@ from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); 
       tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip$([ "$clip" = 0 ] && echo 0)}
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
         --systems $systems $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
+    defaults)  # megatrain as a user gets it (wrap(model): no placement option) with and without Liger-Kernel, against
+               # PyTorch + checkpointing with and without Liger, at DEFAULTS_PRESET (default 3b), max_grad_norm 1.0, one call;
+               # liger-kernel installed offline from .whl/liger_kernel*.whl (pip download --no-deps liger-kernel) when missing
+      if ! python3 -c "import liger_kernel" >/dev/null 2>&1; then
+        ls .whl/liger_kernel*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl
+      fi
+      run defaults_${DEFAULTS_PRESET:-3b} timeout ${DEFAULTS_TIMEOUT:-590} python3 benchmarks/bench_train.py \
+        --preset ${DEFAULTS_PRESET:-3b} --systems megatrain:policy=default megatrain:policy=default,liger=0 torch_ckpt \
+        torch_ckpt:liger=1 --max-grad-norm 1.0 --steps 3 --warmup 1 \
+        --out docs/benchmarks/defaults_${DEFAULTS_PRESET:-3b}_clip_h200.json ;;
     bg_start)  # BG_CMD in the background (its own session), for work longer than one call (a 6.74B step at 512K
                # tokens: an estimated ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
                # it is held. Write results under build/bg/ (e.g. --out build/bg/long_context_7b.json), not docs/.

@@ -45,6 +45,8 @@ FLAG_KEYS = {
     "tile_mlp": ("runtime", "tile_mlp"),
     "offload_dir": ("runtime", "offload_dir"),
     "host_memory_limit": ("runtime", "host_memory_limit"),
+    "gpu_memory_limit": ("runtime", "gpu_memory_limit"),
+    "liger_kernel": ("runtime", "liger_kernel"),
     "eval_every": ("eval", "every"),
     "log_every": ("log", "every"),
 }
@@ -113,8 +115,13 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute-dtype", help="auto | bf16 | fp32 (runtime.compute_dtype)")
     tr.add_argument(
         "--activation-policy",
-        help="recompute | store | auto | offload | block:K, as megatrain.wrap (runtime.activation_policy)",
+        help="recompute | store | auto | offload | block:K, as megatrain.wrap (runtime.activation_policy; default: "
+        "auto on CUDA, the fastest exact schedule the planner finds; recompute on the CPU)",
     )
+    tr.add_argument("--gpu-memory-limit", help="GPU memory the planner may use: bytes (40GiB) or a fraction of the GPU's "
+                    "memory (0.5); default all of it (runtime.gpu_memory_limit)")
+    tr.add_argument("--liger-kernel", help="auto | true | false: Liger-Kernel's fused kernels, auto = when installed and "
+                    "on CUDA (runtime.liger_kernel)")
     tr.add_argument("--chunked-loss", help="auto | true | false | N rows: LM head + loss over row chunks, no full "
                     "logits (runtime.chunked_loss)")
     tr.add_argument("--tile-mlp", help="auto | true | false | N rows: each layer's MLP over row tiles (runtime.tile_mlp)")

@@ -211,3 +211,33 @@ def test_megatrain_official_source_has_the_api_the_adapter_calls(monkeypatch):
     assert {"device", "dtype", "attn_implementation", "dataset_name", "max_grad_norm", "beta1", "beta2", "eps",
             "gradient_accumulation_steps", "learning_rate", "weight_decay"} <= fields
     sys.modules.pop("infinity", None)
+
+
+def test_default_and_liger_variants_parse_and_bad_ones_are_refused():
+    assert bench_train.megatrain_variant("megatrain:policy=default") == {"policy": "default"}
+    assert bench_train.megatrain_variant("megatrain:policy=default,liger=0") == {"policy": "default", "liger": "0"}
+    with pytest.raises(ValueError, match="liger is 0 or 1"):
+        bench_train.megatrain_variant("megatrain:liger=yes")
+    assert bench_train.torch_variant("torch_ckpt:liger=1") == {"liger": "1"}
+    assert bench_train.system_name("torch_nockpt:liger=1") == "torch_nockpt:liger=1"
+    with pytest.raises(ValueError, match="use liger=0|1"):
+        bench_train.torch_variant("torch_ckpt:liger=2")
+
+
+def test_megatrain_with_defaults_passes_no_option_to_wrap(tmp_path):
+    """``megatrain:policy=default`` is ``megatrain.wrap(model)`` as a user gets it (on the CPU: recompute),
+    and the ratios are taken against it when no plain ``megatrain`` row ran."""
+    out = tmp_path / "d.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--preset", "tiny",
+                        "--device", "cpu", "--systems", "megatrain:policy=default", "torch_ckpt", "--steps", "1",
+                        "--warmup", "1", "--batch", "2", "--seq", "32", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    mt = d["rows"][0]
+    assert mt["status"] == "ok" and mt["settings"]["wrap_kwargs"] == {}
+    assert mt["settings"]["activation_policy"] == "recompute" and mt["settings"]["liger_kernel"] is None
+    assert mt["settings"]["grad_accumulator"] is None  # wrap's default, not the harness's True
+    assert [x["megatrain"] for x in d["ratios"]] == ["megatrain:policy=default"]
+    assert [x["peer"] for x in d["ratios"]] == ["torch_ckpt"]

@@ -7,7 +7,9 @@ device size of one unit's state; :func:`plan_device_state_layers` counts the lay
 whose state fits in ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory (``"auto"`` at wrap;
 the placement planner, :mod:`.planner`, places once more after the first step);
 :func:`plan_boundary_units` chooses the units of ``"boundary"`` (the default of the streamed
-policies on CUDA).
+policies on CUDA). :func:`check_gpu_memory_limit` / :func:`resolve_gpu_memory_limit` /
+:func:`capped_free_bytes`: ``megatrain.wrap``'s ``gpu_memory_limit``, the cap on the device memory
+every placement decision counts as free.
 """
 
 from __future__ import annotations
@@ -94,3 +96,51 @@ def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_
     if first_layer is not None and used + unit_device_bytes(first_layer, compute_dtype) <= budget:
         layers = 1
     return placed, layers
+
+
+# gpu_memory_limit: an int below this is refused (it would be bytes; 1 most likely meant "all of it", 1.0).
+MIN_GPU_MEMORY_LIMIT_BYTES = 1 << 20
+
+
+def check_gpu_memory_limit(value, what: str = "megatrain.wrap: gpu_memory_limit") -> None:
+    """Raise ``ValueError`` (one line) unless ``value`` is None, an int of bytes >= 1 MiB, or a float in (0, 1]
+    (a fraction of the device's memory)."""
+    if value is None:
+        return
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= MIN_GPU_MEMORY_LIMIT_BYTES:
+        return
+    hint = " (an int is bytes: for a share of the device write a float, e.g. 1.0)" if (
+        isinstance(value, int) and not isinstance(value, bool) and 0 < value < MIN_GPU_MEMORY_LIMIT_BYTES) else ""
+    raise ValueError(f"{what} must be a number of bytes (an int >= {MIN_GPU_MEMORY_LIMIT_BYTES}) or a fraction of the "
+                     f"device's memory (a float in (0, 1], e.g. 0.5), got {value!r}{hint}")
+
+
+def resolve_gpu_memory_limit(value, device: torch.device, total_bytes: Optional[int] = None) -> Optional[int]:
+    """``gpu_memory_limit`` in bytes (checked by :func:`check_gpu_memory_limit`), or None (no cap).
+
+    Args:
+        value: None, an int (bytes) or a float in (0, 1] (a fraction of the device's memory).
+        device: the compute device. On the CPU backend the cap does not apply (None): the "device"
+            memory there is host memory, bounded by ``host_memory_limit`` instead.
+        total_bytes: the device's memory; default ``torch.cuda.get_device_properties(device).total_memory``.
+    """
+    check_gpu_memory_limit(value)
+    if value is None or torch.device(device).type != "cuda":
+        return None
+    if isinstance(value, float):
+        if total_bytes is None:
+            total_bytes = torch.cuda.get_device_properties(device).total_memory
+        return int(value * int(total_bytes))
+    return int(value)
+
+
+def capped_free_bytes(free_bytes: int, allocated_bytes: int, limit_bytes: Optional[int]) -> int:
+    """Device bytes the planner may place in: ``free_bytes`` (what the device has free for new tensors),
+    at most ``limit_bytes - allocated_bytes`` (the cap less what this process's tensors on the device
+    already hold: ``torch.cuda.memory_allocated``), never below 0. ``limit_bytes`` None: no cap."""
+    free = max(0, int(free_bytes))
+    if limit_bytes is None:
+        return free
+    return max(0, min(free, int(limit_bytes) - int(allocated_bytes)))

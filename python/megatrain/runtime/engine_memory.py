@@ -179,10 +179,22 @@ class EngineMemory:
         (its compute copy must already be a device buffer: :class:`~.wrapped.WrappedEngine`), or None."""
         return None
 
+    # wrap(gpu_memory_limit=): the cap in bytes (None: the whole device); see free_device_bytes
+    gpu_memory_limit_bytes: Optional[int] = None
+
     def free_device_bytes(self) -> int:
-        """Device bytes free for new tensors (CUDA: free + cached by torch; CPU: available host memory)."""
+        """Device bytes free for new tensors (CUDA: free + cached by torch, at most ``gpu_memory_limit``
+        less what this process's tensors on the device hold; CPU: available host memory).
+
+        Every placement decision reads the free memory here (device-state layers, kept graphs, the
+        planner's second decision, chunked loss and tiling), so ``wrap(gpu_memory_limit=)`` caps them all.
+        """
         if self.cuda:
+            from .device_state_plan import capped_free_bytes
+
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+            allocated = torch.cuda.memory_allocated(self.device)
+            return capped_free_bytes(free + torch.cuda.memory_reserved(self.device) - allocated, allocated,
+                                     self.gpu_memory_limit_bytes)
         from .host_memory import host_memory_limits
         return int(host_memory_limits().get("mem_available_bytes") or 0)

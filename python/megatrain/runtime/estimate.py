@@ -195,12 +195,13 @@ def _model_and_kind(model, model_kwargs, transform):
     return meta, config, False
 
 
-def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None, activation_policy: str = "recompute",
+def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None, activation_policy: Optional[str] = None,
              num_slots: int = 2, grad_accumulator: Optional[bool] = None, gradient_accumulation_steps: int = 1,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
              staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
-             host_memory_limit: Optional[int] = None, host_margin_bytes: int = 0, **model_kwargs) -> MemoryEstimate:
+             host_memory_limit: Optional[int] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
+             **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -211,7 +212,10 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             directory with ``config.json`` and no weight files is estimated from the config alone
             (a note says so): whether a model fits can be asked before downloading it.
         device, compute_dtype, activation_policy, num_slots, grad_accumulator: as :func:`megatrain.wrap`
-            (same defaults: CUDA when available; bf16 on CUDA, fp32 on CPU).
+            (same defaults: CUDA when available; bf16 on CUDA, fp32 on CPU; ``activation_policy``
+            ``"auto"`` on CUDA, ``"recompute"`` on CPU).
+        gpu_memory_limit: as :func:`megatrain.wrap`: the free device memory the estimate checks
+            against is capped the same way.
         gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
             ``grad_accumulator=None``, ``gradient_accumulation_steps > 1`` allocates the fp32
             accumulator (4 B per trainable parameter); ``max_grad_norm`` changes no byte (the
@@ -260,11 +264,17 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     from .units import plan_host_memory
     from .wrap import UnsupportedModelError, check_activation_policy, find_decoder_layers, model_units
 
-    block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")
+    from .device_state_plan import capped_free_bytes, check_gpu_memory_limit, resolve_gpu_memory_limit
+    from .policies import default_activation_policy
+
     offload_dir = check_offload_args(offload_dir, host_memory_limit, "megatrain.estimate")
+    check_gpu_memory_limit(gpu_memory_limit, "megatrain.estimate: gpu_memory_limit")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if activation_policy is None:
+        activation_policy = default_activation_policy(device)
+    block_k = check_activation_policy(activation_policy, "megatrain.estimate: activation_policy")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"megatrain.estimate: device must be a CUDA device or 'cpu', got {str(device)!r}")
     if compute_dtype is None:
@@ -351,7 +361,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     resident_bytes = sum(elem * n + elem * sum(e.numel for e in u.entries if not e.frozen) for u, n in resident)
     free = None
     if cuda and torch.cuda.is_available():
-        free = int(torch.cuda.mem_get_info(device)[0])
+        free = capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device),
+                                 resolve_gpu_memory_limit(gpu_memory_limit, device))
     elif not cuda and cands:  # the CPU device's memory is the host's: what the host store
         free = max(0, cands[0][0] - host - margin)  # and the margin leave under the tightest limit
     # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then

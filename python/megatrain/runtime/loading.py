@@ -183,7 +183,7 @@ class _CheckpointSource:
 def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
     wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
                  "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "reuse_attention",
-                 "lean_activations"}
+                 "lean_activations", "gpu_memory_limit", "liger_kernel"}
     return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
 
 
@@ -197,13 +197,14 @@ def _check_offload(wrap_kwargs: dict, where: str) -> None:
 def _wrap_with(model, source, wrap_kwargs):
     from .wrap import _wrap
 
-    kw = dict(device=None, compute_dtype=None, activation_policy="recompute", num_slots=2, grad_accumulator=None)
+    kw = dict(device=None, compute_dtype=None, activation_policy=None, num_slots=2, grad_accumulator=None)
     kw.update(wrap_kwargs)
     return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
                  kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
                  tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"),
                  offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"),
-                 reuse_attention=kw.get("reuse_attention", True), lean_activations=kw.get("lean_activations", False))
+                 reuse_attention=kw.get("reuse_attention", True), lean_activations=kw.get("lean_activations", False),
+                 gpu_memory_limit=kw.get("gpu_memory_limit"), liger_kernel=kw.get("liger_kernel"))
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:
@@ -220,7 +221,8 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
             ``model.safetensors.index.json`` and its shards); tensors in F32, BF16, F16 or F64.
         **kwargs: :func:`megatrain.wrap` options (``device``, ``compute_dtype``,
             ``activation_policy``, ``num_slots``, ``grad_accumulator``, ``chunked_loss``, ``tile_mlp``,
-            ``device_state_layers``, ``offload_dir``, ``host_memory_limit``); the others go to
+            ``device_state_layers``, ``offload_dir``, ``host_memory_limit``, ``gpu_memory_limit``,
+            ``liger_kernel``, ...; the same defaults: ``activation_policy="auto"`` on CUDA); the others go to
             ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation``).
 
     Returns:

@@ -47,7 +47,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .layer_call import mixed_class
 from .lean_ops import lean_forward, lean_kind
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss, checkpoint_spacing: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
@@ -65,7 +64,8 @@ class _TiledMixin:
             return self._megatrain_untiled_forward(x, *args, **kwargs)
         rows = plan.tile_rows(self, x)
         if rows is None:
-            if plan.lean and self._megatrain_lean is not None and torch.is_grad_enabled():
+            # (a forward bound on the instance, Liger's kernel, is lean already and runs as it is)
+            if plan.lean and self._megatrain_lean is not None and torch.is_grad_enabled() and "forward" not in vars(self):
                 return lean_forward(self, x)  # (an autograd Function: no graph when nothing requires grad)
             return self._megatrain_untiled_forward(x)
         named = list(self.named_parameters())
@@ -84,8 +84,39 @@ class _NoCtx:
         pass
 
 
+class _TiledForward:
+    """``forward`` of a tiled module's class: a data descriptor, so it takes precedence over a
+    ``forward`` bound on the instance (Liger-Kernel binds its kernels' forward into the module's
+    ``__dict__``, before ``wrap`` or, through ``Trainer(use_liger_kernel=True)``, after it); that
+    instance forward is then the untiled one (:func:`_untiled_forward`), and tiling stays in force."""
+
+    def __get__(self, obj, cls=None):
+        return _TiledMixin.forward if obj is None else _TiledMixin.forward.__get__(obj, cls)
+
+    def __set__(self, obj, value):
+        obj.__dict__["forward"] = value
+
+    def __delete__(self, obj):
+        obj.__dict__.pop("forward", None)
+
+
+def _untiled_forward(orig):
+    def untiled(self, *args, **kwargs):
+        bound = self.__dict__.get("forward")
+        return bound(*args, **kwargs) if bound is not None else orig(self, *args, **kwargs)
+    return untiled
+
+
+_TILED_CLASSES: dict = {}
+
+
 def _tiled_class(cls: type) -> type:
-    return mixed_class("Tiled", _TiledMixin, cls, "_megatrain_untiled_forward")
+    """``Tiled<cls>``: ``forward`` the tiling (:class:`_TiledForward`), ``_megatrain_untiled_forward`` the
+    instance's own forward (one bound on the instance, else ``cls.forward``). One class per ``cls``."""
+    if cls not in _TILED_CLASSES:
+        _TILED_CLASSES[cls] = type(f"Tiled{cls.__name__}", (_TiledMixin, cls),
+                                   {"forward": _TiledForward(), "_megatrain_untiled_forward": _untiled_forward(cls.forward)})
+    return _TILED_CLASSES[cls]
 
 
 def _mlp_of(layer: nn.Module) -> Optional[nn.Module]:

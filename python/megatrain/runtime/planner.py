@@ -289,6 +289,8 @@ class PlacementReplan:
         free = self.free_device_bytes()
         if self.cuda:
             total = torch.cuda.get_device_properties(self.device).total_memory
+            if self.gpu_memory_limit_bytes is not None:  # wrap(gpu_memory_limit=): the margin of the capped device
+                total = min(total, self.gpu_memory_limit_bytes)
             transient = max(0, torch.cuda.max_memory_allocated(self.device) - self._replan_base["allocated"] - acts)
         else:
             total, transient = free, 0

@@ -24,6 +24,14 @@ _POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
 AUTO_STORE_FRACTION = 0.6
 
 
+def default_activation_policy(device: torch.device) -> str:
+    """``activation_policy`` when none is given (``megatrain.wrap``, ``from_pretrained``, ``from_config``,
+    ``estimate``, ``megatrain train``): ``"auto"`` on a CUDA device (the placement planner: the fastest
+    exact schedule that fits the free GPU memory, docs/placement.md), ``"recompute"`` on the CPU
+    backend (the streamed engine, as before ``auto`` became the default; the CPU results are unchanged)."""
+    return "auto" if torch.device(device).type == "cuda" else "recompute"
+
+
 def check_activation_policy(policy, what: str = "megatrain.wrap: activation_policy") -> int:
     """Check an activation policy string (the rule of :func:`wrap`; the CLI checks its config with it too).
 

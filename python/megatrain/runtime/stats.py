@@ -58,7 +58,9 @@ class EngineStats(EngineTimeline):
         (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
         ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
         for the other policies (``activation_policy`` says what every layer does); ``replan``: what
-        the planner measured in the first step and chose after it (``megatrain.runtime.planner``), or None.
+        the planner measured in the first step and chose after it (``megatrain.runtime.planner``), or None;
+        ``gpu_memory_limit_bytes``: ``wrap(gpu_memory_limit=)`` in bytes (None: no cap); ``liger_kernel``:
+        the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.kernels``), or None.
         """
         k = len(self.device_state.layers) if self.device_state else 0
         decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
@@ -73,7 +75,9 @@ class EngineStats(EngineTimeline):
                     streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
                     activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
                     disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
-                    replan=getattr(self, "replan_info", None))
+                    replan=getattr(self, "replan_info", None),
+                    gpu_memory_limit_bytes=getattr(self, "gpu_memory_limit_bytes", None),
+                    liger_kernel=getattr(self, "liger_kernel", None))
 
     def stats(self) -> dict:
         """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.

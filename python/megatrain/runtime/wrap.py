@@ -24,21 +24,22 @@ from torch import nn
 
 from . import long_context
 from .clip_grad import install_accelerate_clip
-from .device_state_plan import check_device_state_layers, resolve_device_state_layers
+from .device_state_plan import check_device_state_layers, resolve_device_state_layers, resolve_gpu_memory_limit
+from .kernels import apply_liger_kernel, check_liger_kernel, resolve_liger_kernel
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .module_api import install as _install_module_api
 from .module_guards import check_layers_unhooked
-from .policies import AUTO_STORE_FRACTION, check_activation_policy  # noqa: F401 - public here
+from .policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from .attention_reuse import AttentionReuse
 from .wrapped import WrappedEngine
 
 
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
-         activation_policy: str = "recompute", num_slots: int = 2, grad_accumulator: Optional[bool] = None,
+         activation_policy: Optional[str] = None, num_slots: int = 2, grad_accumulator: Optional[bool] = None,
          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
          host_memory_limit: Optional[int] = None, reuse_attention: bool = True,
-         lean_activations: bool = False) -> nn.Module:
+         lean_activations: bool = False, gpu_memory_limit=None, liger_kernel: Optional[bool] = None) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -48,7 +49,10 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         device: compute device. Default: ``cuda`` when available, else ``cpu``.
         compute_dtype: dtype of the streamed compute copy and of all activations:
             ``torch.bfloat16`` (default on CUDA) or ``torch.float32`` (default on CPU; exact parity).
-        activation_policy: ``"recompute"`` (save each layer input, recompute the layer in backward),
+        activation_policy: ``None`` (default): ``"auto"`` on CUDA (the placement planner: the fastest
+            exact schedule it finds in the free GPU memory, docs/placement.md) and ``"recompute"`` on
+            the CPU backend. ``"recompute"`` (save each layer input, recompute the layer in backward;
+            with ``device_state_layers=0``: the streamed-only schedule, the least GPU memory),
             ``"block:K"`` (save every K-th layer input, recompute the block), ``"store"`` (keep
             every layer's activations on the device, no recomputation: backward re-streams only
             the weights; needs the activation memory of plain training without checkpointing) or
@@ -110,6 +114,20 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             staging and the disk tier's buffers (an int). None: the host budget check's limits
             (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit
             raises ``HostMemoryError``.
+        gpu_memory_limit: the GPU memory megatrain may plan for, for a user who needs the rest for
+            other work: an int (bytes, >= 1 MiB) or a float in (0, 1] (a fraction of the device's
+            total memory). Every placement decision (device-state layers, kept graphs, the planner's
+            second decision, chunked loss and MLP tiling) then counts as free at most this cap less
+            what the process's tensors on the device already hold (``torch.cuda.memory_allocated``).
+            It bounds what megatrain places, not the allocator: transient memory (a step's logits,
+            workspaces) is left for inside it, as in the uncapped planner; for a hard cap of the
+            process use ``torch.cuda.set_per_process_memory_fraction``. None (default): the whole
+            device. Ignored on the CPU backend.
+        liger_kernel: Liger-Kernel's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear
+            cross-entropy; ``pip install megatrain[kernels]``) on the architectures it supports:
+            ``None`` (default): when liger-kernel is installed and the device is CUDA; ``True``:
+            required; ``False``: off. Applied to the model before the engine is built; see
+            ``megatrain.runtime.kernels`` (where its loss and ``chunked_loss`` meet).
         reuse_attention: under ``block:K``, keep the attention output and log-sum-exp that the
             backward's re-run of a block computes, so that each layer's own re-run with grad takes
             them instead of running its attention forward again (SDPA's cuDNN / flash kernels;
@@ -137,7 +155,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     Raises:
         UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
-            ``compute_dtype`` / ``num_slots``, the model is already wrapped, a decoder layer's parameter
+            ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel``, ``liger_kernel=True``
+            without liger-kernel installed or off CUDA, the model is already wrapped, a decoder layer's parameter
             has a gradient hook (``register_hook`` / ``register_post_accumulate_grad_hook``) or a decoder
             layer's module is parametrized (``torch.nn.utils.parametrize``).
         HostMemoryError: the host store does not fit in host memory (nothing is allocated), even
@@ -148,12 +167,12 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
                  chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers,
                  offload_dir=offload_dir, host_memory_limit=host_memory_limit, reuse_attention=reuse_attention,
-                 lean_activations=lean_activations)
+                 lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit, liger_kernel=liger_kernel)
 
 
 def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
           chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None,
-          reuse_attention=True, lean_activations=False):
+          reuse_attention=True, lean_activations=False, gpu_memory_limit=None, liger_kernel=None):
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     install_accelerate_clip()  # accelerate's own clip_grad_norm_ no longer reaches torch's (see there)
@@ -199,8 +218,13 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
+    if activation_policy is None:
+        activation_policy = default_activation_policy(device)
     check_activation_policy(activation_policy)
     check_device_state_layers(device_state_layers)
+    check_liger_kernel(liger_kernel)
+    gpu_memory_limit = resolve_gpu_memory_limit(gpu_memory_limit, device)
+    use_liger = resolve_liger_kernel(liger_kernel, device)
     offload_dir = check_offload_args(offload_dir, host_memory_limit)
     device_state_layers = resolve_device_state_layers(device_state_layers, activation_policy, device)
     for name, p in model.named_parameters():
@@ -219,6 +243,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
             f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     long_context.check(model, layers, chunked_loss, tile_mlp)
+    # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.kernels)
+    liger = apply_liger_kernel(model, layers, required=liger_kernel is True) if use_liger else None
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
     # A wrapped model that was dropped (a notebook cell run again) sits in reference cycles until the
@@ -227,7 +253,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
                            source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,
-                           host_memory_limit=host_memory_limit)
+                           host_memory_limit=host_memory_limit, gpu_memory_limit=gpu_memory_limit)
+    engine.liger_kernel = liger
     object.__setattr__(model, "megatrain", engine)
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp, lean_activations)
     engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None

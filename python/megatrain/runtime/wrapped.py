@@ -47,8 +47,10 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
                  grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
-                 offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None):
+                 offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None,
+                 gpu_memory_limit: Optional[int] = None):
         self.block_k = check_activation_policy(activation_policy)
+        self.gpu_memory_limit_bytes = gpu_memory_limit  # bytes (wrap resolved a fraction); read by free_device_bytes
         self.store_activations = activation_policy == "store"
         self.auto_policy = activation_policy == "auto"
         self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)

@@ -165,6 +165,62 @@ def _byte_size(key: str, value: Any) -> int:
     raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, got {_describe(value)}")
 
 
+class DeviceMemoryLimit(float):
+    """Type of ``runtime.gpu_memory_limit``: GPU bytes (an integer, or with a unit: ``40GiB``) or a fraction of
+    the GPU's memory in (0, 1] (``0.5``), as ``megatrain.wrap(gpu_memory_limit=)`` takes it (int / float)."""
+
+
+def _device_memory_limit(key: str, value: Any):
+    from megatrain.runtime.device_state_plan import MIN_GPU_MEMORY_LIMIT_BYTES
+
+    bad = UsageError(f"{key} must be GPU bytes >= 1MiB (e.g. 40GiB) or a fraction of the GPU's memory in (0, 1] "
+                     f"(e.g. 0.5), got {_describe(value)}")
+    if isinstance(value, bool):
+        raise bad
+    fraction = value if isinstance(value, float) else None
+    if isinstance(value, str) and "." in value and not any(c.isalpha() for c in value):
+        try:
+            fraction = float(value.strip())
+        except ValueError:
+            raise bad from None
+    if fraction is not None:
+        if 0.0 < fraction <= 1.0:
+            return float(fraction)
+        if not fraction.is_integer():
+            raise bad
+    try:
+        n = _byte_size(key, value)
+    except UsageError:
+        raise bad from None
+    if n < MIN_GPU_MEMORY_LIMIT_BYTES:
+        raise bad
+    return n
+
+
+class AutoSwitch(str):
+    """Type of ``runtime.liger_kernel``: ``auto`` | ``true`` | ``false`` (stored as that string);
+    :func:`wrap_auto_switch` gives ``megatrain.wrap``'s None / True / False."""
+
+
+def _auto_switch(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("auto", "none", "null", ""):
+            return "auto"
+        if v in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return "true" if v in ("true", "yes", "on", "1") else "false"
+    if value is None:
+        return "auto"
+    raise UsageError(f"{key} must be auto, true or false, got {_describe(value)}")
+
+
+def wrap_auto_switch(value: str):
+    """``runtime.liger_kernel`` as ``megatrain.wrap`` takes it: None (auto), True or False."""
+    return {"auto": None, "true": True, "false": False}[value]
+
+
 def wrap_rows_mode(value: str):
     """``runtime.chunked_loss`` / ``runtime.tile_mlp`` (as checked by the config) as ``megatrain.wrap``
     takes it: ``"auto"``, ``True``, ``False`` or an int of rows."""
@@ -178,7 +234,9 @@ class RuntimeConfig:
 
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    activation_policy: str = "recompute"  # recompute | store | auto | offload | block:K (as megatrain.wrap)
+    # recompute | store | auto | offload | block:K (as megatrain.wrap); none: wrap's default, auto on CUDA (the
+    # placement planner, the fastest exact schedule it finds) and recompute on the CPU. docs/placement.md.
+    activation_policy: Optional[str] = None
     # LM head + loss over row chunks without the full logits / each layer's MLP over row tiles:
     # auto (when they would not fit in 1/16 of the free device memory) | true | false | N rows
     chunked_loss: RowsMode = "auto"
@@ -190,6 +248,10 @@ class RuntimeConfig:
     # Decoder layers (from layer 0) whose whole training state stays on the GPU: auto | N; none: wrap's
     # default ("auto" under activation_policy auto on CUDA, else 0). docs/placement.md.
     device_state_layers: Optional[PlacementCount] = None
+    # GPU memory the planner may use: bytes (40GiB) or a fraction of the GPU's memory (0.5); none: all of it
+    gpu_memory_limit: Optional[DeviceMemoryLimit] = None
+    # Liger-Kernel's fused kernels (pip install megatrain[kernels]): auto (when installed, on CUDA) | true | false
+    liger_kernel: AutoSwitch = "auto"
 
 
 @dataclass
@@ -258,6 +320,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _byte_size(key, value)
     if tp is PlacementCount:
         return _placement_count(key, value)
+    if tp is DeviceMemoryLimit:
+        return _device_memory_limit(key, value)
+    if tp is AutoSwitch:
+        return _auto_switch(key, value)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
@@ -455,7 +521,8 @@ def validate(cfg: Config) -> None:
     from megatrain.runtime.wrap import check_activation_policy  # the rule of megatrain.wrap itself
 
     try:
-        check_activation_policy(r.activation_policy, "runtime.activation_policy")
+        if r.activation_policy is not None:
+            check_activation_policy(r.activation_policy, "runtime.activation_policy")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if r.offload_dir is not None:

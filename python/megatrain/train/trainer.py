@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatrain.checkpoint import existing_ancestor
-from megatrain.train.config import Config, UsageError, to_yaml, wrap_device_state_layers, wrap_rows_mode
+from megatrain.train.config import (Config, UsageError, to_yaml, wrap_auto_switch, wrap_device_state_layers,
+                                    wrap_rows_mode)
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
@@ -287,7 +288,8 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
                                  seq_len=cfg.data.seq_len, chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
                                  tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-                                 host_memory_limit=cfg.runtime.host_memory_limit)
+                                 host_memory_limit=cfg.runtime.host_memory_limit,
+                                 gpu_memory_limit=cfg.runtime.gpu_memory_limit)
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(_first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001
@@ -432,7 +434,8 @@ def build_wrapped_model(plan: Plan):
               chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
               tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
               host_memory_limit=cfg.runtime.host_memory_limit,
-              device_state_layers=wrap_device_state_layers(cfg.runtime.device_state_layers))
+              device_state_layers=wrap_device_state_layers(cfg.runtime.device_state_layers),
+              gpu_memory_limit=cfg.runtime.gpu_memory_limit, liger_kernel=wrap_auto_switch(cfg.runtime.liger_kernel))
     if cfg.runtime.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
         kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
     torch.manual_seed(cfg.train.seed)
@@ -815,6 +818,12 @@ def _auto_decisions(engine) -> Optional[list]:
     return out
 
 
+def _activation_policy(model, cfg: Config) -> Optional[str]:
+    """The activation policy the run uses: ``runtime.activation_policy``, or wrap's default it resolved to."""
+    engine = getattr(model, "megatrain", None)
+    return getattr(engine, "activation_policy", None) or cfg.runtime.activation_policy
+
+
 def _long_context(engine, cfg: Config) -> dict:
     """``runtime.chunked_loss`` / ``runtime.tile_mlp`` and what the last forward used: ``loss_rows``
     (rows per loss chunk, None: full logits), ``mlp_rows`` (rows per MLP tile, None: untiled), ``tokens``."""
@@ -850,7 +859,8 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
     model = build_wrapped_model(plan)
     check_causal(model)
     params = metrics_mod.count_params(model)
-    flops = metrics_mod.flops_per_token(model.config, params, d.seq_len, cfg.runtime.activation_policy)
+    policy = _activation_policy(model, cfg)
+    flops = metrics_mod.flops_per_token(model.config, params, d.seq_len, policy)
     peak = cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
     peak_source = "config" if peak else None
     if peak is None and device.type == "cuda":
@@ -1103,7 +1113,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
             "device": str(device),
             "world_size": ranks.world,
             "compute_dtype": str(plan.compute_dtype).replace("torch.", ""),
-            "activation_policy": cfg.runtime.activation_policy,
+            "activation_policy": policy,
             "auto_decisions": _auto_decisions(engine),
             "placement": engine.placement() if engine is not None else None,
             "long_context": _long_context(engine, cfg),
@@ -1142,7 +1152,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
                 "step": done_step,
                 "checkpoint": saved["path"] if saved["step"] == done_step else None,
                 "eval_history": evals,
-                "activation_policy": cfg.runtime.activation_policy,
+                "activation_policy": _activation_policy(model, cfg),
                 "auto_decisions": _auto_decisions(engine),
                 "resumed_from": {"step": start_step, "checkpoint": resume.path} if resume is not None else None,
                 "out_dir": out_dir,
