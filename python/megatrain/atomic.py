@@ -22,6 +22,7 @@ import errno
 import fcntl
 import glob
 import os
+import secrets
 import shutil
 import tempfile
 from typing import Callable, Iterator, Optional
@@ -70,6 +71,27 @@ def check_replaceable(path: str, what: str, looks_right: Optional[Callable[[str]
             raise ValueError(f"{what}: {path!r} is not empty and is not {expected}; saving would delete what is "
                              "there: choose a new or empty directory, or remove it first")
     return path
+
+
+def make_temp_dir(parent: str, prefix: str) -> str:
+    """Create a new directory ``parent/prefix<random>`` and return its path.
+
+    Unlike ``tempfile.mkdtemp`` (always mode 0700), the directory is made with a plain
+    ``os.mkdir(path, 0o777)``: it gets the mode (and default ACLs) the process's umask gives any
+    directory (0755 under umask 022), so what is swapped into place is readable by whoever may
+    read a directory this process creates.
+
+    Raises:
+        OSError: the file system refused (permissions, ENOSPC, ...).
+    """
+    for _ in range(100):
+        path = os.path.join(parent, prefix + secrets.token_hex(6))
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name {prefix}* in {parent}")
 
 
 def _lock_fd(path: str, blocking: bool) -> Optional[int]:
@@ -167,7 +189,8 @@ def atomic_directory(path: str, what: str, looks_right: Optional[Callable[[str],
     ``with atomic_directory(out, "megatrain.save_checkpoint", is_ckpt, "a megatrain checkpoint") as tmp:``
     write every file into ``tmp``; on a normal exit the files are fsynced and ``tmp`` replaces
     ``out`` atomically (a kill at any moment leaves the old or the new complete directory at
-    ``out``). On an exception ``tmp`` is removed and ``out`` is untouched.
+    ``out``). The directory gets the mode a plain ``mkdir`` gives under the process's umask
+    (0755 under umask 022), as do the files written into it with ``open``. On an exception ``tmp`` is removed and ``out`` is untouched.
 
     Args:
         path: destination: new, an empty directory, or one ``looks_right(path)`` accepts.
@@ -185,7 +208,7 @@ def atomic_directory(path: str, what: str, looks_right: Optional[Callable[[str],
     os.makedirs(parent, exist_ok=True)
     with _parent_lock(parent, base):
         _clean_stale(parent, base, path)
-        tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+        tmp = make_temp_dir(parent, f".{base}.tmp-")  # the umask's mode, not mkdtemp's 0700
         tmp_fd = _lock_fd(tmp, blocking=False)  # held until the swap: marks tmp as a live writer's
     try:
         yield tmp
