@@ -22,9 +22,10 @@ import errno
 import fcntl
 import glob
 import os
+import secrets
 import shutil
 import tempfile
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Type
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -50,26 +51,49 @@ def write_probe_error(directory: str) -> Optional[OSError]:
     return None
 
 
-def check_replaceable(path: str, what: str, looks_right: Optional[Callable[[str], bool]], expected: str) -> str:
+def check_replaceable(path: str, what: str, looks_right: Optional[Callable[[str], bool]], expected: str,
+                      error: Type[ValueError] = ValueError) -> str:
     """Refuse (before anything is written) a destination that a save would destroy by mistake.
 
     ``path`` may be new, an empty directory, or a directory ``looks_right(path)`` accepts (the
     previous output of the same kind, replaced atomically; None accepts nothing). A file, a
     symlink, a directory holding something else, or a parent that is not a directory raises
-    ``ValueError`` naming what was found and what to do. Returns the absolute path.
+    ``error`` (``ValueError`` or a subclass of it, e.g. ``megatrain.CheckpointError``) naming what
+    was found and what to do. Returns the absolute path.
     """
     path = os.path.abspath(path)
     p = existing_ancestor(path)
     if not os.path.isdir(p):
-        raise ValueError(f"{what}: cannot create {path!r}: {p!r} is a file, not a directory; choose another path")
+        raise error(f"{what}: cannot create {path!r}: {p!r} is a file, not a directory; choose another path")
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
-            raise ValueError(f"{what}: {path!r} exists and is not a directory; it would be replaced: "
+            raise error(f"{what}: {path!r} exists and is not a directory; it would be replaced: "
                              "choose another path or remove it first")
         if os.listdir(path) and not (looks_right is not None and looks_right(path)):
-            raise ValueError(f"{what}: {path!r} is not empty and is not {expected}; saving would delete what is "
+            raise error(f"{what}: {path!r} is not empty and is not {expected}; saving would delete what is "
                              "there: choose a new or empty directory, or remove it first")
     return path
+
+
+def make_temp_dir(parent: str, prefix: str) -> str:
+    """Create a new directory ``parent/prefix<random>`` and return its path.
+
+    Unlike ``tempfile.mkdtemp`` (always mode 0700), the directory is made with a plain
+    ``os.mkdir(path, 0o777)``: it gets the mode (and default ACLs) the process's umask gives any
+    directory (0755 under umask 022), so what is swapped into place is readable by whoever may
+    read a directory this process creates.
+
+    Raises:
+        OSError: the file system refused (permissions, ENOSPC, ...).
+    """
+    for _ in range(100):
+        path = os.path.join(parent, prefix + secrets.token_hex(6))
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name {prefix}* in {parent}")
 
 
 def _lock_fd(path: str, blocking: bool) -> Optional[int]:
@@ -161,37 +185,40 @@ def _clean_stale(parent: str, base: str, path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str, what: str, looks_right: Optional[Callable[[str], bool]] = None,
-                     expected: str = "an earlier output of the same kind") -> Iterator[str]:
+                     expected: str = "an earlier output of the same kind",
+                     error: Type[ValueError] = ValueError) -> Iterator[str]:
     """Write directory ``path`` atomically: yields a temporary directory to fill, then swaps it in.
 
     ``with atomic_directory(out, "megatrain.save_checkpoint", is_ckpt, "a megatrain checkpoint") as tmp:``
     write every file into ``tmp``; on a normal exit the files are fsynced and ``tmp`` replaces
     ``out`` atomically (a kill at any moment leaves the old or the new complete directory at
-    ``out``). On an exception ``tmp`` is removed and ``out`` is untouched.
+    ``out``). The directory gets the mode a plain ``mkdir`` gives under the process's umask
+    (0755 under umask 022), as do the files written into it with ``open``. On an exception ``tmp`` is removed and ``out`` is untouched.
 
     Args:
         path: destination: new, an empty directory, or one ``looks_right(path)`` accepts.
         what: the caller's name for error messages (e.g. ``"megatrain.export_pretrained"``).
         looks_right: predicate on an existing non-empty directory: True if it may be replaced.
         expected: what ``looks_right`` accepts, in words (for the error message).
+        error: the class raised for a refused destination (``ValueError`` or a subclass).
 
     Raises:
-        ValueError: ``path`` is a file, a symlink, or a non-empty directory ``looks_right``
+        ValueError: (``error``) ``path`` is a file, a symlink, or a non-empty directory ``looks_right``
             refuses (checked before anything is written, and again before the swap).
         OSError: the file system refused (permissions, ENOSPC, ...); ``path`` is untouched.
     """
-    path = check_replaceable(path, what, looks_right, expected)
+    path = check_replaceable(path, what, looks_right, expected, error)
     parent, base = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     with _parent_lock(parent, base):
         _clean_stale(parent, base, path)
-        tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+        tmp = make_temp_dir(parent, f".{base}.tmp-")  # the umask's mode, not mkdtemp's 0700
         tmp_fd = _lock_fd(tmp, blocking=False)  # held until the swap: marks tmp as a live writer's
     try:
         yield tmp
         _fsync_tree(tmp)
         with _parent_lock(parent, base):
-            check_replaceable(path, what, looks_right, expected)  # it may have changed while we wrote
+            check_replaceable(path, what, looks_right, expected, error)  # it may have changed while we wrote
             if os.path.lexists(path) and _exchange(tmp, path):
                 _fsync(parent)  # tmp now holds the old directory
             elif os.path.lexists(path):

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from .atomic import atomic_directory, check_replaceable, existing_ancestor  # noqa: F401 - public here too
+from .errors import CheckpointError  # noqa: F401 - public here too
 from .runtime.engine import locate
 
 FORMAT = "megatrain-checkpoint"
@@ -47,10 +48,6 @@ STATE = "state.json"
 SCHEDULER = "scheduler.pt"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 _CHUNK = 16 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupted, or does not match the model."""
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -265,8 +262,10 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         ``directory`` (absolute).
 
     Raises:
-        ValueError: ``directory`` is a file or a non-empty directory that is not a megatrain
-            checkpoint (it would be deleted), the optimizer is not this model's, the call falls
+        CheckpointError: ``directory`` (or a folder above it) is a file, or ``directory`` is a
+            non-empty directory that is not a megatrain checkpoint (it would be deleted); checked
+            before anything is written. A ``ValueError`` subclass.
+        ValueError: the optimizer is not this model's, the call falls
             between backward() and step() while updates run, or ``extra`` is not a JSON-serialisable dict.
         TypeError: ``directory`` is not a path.
     """
@@ -277,7 +276,8 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         raise ValueError(f"megatrain.save_checkpoint: extra must be a dict (load_checkpoint returns it as one), got "
                          f"{type(extra).__name__}")
     eng = _engine(model)
-    check_replaceable(directory, "megatrain.save_checkpoint", _is_checkpoint_dir, "a megatrain checkpoint")
+    check_replaceable(directory, "megatrain.save_checkpoint", _is_checkpoint_dir, "a megatrain checkpoint",
+                      CheckpointError)
     if optimizer is not None:
         optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "engine") else optimizer
         if getattr(optimizer, "engine", None) is not eng:
@@ -305,7 +305,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
 def _save(directory: str, eng, optimizer, lr_scheduler, extra_json) -> str:
     # A unit whose state is on disk is written from the tier's buffer (acquired, written, released).
     with atomic_directory(directory, "megatrain.save_checkpoint", _is_checkpoint_dir,
-                          "a megatrain checkpoint") as tmp, eng.state_window(write=False):
+                          "a megatrain checkpoint", CheckpointError) as tmp, eng.state_window(write=False):
         files = {}
         units = []
         for u in eng.units:

@@ -292,6 +292,44 @@ def test_mismatched_model_is_refused(full_run):
         megatrain.checkpoint.load_checkpoint(full_run[0], model)
 
 
+def test_megatrain_checkpoint_error_catches_failing_load_and_save(tmp_path):
+    # There were two unrelated CheckpointError classes: `except megatrain.CheckpointError` let a
+    # failing load_checkpoint through. One class now, raised by loading, from_pretrained and saving.
+    import megatrain
+    import megatrain.checkpoint
+    from megatrain.runtime import loading
+
+    assert megatrain.checkpoint.CheckpointError is megatrain.CheckpointError is loading.CheckpointError
+    model, opt, sched = _setup()
+    ckpt = megatrain.save_checkpoint(str(tmp_path / "ck"), model, opt, sched)
+    victim = os.path.join(ckpt, "unit-00001.safetensors")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    caught = []
+    for call in (lambda: megatrain.load_checkpoint(ckpt, model, opt, sched),  # truncated file
+                 lambda: megatrain.load_checkpoint(str(tmp_path / "nothing"), model, opt),  # no checkpoint there
+                 lambda: megatrain.from_pretrained(ckpt, device="cpu")):  # not a model directory
+        try:
+            call()
+        except megatrain.CheckpointError as exc:
+            caught.append(str(exc))
+    assert len(caught) == 3 and "unit-00001.safetensors" in caught[0] and "truncated" in caught[0], caught
+    # saving over a directory that is not a checkpoint, or under a file: refused before anything is written
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    for dest, match in ((tmp_path / "work", "is not empty and is not a megatrain checkpoint"),
+                        (tmp_path / "afile", "exists and is not a directory"),
+                        (tmp_path / "afile" / "sub", "is a file, not a directory")):
+        try:
+            megatrain.save_checkpoint(str(dest), model, opt)
+        except megatrain.CheckpointError as exc:
+            assert match in str(exc) and str(exc).startswith("megatrain.save_checkpoint: "), str(exc)
+        else:
+            raise AssertionError(f"save_checkpoint({dest}) did not raise")
+    assert os.listdir(tmp_path / "work") == ["notes.txt"] and (tmp_path / "afile").read_text() == "x"
+
+
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     import megatrain
     import megatrain.checkpoint

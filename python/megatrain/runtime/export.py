@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 
 import torch
 from torch import nn
@@ -128,7 +127,7 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
         ValueError: the model is not wrapped, ``dtype`` is neither fp32 nor bf16, or ``out_dir``
             is a file or a non-empty directory that is not its own earlier export (it would be deleted).
     """
-    from ..atomic import atomic_directory, check_replaceable
+    from ..atomic import atomic_directory, check_replaceable, make_temp_dir
     from ..checkpoint import save_pretrained_streamed
 
     if getattr(model, "megatrain", None) is None:
@@ -152,7 +151,7 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
         return out_dir
     # The run's checkpoint-N/ folders stay: the model files are written beside the directory and
     # moved in one by one (each atomically, weights first); an own file the new export lacks goes.
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-export-", dir=os.path.dirname(out_dir))
+    tmp = make_temp_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-export-")
     try:
         save_pretrained_streamed(model, tmp, dtype=dtype)
         new = sorted(os.listdir(tmp), key=lambda n: n != "model.safetensors")

@@ -141,9 +141,10 @@ class _LayerFunction(torch.autograd.Function):
     """One decoder layer: forward on streamed weights without a graph, backward by recomputation."""
 
     @staticmethod
-    def forward(ctx, eng, call, dummy, *diff_inputs):
+    def forward(ctx, eng, call, token, dummy, *diff_inputs):
         ctx.eng = eng
         ctx.call = call
+        ctx.token = token  # thread_guard: this forward is pending until its backward ends or this graph is freed
         ctx.parked = None  # offload policy: the input's host copy
         call.rng = _rng_state(eng.device)
         if eng.store_this(call, diff_inputs):
@@ -175,6 +176,11 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
+        with ctx.eng.activity.layer_backward(ctx.token):  # a second thread's use is refused here
+            return _LayerFunction._backward(ctx, grad_outs)
+
+    @staticmethod
+    def _backward(ctx, grad_outs):
         eng, call = ctx.eng, ctx.call
         if ctx.saves_inputs:
             inputs = ctx.saved_tensors
@@ -191,5 +197,5 @@ class _LayerFunction(torch.autograd.Function):
                 f"activation_policy={eng.activation_policy!r} (the layer's saved state was freed by the first one); "
                 "use activation_policy='recompute', or run the forward again")
         grads = eng.backward_layer(call, inputs, grad_outs)
-        return (None, None, None) + tuple(grads)
+        return (None, None, None, None) + tuple(grads)
 

@@ -54,6 +54,12 @@ class LayerExecution:
         return out
 
     def run_layer(self, layer, args, kwargs):
+        """A streamed layer's ``forward``: refused in a second thread while another uses the model
+        (:meth:`~.thread_guard.ModelActivity.layer_call`), else recorded and run (:meth:`_run_layer`)."""
+        with self.activity.layer_call():
+            return self._run_layer(layer, args, kwargs)
+
+    def _run_layer(self, layer, args, kwargs):
         unit = layer._megatrain_unit
         leaves, spec = tree_flatten((args, kwargs))
         any_param_grad = any(e.param.requires_grad for e in unit.entries)
@@ -70,7 +76,7 @@ class LayerExecution:
         call = _LayerCall(layer, unit, stored, spec, diff_idx)
         self._replan_mark("fwd")
         self._assign_block(call, diff)
-        outs = _LayerFunction.apply(self, call, self._dummy, *diff)
+        outs = _LayerFunction.apply(self, call, self.activity.graph_token(), self._dummy, *diff)
         out_leaves = list(call.out_other)
         for i, o in zip(call.out_tensor_idx, outs):
             out_leaves[i] = o

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..errors import CheckpointError
+
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec)
 _ST_DTYPES = {
@@ -18,10 +20,6 @@ _ST_DTYPES = {
 }
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 _MAX_HEADER_BYTES = 100 << 20
-
-
-class CheckpointError(ValueError):
-    """A model directory that cannot be loaded (missing/truncated file, wrong shape or dtype, missing tensor)."""
 
 
 # ---------------------------------------------------------------------------------------------- reading

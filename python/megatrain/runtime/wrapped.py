@@ -24,6 +24,7 @@ from .layers import UnsupportedModelError, _move_buffers, model_units
 from .module_api import EngineModuleApi
 from .planner import PlacementReplan
 from .policies import ActivationPolicies, check_activation_policy
+from .thread_guard import ModelActivity
 from .units import Unit
 
 
@@ -166,7 +167,10 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         # autograd engine whether the running graph task reaches it, i.e. whether this backward
         # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
         self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
+        # One activity at a time: a second thread's forward / backward is refused (thread_guard).
+        self.activity = ModelActivity()
         model.register_forward_pre_hook(lambda mod, args, kwargs: self.begin_forward(kwargs), with_kwargs=True)
+        model.register_forward_hook(lambda mod, args, out: self.activity.end_forward(), always_call=True)
 
     def _compute_from_masters(self, u: Unit) -> None:
         """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
@@ -364,8 +368,12 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """At each forward of the wrapped model: the checks of what changed since wrap, then the resident load.
 
         Raises:
+            ModelInUseError: another thread is running a forward or backward of this model (or holds
+                the graph of a forward whose backward has not finished): one line, before anything
+                is touched (:mod:`.thread_guard`).
             UnsupportedModelError: the MoE router logits were asked for (``output_router_logits``).
         """
+        self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
         if (kwargs or {}).get("output_router_logits") or getattr(cfg, "output_router_logits", False):
             # captured from the streamed layers' graph-free forward: the auxiliary loss would get no gradient
