@@ -16,6 +16,7 @@ from . import optim  # noqa: E402
 from .runtime import UnsupportedModelError, wrap  # noqa: E402
 from .runtime.export import export_pretrained, master_state_dict  # noqa: E402
 from .errors import CheckpointError  # noqa: E402
+from .runtime.thread_guard import ModelInUseError  # noqa: E402
 from .runtime.loading import from_config, from_pretrained  # noqa: E402
 from .runtime.estimate import MemoryEstimate, estimate  # noqa: E402
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -38,4 +39,4 @@ def cuda_status() -> str:
 
 
 __all__ = ["wrap", "from_pretrained", "from_config", "estimate", "MemoryEstimate", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
-           "cuda_status", "UnsupportedModelError", "__version__"]
+           "cuda_status", "UnsupportedModelError", "ModelInUseError", "__version__"]

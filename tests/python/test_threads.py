@@ -66,7 +66,7 @@ def _second_thread_is_refused(model, x):
     assert not b.is_alive(), "the second thread's forward neither finished nor raised (it waits on the first)"
     assert b.error is not None, "the second thread's forward ran while the first thread was using the model"
     msg = str(b.error)
-    assert isinstance(b.error, RuntimeError) and "\n" not in msg, msg
+    assert isinstance(b.error, megatrain.ModelInUseError) and "\n" not in msg, msg
     assert msg.startswith("megatrain: this wrapped model cannot start a forward here: it is in use by another "
                           "thread"), msg
     assert "one threading.Lock" in msg and "its own wrapped model" in msg, msg
