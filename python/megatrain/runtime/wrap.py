@@ -27,6 +27,7 @@ from .clip_grad import install_accelerate_clip
 from .device_state_plan import check_device_state_layers, resolve_device_state_layers
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
+from .model_config import cache_flags, config_value, set_cache_flags, sub_configs
 from .module_api import install as _install_module_api
 from .module_guards import check_layers_unhooked
 from .policies import AUTO_STORE_FRACTION, check_activation_policy  # noqa: F401 - public here
@@ -212,15 +213,18 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "output_router_logits", False):
+    if cfg is not None and any(config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg)):
         # The router logits would be captured from the streamed layers' graph-free forward, so
         # the auxiliary load-balancing loss would silently get no gradient.
         raise UnsupportedModelError(
             f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     long_context.check(model, layers, chunked_loss, tile_mlp)
-    if cfg is not None and hasattr(cfg, "use_cache"):
-        cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
+    # A KV cache updated inside a recomputed layer would be updated twice. A multimodal wrapper's text
+    # model reads its own text_config.use_cache: every nested config's flag goes off; the user's values
+    # are what save_pretrained / export_pretrained write.
+    user_cache_flags = cache_flags(cfg)
+    set_cache_flags(cfg, False)
     # A wrapped model that was dropped (a notebook cell run again) sits in reference cycles until the
     # cyclic collector runs: collect it now so that its host store is freed before this one is allocated.
     gc.collect()
@@ -229,6 +233,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                            source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,
                            host_memory_limit=host_memory_limit)
     object.__setattr__(model, "megatrain", engine)
+    engine.user_cache_flags = user_cache_flags
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp, lean_activations)
     engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
