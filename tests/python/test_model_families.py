@@ -23,6 +23,7 @@ STEPS = 4
 
 def _seeded(cfg):
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # (the fp64 reference: torch's grouped_mm takes no float64)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
@@ -89,3 +90,52 @@ def test_gemma3_conditional_generation_trains_with_parity(tmp_path):
     with open(tmp_path / "hf" / "config.json") as f:
         assert json.load(f)["text_config"]["use_cache"] is True
     assert wrapped.config.text_config.use_cache is False
+
+
+def tiny_dots3():
+    """A 2-layer Dots 3 text model: a heterogeneous config whose sliding-attention layers have their own
+    head counts and MLA ranks (transformers raises on a global read of ``num_attention_heads``)."""
+    mod = pytest.importorskip("transformers.models.dots3_note.configuration_dots3_note")
+    cfg = mod.Dots3NoteTextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        layer_types=["indexed_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, head_dim=12, index_topk=8,
+        index_head_dim=8, index_n_heads=2, sliding_window=8, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, shared_experts_intermediate_size=16, use_sliding_window=True,
+        swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=16, swa_kv_lora_rank=8,
+        swa_head_dim=12, swa_qk_nope_head_dim=8, swa_v_head_dim=8)
+    return _seeded(cfg)
+
+
+class _RefusesGlobalHeads(transformers.LlamaConfig):
+    """A Llama config that refuses a global read of ``num_attention_heads``, as transformers' heterogeneous
+    (per-layer) configs do, once ``_per_layer`` is set (after the model has been built from it)."""
+
+    def __getattribute__(self, key):
+        if key == "num_attention_heads" and object.__getattribute__(self, "__dict__").get("_per_layer"):
+            raise RuntimeError("'num_attention_heads' is a per-layer attribute and may vary across layers")
+        return super().__getattribute__(key)
+
+
+def test_config_refusing_a_global_per_layer_attribute_trains():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = _seeded(cfg)
+    model.config.__class__ = _RefusesGlobalHeads
+    model.config._per_layer = True
+    est = megatrain.estimate(model, device="cpu", micro_batch_size=2, seq_len=4096)  # reads shapes from the config
+    assert est.activation_bytes > 0
+    ref, exact, got, _, _ = run_pair(model, steps=2)  # the forward's long-context check read the heads
+    check(ref, exact, got)
+
+
+@pytest.mark.slow
+def test_per_layer_config_attributes_train_with_parity():
+    model = tiny_dots3()
+    with pytest.raises(Exception, match="per-layer attribute"):
+        model.config.num_attention_heads  # noqa: B018 - what megatrain must not read globally
+    ref, exact, got, wrapped, _ = run_pair(model, steps=3)
+    check(ref, exact, got)
+    est = megatrain.estimate(tiny_dots3().config, device="cpu", micro_batch_size=2, seq_len=4096)  # reads the config
+    assert est.activation_bytes > 0 and est.num_layers == 2

@@ -19,11 +19,12 @@ from torch import nn
 
 
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
+from .model_config import config_value
 
 
 def _cfg_int(cfg, *names, default=None):
     for n in names:
-        v = getattr(cfg, n, None)
+        v = config_value(cfg, n, None)  # a per-layer attribute (heterogeneous config): its largest value
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return default
