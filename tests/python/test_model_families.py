@@ -139,3 +139,97 @@ def test_per_layer_config_attributes_train_with_parity():
     check(ref, exact, got)
     est = megatrain.estimate(tiny_dots3().config, device="cpu", micro_batch_size=2, seq_len=4096)  # reads the config
     assert est.activation_bytes > 0 and est.num_layers == 2
+
+
+def tiny_jamba():
+    """A 4-layer Jamba: attention at layer 1, Mamba elsewhere (two layer classes), MoE at layers 1 and 3."""
+    cfg = transformers.JambaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=1,
+        use_mamba_kernels=False, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return _seeded(cfg)
+
+
+def tiny_bamba():
+    """A 3-layer Bamba: Mamba-2 layers and one attention layer (one class, two structures)."""
+    cfg = transformers.BambaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return _seeded(cfg)
+
+
+@pytest.mark.parametrize("family", ["jamba", "bamba"])
+def test_hybrid_decoder_streams_every_layer_with_parity(family):
+    model = {"jamba": tiny_jamba, "bamba": tiny_bamba}[family]()
+    name, layers = megatrain.runtime.find_decoder_layers(model)
+    assert name == "model.layers"
+    ref, exact, got, wrapped, _ = run_pair(model, micro_batches=2)
+    check(ref, exact, got)
+    structures = {u.template for u in wrapped.megatrain.layers}
+    assert len(structures) >= 2 and set(wrapped.megatrain.slots) >= structures  # one slot pool per structure
+
+
+def test_reversible_layers_are_refused_at_wrap():
+    """Reformer's reversible layers run their own backward (from their outputs) on the layers' weights:
+    on streamed placeholders that failed at the first backward ("Tensor on device meta")."""
+    cfg = transformers.ReformerConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds=False, max_position_embeddings=64, local_attn_chunk_length=8,
+        is_decoder=True, pad_token_id=0, eos_token_id=2)
+    model = _seeded(cfg)
+    with pytest.raises(megatrain.UnsupportedModelError, match=r"reformer\.encoder\.layers \(ReformerLayer\) runs its "
+                       r"own backward .*train this model without megatrain$"):
+        megatrain.wrap(model, device="cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())  # refused before anything changed
+    assert getattr(model, "megatrain", None) is None
+
+
+class _IndexedOnly(torch.nn.Module):
+    """A list of blocks that the forward never loops over (it calls one by index): no decoder list."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+class _Looped(_IndexedOnly):
+    """The same blocks, plus a larger adapter list only called by index, and a loop over the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapters = torch.nn.ModuleList([torch.nn.Linear(4, 64) for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.adapters[0](x)
+
+
+def test_decoder_list_is_the_one_the_forward_loops_over():
+    with pytest.raises(megatrain.UnsupportedModelError, match="_IndexedOnly has no repeated decoder layer list"):
+        megatrain.wrap(_IndexedOnly(), device="cpu")
+    name, _ = megatrain.runtime.find_decoder_layers(_Looped())
+    assert name == "blocks"  # not the larger adapter list (Zamba2's adapters were streamed in its place)
+
+
+def test_layers_sharing_a_block_are_refused():
+    """Zamba 2: every hybrid layer calls one shared transformer block. Its decoder list (model.layers, not the
+    larger-per-class adapter list that was streamed before) is found, and the sharing refused in one line."""
+    cfg = transformers.Zamba2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, layers_block_type=["mamba", "hybrid", "hybrid"],
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4, num_mem_blocks=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _seeded(cfg)
+    assert megatrain.runtime.find_decoder_layers(model)[0] == "model.layers"
+    with pytest.raises(megatrain.UnsupportedModelError, match=r"model\.layers\.2\.shared_transformer\..* is shared "
+                       "between decoder layers"):
+        megatrain.wrap(model, device="cpu")
+    assert model.config.use_cache is True and all(p.device.type == "cpu" for p in model.parameters())  # untouched

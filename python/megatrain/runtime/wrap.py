@@ -43,8 +43,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
-        model: a Hugging Face causal LM (or any module with one ``nn.ModuleList`` of same-class
-            decoder layers), with its weights on the CPU (any float dtype; fp32 recommended: the
+        model: a Hugging Face causal LM (or any module whose forward loops over one ``nn.ModuleList``
+            of decoder layers; hybrid models may mix layer classes), with its weights on the CPU (any float dtype; fp32 recommended: the
             fp32 master weights are initialised from them).
         device: compute device. Default: ``cuda`` when available, else ``cpu``.
         compute_dtype: dtype of the streamed compute copy and of all activations:
@@ -136,7 +136,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         warning: ``activation_policy`` decides what is recomputed.
 
     Raises:
-        UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
+        UnsupportedModelError: no decoder layer list that the model's forward loops over (see
+            ``find_decoder_layers``), weights shared between a layer and another module or between two
+            layers, or layers that run their own backward (reversible layers, e.g. Reformer).
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
             ``compute_dtype`` / ``num_slots``, the model is already wrapped, a decoder layer's parameter
             has a gradient hook (``register_hook`` / ``register_post_accumulate_grad_hook``) or a decoder
@@ -208,6 +210,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
+    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
     check_layers_unhooked(layers_name, layers)
     if isinstance(device_state_layers, int) and device_state_layers > len(layers):
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
