@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import megatrain
-from parity import make_batches, train_megatrain, train_reference
+from parity import PARITY_EPS, make_batches, param_groups, train_megatrain, train_reference
 
 RTOL = 1e-6
 STEPS = 4
@@ -74,6 +74,24 @@ def check(ref, exact, got, rtol=RTOL):
         assert not bool(bad.any()), (f"{name}: {int(bad.sum())} elements off; max |got-ref32| "
                                      f"{float((a - b).abs().max()):.3e}, max |got-ref64| {float((a - e).abs().max()):.3e}, "
                                      f"fp32 reference's own max |ref32-ref64| {noise:.3e}")
+
+
+def check_checkpoint_round_trip(build, wrapped, opt, directory, micro_batches):
+    """Save ``wrapped``'s training state, load it into a freshly wrapped ``build()``: masters, Adam moments
+    and step counts bit-identical."""
+    megatrain.checkpoint.save_checkpoint(str(directory), wrapped, opt)
+    fresh = megatrain.wrap(build(), device="cpu", compute_dtype=torch.float32)
+    opt2 = megatrain.optim.CPUAdamW(param_groups(fresh, "one", 1e-3, 0.1), lr=1e-3, betas=(0.9, 0.95),
+                                    weight_decay=0.1, eps=PARITY_EPS, max_grad_norm=1.0,
+                                    gradient_accumulation_steps=micro_batches)
+    megatrain.checkpoint.load_checkpoint(str(directory), fresh, opt2)
+    a, b = megatrain.master_state_dict(wrapped), megatrain.master_state_dict(fresh)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert sa.keys() == sb.keys() and len(sa) == len(a)
+    for k in sa:
+        for key, v in sa[k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[k][key])), (k, key)
 
 
 def test_gemma3_conditional_generation_trains_with_parity(tmp_path):
@@ -163,12 +181,14 @@ def tiny_bamba():
 
 
 @pytest.mark.parametrize("family", ["jamba", "bamba"])
-def test_hybrid_decoder_streams_every_layer_with_parity(family):
-    model = {"jamba": tiny_jamba, "bamba": tiny_bamba}[family]()
+def test_hybrid_decoder_streams_every_layer_with_parity(family, tmp_path):
+    build = {"jamba": tiny_jamba, "bamba": tiny_bamba}[family]
+    model = build()
     name, layers = megatrain.runtime.find_decoder_layers(model)
     assert name == "model.layers"
-    ref, exact, got, wrapped, _ = run_pair(model, micro_batches=2)
+    ref, exact, got, wrapped, opt = run_pair(model, steps=3, micro_batches=2)
     check(ref, exact, got)
+    check_checkpoint_round_trip(build, wrapped, opt, tmp_path / "ckpt", 2)
     structures = {u.template for u in wrapped.megatrain.layers}
     assert len(structures) >= 2 and set(wrapped.megatrain.slots) >= structures  # one slot pool per structure
 
@@ -219,17 +239,25 @@ def test_decoder_list_is_the_one_the_forward_loops_over():
     assert name == "blocks"  # not the larger adapter list (Zamba2's adapters were streamed in its place)
 
 
-def test_layers_sharing_a_block_are_refused():
-    """Zamba 2: every hybrid layer calls one shared transformer block. Its decoder list (model.layers, not the
-    larger-per-class adapter list that was streamed before) is found, and the sharing refused in one line."""
+def tiny_zamba2(num_mem_blocks=1):
+    """A 4-layer Zamba 2: Mamba-2 layers and hybrid layers that all call one shared transformer block (each
+    with adapters of its own inside that block)."""
     cfg = transformers.Zamba2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, layers_block_type=["mamba", "hybrid", "hybrid"],
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4, num_mem_blocks=1,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = _seeded(cfg)
-    assert megatrain.runtime.find_decoder_layers(model)[0] == "model.layers"
-    with pytest.raises(megatrain.UnsupportedModelError, match=r"model\.layers\.2\.shared_transformer\..* is shared "
-                       "between decoder layers"):
-        megatrain.wrap(model, device="cpu")
-    assert model.config.use_cache is True and all(p.device.type == "cpu" for p in model.parameters())  # untouched
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4,
+        num_mem_blocks=num_mem_blocks, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _seeded(cfg)
+
+
+def test_zamba2_streams_its_decoder_with_a_shared_block_with_parity(tmp_path):
+    model = tiny_zamba2()
+    assert megatrain.runtime.find_decoder_layers(model)[0] == "model.layers"  # not the adapter list
+    ref, exact, got, wrapped, opt = run_pair(model, steps=3, micro_batches=2)
+    check(ref, exact, got)
+    check_checkpoint_round_trip(tiny_zamba2, wrapped, opt, tmp_path / "ckpt", 2)
+    eng = wrapped.megatrain
+    assert [u.module for u in eng.layers] == list(wrapped.model.layers)  # every decoder layer streamed
+    assert all(p.device.type == "meta" for p in wrapped.model.layers[0].parameters())
+    shared = [u.index for u in eng.layers if u.shared]
+    assert shared == [1, 3]  # the hybrid layers use the shared block, resident

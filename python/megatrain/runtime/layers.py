@@ -66,11 +66,6 @@ def _decoder_of(model: nn.Module):
     return dec if isinstance(dec, nn.Module) and any(dec is m for m in model.modules()) else None
 
 
-def _structure(layer: nn.Module) -> tuple:
-    """A layer's structure: its class and its parameters' (name, shape, dtype); one slot pool per structure."""
-    return (type(layer), tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()))
-
-
 def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     """Find the decoder layer list: the ``nn.ModuleList`` that the model's forward runs the hidden states through.
 
@@ -83,7 +78,7 @@ def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     of these the list with the most parameters. The entries may be of different
     classes (hybrid models: attention and state-space layers); each structure (class + parameter
     shapes and dtypes) gets its own templates and slot pool. When no module's source can be read
-    (a model built by ``exec``), the largest list of same-structure entries is taken instead.
+    (a model built by ``exec``), the largest list of same-class entries is taken instead.
 
     Returns:
         ``(qualified_name, module_list)``.
@@ -105,7 +100,7 @@ def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
         try:
             inspect.getsource(type(parent))
         except (OSError, TypeError):
-            if len({_structure(m) for m in mod}) == 1:
+            if len({type(m) for m in mod}) == 1:
                 sourceless.append((n, name, mod))
             continue
         looped, handed = _uses(type(parent), attr)
@@ -154,38 +149,46 @@ def model_units(model: nn.Module, layers_name: str, layers: nn.ModuleList) -> Li
     a parameter with ``requires_grad=False`` is a frozen entry. The parameters may be on the meta
     device (:func:`megatrain.estimate` plans the store of a model that is never built).
 
+    A parameter that several decoder layers hold (a block shared by them, as Zamba's shared
+    transformer) is resident: loaded once per step, used in place by each of those layers, its
+    gradient the sum of theirs; ``Unit.shared`` of such a layer lists its resident entry indices.
+    A layer unit's ``template`` (its slot pool) is its structure: class + its own parameters'
+    names, shapes and dtypes.
+
     Raises:
-        UnsupportedModelError: a parameter shared between a decoder layer and another module, or
-            between two decoder layers.
+        UnsupportedModelError: a parameter shared between a decoder layer and a module outside
+            the decoder layers.
     """
     owners = _param_owners(model)
-    layer_param_ids = set()
+    holders: dict = {}  # id(parameter) -> the decoder layers that hold it
+    for li, layer in enumerate(layers):
+        for p in layer.parameters():
+            holders.setdefault(id(p), []).append(li)
+    shared_ids = {pid for pid, held in holders.items() if len(held) > 1}
     units: List[Unit] = []
     for li, layer in enumerate(layers):
-        entries = []
+        entries, structure = [], []
         for name, p in layer.named_parameters():
-            if id(p) in layer_param_ids:
-                raise UnsupportedModelError(
-                    f"megatrain.wrap: parameter {layers_name}.{li}.{name} is shared between decoder layers (a block "
-                    "reused by several layers, as Zamba's shared transformer); megatrain streams each decoder layer "
-                    "with weights of its own and cannot share them")
-            layer_param_ids.add(id(p))
+            if id(p) in shared_ids:
+                continue
             entries.append(Entry(f"{layers_name}.{li}.{name}", tuple(p.shape), p.numel(), 0,
                                  owners[id(p)], p, frozen=not p.requires_grad))
-        template = _structure(layer)
-        units.append(Unit(li, "layer", entries, 0, template, module=layer))
+            structure.append((name, tuple(p.shape), p.dtype))
+        units.append(Unit(li, "layer", entries, 0, (type(layer), tuple(structure)), module=layer))
     res_entries = []
     for name, p in model.named_parameters():
-        if id(p) in layer_param_ids:
+        if id(p) in holders and id(p) not in shared_ids:
             continue
-        for mod, _ in owners[id(p)]:
-            if any(mod is l or any(mod is s for s in l.modules()) for l in layers):
-                raise UnsupportedModelError(
-                    f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
-                    "megatrain streams each decoder layer on its own and cannot share its weights")
+        if id(p) not in shared_ids:
+            for mod, _ in owners[id(p)]:
+                if any(mod is l or any(mod is s for s in l.modules()) for l in layers):
+                    raise UnsupportedModelError(
+                        f"megatrain.wrap: parameter {name} is shared between a decoder layer and another module; "
+                        "megatrain streams each decoder layer on its own and cannot share its weights")
+        else:
+            for li in holders[id(p)]:
+                units[li].shared.append(len(res_entries))
         res_entries.append(Entry(name, tuple(p.shape), p.numel(), 0, owners[id(p)], p, frozen=not p.requires_grad))
     if res_entries:
         units.append(Unit(len(units), "resident", res_entries, 0, ("resident",)))
     return units
-
-
