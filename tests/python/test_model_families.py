@@ -28,14 +28,14 @@ def _seeded(cfg):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def tiny_gemma3():
+def tiny_gemma3(vision_hidden=16):
     """A Gemma3ForConditionalGeneration (the causal-LM mapping's ``gemma3``): 2 text layers, 1 vision layer."""
     from transformers import Gemma3Config
 
     text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
                 layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+    vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
                        boi_token_index=93, eoi_token_index=94)
@@ -237,6 +237,20 @@ def test_decoder_list_is_the_one_the_forward_loops_over():
         megatrain.wrap(_IndexedOnly(), device="cpu")
     name, _ = megatrain.runtime.find_decoder_layers(_Looped())
     assert name == "blocks"  # not the larger adapter list (Zamba2's adapters were streamed in its place)
+    assert megatrain.runtime.find_decoder_layers(_IndexLooped())[0] == "blocks"
+    # a multimodal model whose vision encoder outweighs its text decoder: the decoder is get_decoder()'s
+    assert megatrain.runtime.find_decoder_layers(tiny_gemma3(vision_hidden=128))[0] == "model.language_model.layers"
+
+
+class _IndexLooped(_IndexedOnly):
+    """Blocks called by the loop variable's index (XLM's per-sublayer lists)."""
+
+    n_layers = 3
+
+    def forward(self, x):
+        for i in range(self.n_layers):
+            x = self.blocks[i](x)
+        return x
 
 
 def tiny_zamba2(num_mem_blocks=1):

@@ -34,9 +34,22 @@ def _reads_self(node, attr: str) -> bool:
                and sub.value.id == "self" for sub in ast.walk(node))
 
 
+def _indexed_by_target(loop: ast.For, attr: str) -> bool:
+    """Whether the body of ``loop`` indexes ``self.<attr>`` with the loop variable
+    (``for i in range(self.n_layers): x = self.attentions[i](x)``, XLM)."""
+    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    for stmt in loop.body:
+        for sub in ast.walk(stmt):
+            if (isinstance(sub, ast.Subscript) and _reads_self(sub.value, attr) and isinstance(sub.value, ast.Attribute)
+                    and any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(sub.slice))):
+                return True
+    return False
+
+
 def _uses(cls: type, attr: str) -> tuple:
     """How the methods of ``cls`` use ``self.<attr>``: ``(looped, handed_to_function)``: a ``for`` loop or
-    comprehension iterates over it (``for layer in self.layers[:n]``, ``enumerate(self.h)``); it is an
+    comprehension iterates over it (``for layer in self.layers[:n]``, ``enumerate(self.h)``) or a ``for``
+    loop's body indexes it with the loop variable (``self.attentions[i]``); it is an
     argument of a ``<Function>.apply(...)`` call (an autograd Function that runs the layers itself)."""
     looped = handed = False
     for fn in _methods(cls):
@@ -48,6 +61,8 @@ def _uses(cls: type, attr: str) -> tuple:
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.For, ast.comprehension)) and _reads_self(node.iter, attr):
+                looped = True
+            if isinstance(node, ast.For) and _indexed_by_target(node, attr):
                 looped = True
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "apply"
                     and any(_reads_self(a, attr) for a in node.args)):
@@ -72,8 +87,9 @@ def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     Chosen by role, not by size or by class: the candidates are the ``ModuleList`` s (with
     parameters in their entries) that a method of the module holding them iterates over (a ``for``
     loop or comprehension over ``self.<name>`` in its source: ``for layer in self.layers[:n]``,
-    ``enumerate(self.h)``); an adapter list that is indexed (``self.adapters[i]``, Zamba2) or a
-    list only called by index is not one. Among those, the ones under ``model.get_decoder()`` when
+    ``enumerate(self.h)``, or a loop body indexing it with the loop variable:
+    ``for i in range(n): self.ffns[i](x)``); an adapter list indexed by a layer number
+    (``self.adapters[layer_idx]``, Zamba 2) or a list only called by index is not one. Among those, the ones under ``model.get_decoder()`` when
     transformers names a decoder (a multimodal model's text decoder, not its vision encoder), and
     of these the list with the most parameters. The entries may be of different
     classes (hybrid models: attention and state-space layers); each structure (class + parameter
