@@ -40,6 +40,7 @@ import torch
 from .atomic import atomic_directory, check_replaceable, existing_ancestor  # noqa: F401 - public here too
 from .errors import CheckpointError  # noqa: F401 - public here too
 from .runtime.engine import locate
+from .runtime.model_config import write_cache_flags
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
@@ -610,7 +611,8 @@ def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.flo
         path = os.path.join(out_dir, "config.json")
         with open(path) as f:
             c = json.load(f)
-        c["use_cache"] = True
+        c["use_cache"] = True  # (no user flags recorded: a saved model generates with a cache)
+        write_cache_flags(c, getattr(eng, "user_cache_flags", {}))  # the user's, nested configs too
         c["dtype"] = str(dtype).replace("torch.", "")
         with open(path, "w") as f:
             json.dump(c, f, indent=2)

@@ -19,6 +19,7 @@ from torch import nn
 
 
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
+from .model_config import config_value
 
 # Host memory ``megatrain train`` keeps free beyond everything the estimate counts (the Python
 # process and its libraries, allocator slack, the rough activation estimate on the CPU device):
@@ -28,7 +29,7 @@ RUN_HOST_MARGIN_BYTES = 1 << 30
 
 def _cfg_int(cfg, *names, default=None):
     for n in names:
-        v = getattr(cfg, n, None)
+        v = config_value(cfg, n, None)  # a per-layer attribute (heterogeneous config): its largest value
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return default

@@ -70,7 +70,7 @@ class _LayerCall:
     """Everything needed to re-run one layer call in backward (no weights, no activations but the inputs)."""
 
     __slots__ = ("layer", "unit", "leaves", "spec", "diff_idx", "out_spec", "out_tensor_idx", "out_other",
-                 "rng", "block", "pos", "saved", "stored", "attention")
+                 "rng", "block", "pos", "saved", "stored", "attention", "shared")
 
     def __init__(self, layer, unit, leaves, spec, diff_idx):
         self.layer = layer
@@ -87,6 +87,7 @@ class _LayerCall:
         self.saved = None
         self.stored = None  # store policy: (layer graph outputs, bound weight leaves, detached inputs)
         self.attention = None  # block:K: attention outputs kept by the block re-run (attention_reuse)
+        self.shared = []  # resident parameters of a block shared with other layers: extra Function inputs
 
     def args_with(self, diff_inputs):
         leaves = list(self.leaves)
@@ -142,6 +143,7 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, eng, call, token, dummy, *diff_inputs):
+        diff_inputs = diff_inputs[:len(diff_inputs) - len(call.shared)]  # then the shared block's parameters
         ctx.eng = eng
         ctx.call = call
         ctx.token = token  # thread_guard: this forward is pending until its backward ends or this graph is freed

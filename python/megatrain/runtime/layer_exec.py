@@ -62,7 +62,11 @@ class LayerExecution:
     def _run_layer(self, layer, args, kwargs):
         unit = layer._megatrain_unit
         leaves, spec = tree_flatten((args, kwargs))
-        any_param_grad = any(e.param.requires_grad for e in unit.entries)
+        # a block shared with other layers: resident parameters, inputs of the layer's Function so that
+        # autograd sums the gradients of every layer that uses them before their hook hands them over
+        shared = [self.resident.entries[i].param for i in unit.shared]
+        shared = [p for p in shared if p.requires_grad]
+        any_param_grad = bool(shared) or any(e.param.requires_grad for e in unit.entries)
         diff_idx = [i for i, x in enumerate(leaves)
                     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
         if not torch.is_grad_enabled() or not (diff_idx or any_param_grad):
@@ -74,9 +78,10 @@ class LayerExecution:
         for i in diff_idx:
             stored[i] = None
         call = _LayerCall(layer, unit, stored, spec, diff_idx)
+        call.shared = shared
         self._replan_mark("fwd")
         self._assign_block(call, diff)
-        outs = _LayerFunction.apply(self, call, self.activity.graph_token(), self._dummy, *diff)
+        outs = _LayerFunction.apply(self, call, self.activity.graph_token(), self._dummy, *diff, *shared)
         out_leaves = list(call.out_other)
         for i, o in zip(call.out_tensor_idx, outs):
             out_leaves[i] = o
@@ -114,6 +119,7 @@ class LayerExecution:
 
         ``recompute`` / ``block:K``: re-run ``call`` with grad on re-streamed weights first.
         ``store``: re-stream the weights for the kept graph's saved-weight handles.
+        Returns the input gradients, then those of ``call.shared`` (a shared block's resident parameters).
         """
         unit = call.unit
         self._replan_mark("bwd")
@@ -150,7 +156,8 @@ class LayerExecution:
                     gos.append(go)
             want_in = [x for x in detached if x.requires_grad]
             want_w = [(k, b) for k, b in enumerate(bound) if b.requires_grad] if want_weights else []
-            targets = want_in + [b for _, b in want_w]
+            shared = list(call.shared) if want_weights else []  # resident parameters of a shared block
+            targets = want_in + [b for _, b in want_w] + shared
             if outs and targets:
                 grads = torch.autograd.grad(outs, targets, gos, allow_unused=True)
             else:
@@ -161,10 +168,11 @@ class LayerExecution:
         in_grads = iter(grads[:len(want_in)])
         result = [next(in_grads) if x.requires_grad else None for x in detached]
         wgrads: List[Optional[torch.Tensor]] = [None] * len(unit.entries)
-        for (k, _), g in zip(want_w, grads[len(want_in):]):
+        for (k, _), g in zip(want_w, grads[len(want_in):len(want_in) + len(want_w)]):
             wgrads[k] = g
+        shared_grads = list(grads[len(want_in) + len(want_w):]) if shared else [None] * len(call.shared)
         if any(g is not None for g in wgrads):
             self.submit_grads(unit, wgrads)
         if call.block is not None and call.pos == 0:
             call.block.first_inputs = None
-        return result
+        return result + shared_grads

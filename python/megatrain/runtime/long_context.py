@@ -52,6 +52,7 @@ from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_los
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
     _rows_for, _TiledMLPFunction, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
     norm_rows_for)
+from .model_config import config_value
 
 
 class _TiledMixin:
@@ -358,8 +359,9 @@ class LongContext:
 
     def _check_attention(self, b: int, t: int, attention_mask) -> None:
         cfg = self._cfg
-        impl = getattr(cfg, "_attn_implementation", None)
-        heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or 1
+        impl = config_value(cfg, "_attn_implementation", None)
+        # per-layer configs (Dots 3): the most heads of any layer (the largest scores)
+        heads = config_value(cfg, "num_attention_heads", None) or config_value(cfg, "n_head", None) or 1
         small = b * t * t <= 64 * 1024 * 1024  # below 8K x 8K nothing here can matter
         if small:
             return
@@ -403,7 +405,7 @@ def loss_supported(model: nn.Module):
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        v = getattr(cfg, attr, None)
+        v = config_value(cfg, attr, None)
         if v not in (None, 1, 1.0):
             return False, f"config.{attr}={v} transforms the logits between the LM head and the loss"
     ref = _causal_lm_loss_reference()

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from .model_config import cache_flags, set_cache_flags
+
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -86,15 +88,14 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     eng = self.megatrain
     eng.sync_host()
     cfg = getattr(self, "config", None)
-    use_cache = getattr(cfg, "use_cache", None)
-    if cfg is not None and use_cache is not None:
-        cfg.use_cache = True  # wrap() switched it off for training; a saved model generates with a cache
+    training_flags = cache_flags(cfg)
+    # wrap() switched use_cache off (nested configs too) for training; a saved model keeps the user's flags
+    set_cache_flags(cfg, getattr(eng, "user_cache_flags", {path: True for path in training_flags}))
     try:
         with _streamed_shards():
             out = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     finally:
-        if cfg is not None and use_cache is not None:
-            cfg.use_cache = use_cache
+        set_cache_flags(cfg, training_flags)
     path = os.path.join(str(save_directory), "config.json")
     if os.path.isfile(path):
         with open(path) as f:

@@ -9,7 +9,7 @@ allocating (the budget check and :func:`megatrain.estimate` use it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -69,6 +69,9 @@ class Unit(UnitGrads):
     # A unit whose fp32 state (master, exp_avg, exp_avg_sq, grad_accum) is in the disk tier: its
     # unit index there, else None (the host store holds it). See ``megatrain.runtime.disk_offload``.
     disk: Optional[int] = None
+    # A layer unit's parameters that other decoder layers hold too (a shared block): their indices in the
+    # resident unit's entries (see ``layers.model_units``).
+    shared: List[int] = field(default_factory=list)
 
     @property
     def update_key(self) -> int:

@@ -28,6 +28,7 @@ from .device_state_plan import check_device_state_layers, resolve_device_state_l
 from .kernels import apply_liger_kernel, check_liger_kernel, resolve_liger_kernel
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
+from .model_config import cache_flags, config_value, set_cache_flags, sub_configs
 from .module_api import install as _install_module_api
 from .module_guards import check_layers_unhooked
 from .policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
@@ -43,8 +44,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
-        model: a Hugging Face causal LM (or any module with one ``nn.ModuleList`` of same-class
-            decoder layers), with its weights on the CPU (any float dtype; fp32 recommended: the
+        model: a Hugging Face causal LM (or any module whose forward loops over one ``nn.ModuleList``
+            of decoder layers; hybrid models may mix layer classes), with its weights on the CPU (any float dtype; fp32 recommended: the
             fp32 master weights are initialised from them).
         device: compute device. Default: ``cuda`` when available, else ``cpu``.
         compute_dtype: dtype of the streamed compute copy and of all activations:
@@ -153,7 +154,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         warning: ``activation_policy`` decides what is recomputed.
 
     Raises:
-        UnsupportedModelError: no repeated decoder layer list, or weights shared with a layer.
+        UnsupportedModelError: no decoder layer list that the model's forward loops over (see
+            ``find_decoder_layers``), weights shared between a layer and another module or between two
+            layers, or layers that run their own backward (reversible layers, e.g. Reformer).
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
             ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel``, ``liger_kernel=True``
             without liger-kernel installed or off CUDA, the model is already wrapped, a decoder layer's parameter
@@ -231,12 +234,13 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
+    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
     check_layers_unhooked(layers_name, layers)
     if isinstance(device_state_layers, int) and device_state_layers > len(layers):
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "output_router_logits", False):
+    if cfg is not None and any(config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg)):
         # The router logits would be captured from the streamed layers' graph-free forward, so
         # the auxiliary load-balancing loss would silently get no gradient.
         raise UnsupportedModelError(
@@ -245,8 +249,11 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     long_context.check(model, layers, chunked_loss, tile_mlp)
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.kernels)
     liger = apply_liger_kernel(model, layers, required=liger_kernel is True) if use_liger else None
-    if cfg is not None and hasattr(cfg, "use_cache"):
-        cfg.use_cache = False  # a KV cache updated inside a recomputed layer would be updated twice
+    # A KV cache updated inside a recomputed layer would be updated twice. A multimodal wrapper's text
+    # model reads its own text_config.use_cache: every nested config's flag goes off; the user's values
+    # are what save_pretrained / export_pretrained write.
+    user_cache_flags = cache_flags(cfg)
+    set_cache_flags(cfg, False)
     # A wrapped model that was dropped (a notebook cell run again) sits in reference cycles until the
     # cyclic collector runs: collect it now so that its host store is freed before this one is allocated.
     gc.collect()
@@ -256,6 +263,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
                            host_memory_limit=host_memory_limit, gpu_memory_limit=gpu_memory_limit)
     engine.liger_kernel = liger
     object.__setattr__(model, "megatrain", engine)
+    engine.user_cache_flags = user_cache_flags
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp, lean_activations)
     engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters

@@ -21,6 +21,7 @@ from .functional_call_guard import note_streamed_layer
 from .layer_call import _Block, _LayerCall, _streamed_class
 from .layer_exec import LayerExecution
 from .layers import UnsupportedModelError, _move_buffers, model_units
+from .model_config import cache_asked, config_value, sub_configs
 from .module_api import EngineModuleApi
 from .planner import PlacementReplan
 from .policies import ActivationPolicies, check_activation_policy
@@ -216,7 +217,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """A forward with autograd on runs without a KV cache, as transformers' gradient checkpointing
         does: a layer re-run in backward would update the cache a second time and take its own keys
         as the past (wrong gradients). ``use_cache=True`` (the argument, or ``model.config.use_cache``
-        set back after wrap) is turned off with one warning; a given ``past_key_values`` is refused.
+        or a nested config's, e.g. ``text_config.use_cache``, set back after wrap) is turned off with one warning; a given ``past_key_values`` is refused.
 
         Raises:
             ValueError: ``past_key_values`` given to a forward with autograd on.
@@ -225,10 +226,10 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             raise ValueError("megatrain: past_key_values given to a forward with autograd on: a streamed layer re-run in "
                              "backward would see its own keys in the cache. Train without a cache; use one under "
                              "torch.no_grad() (generate(), evaluation)")
-        if cfg is None or not hasattr(cfg, "use_cache"):
+        if cfg is None:
             return
         asked = kwargs.get("use_cache")
-        if asked or (asked is None and cfg.use_cache):
+        if asked or (asked is None and cache_asked(cfg)):
             if not getattr(self, "_warned_use_cache", False):
                 self._warned_use_cache = True
                 warnings.warn("megatrain: use_cache=True is incompatible with training through streamed layers "
@@ -375,7 +376,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """
         self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
-        if (kwargs or {}).get("output_router_logits") or getattr(cfg, "output_router_logits", False):
+        if (kwargs or {}).get("output_router_logits") or any(
+                config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg)):
             # captured from the streamed layers' graph-free forward: the auxiliary loss would get no gradient
             raise UnsupportedModelError(
                 "megatrain: output_router_logits=True (the MoE auxiliary load-balancing loss) is not supported "
