@@ -244,7 +244,7 @@ def test_dry_run_of_a_70b_config_on_the_cpu_suggests_only_what_would_fit(tmp_pat
                              max_position_embeddings=8192)
     out = tmp_path / "out"
     code, stdout, err = _run_main(["train", "--dry-run", "--model", str(model), "--out", str(out), "--data",
-                                   str(corpus), "--device", "cpu", "--seq-len", "4096", "--no-progress"], capsys)
+                                   str(corpus), "--device", "cpu", "--seq-len", "512", "--micro-batch-size", "2", "--no-progress"], capsys)
     assert code == 2
     errors = [line for line in err.splitlines() if line.startswith("megatrain: error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err
