@@ -179,9 +179,19 @@ def tiny_bamba():
     return _seeded(cfg)
 
 
-@pytest.mark.parametrize("family", ["jamba", "bamba"])
+def tiny_olmo_hybrid():
+    """A 2-layer OLMo hybrid: a gated-delta-net (linear attention) layer, then an attention layer (two classes)."""
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _seeded(cfg)
+
+
+@pytest.mark.parametrize("family", ["jamba", "bamba", "olmo_hybrid"])
 def test_hybrid_decoder_streams_every_layer_with_parity(family, tmp_path):
-    build = {"jamba": tiny_jamba, "bamba": tiny_bamba}[family]
+    build = {"jamba": tiny_jamba, "bamba": tiny_bamba, "olmo_hybrid": tiny_olmo_hybrid}[family]
     model = build()
     name, layers = megatrain.runtime.find_decoder_layers(model)
     assert name == "model.layers"
