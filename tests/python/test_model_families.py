@@ -110,6 +110,21 @@ def test_gemma3_conditional_generation_trains_with_parity(tmp_path):
     assert wrapped.config.text_config.use_cache is False
 
 
+def test_gemma4_conditional_generation_trains_with_parity():
+    """gemma4 (Gemma4ForConditionalGeneration, text only): per-layer input embeddings, a text_config.use_cache."""
+    pytest.importorskip("transformers.models.gemma4")
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+                vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)
+    model = _seeded(transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+    assert model.config.text_config.use_cache is True
+    ref, exact, got, wrapped, _ = run_pair(model, steps=3, micro_batches=2)
+    check(ref, exact, got)
+    assert wrapped.config.text_config.use_cache is False
+
+
 def tiny_dots3():
     """A 2-layer Dots 3 text model: a heterogeneous config whose sliding-attention layers have their own
     head counts and MLA ranks (transformers raises on a global read of ``num_attention_heads``)."""
