@@ -35,8 +35,8 @@ def tiny_gemma3(vision_hidden=16):
     text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
                 layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+    vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
     cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
                        boi_token_index=93, eoi_token_index=94)
     return _seeded(cfg)
@@ -88,7 +88,7 @@ def check_checkpoint_round_trip(build, wrapped, opt, directory, micro_batches):
     a, b = megatrain.master_state_dict(wrapped), megatrain.master_state_dict(fresh)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]
-    assert sa.keys() == sb.keys() and len(sa) == len(a)
+    assert sa.keys() == sb.keys() and len(sa) == len(list(fresh.parameters()))
     for k in sa:
         for key, v in sa[k].items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[k][key])), (k, key)
@@ -107,6 +107,21 @@ def test_gemma3_conditional_generation_trains_with_parity(tmp_path):
     wrapped.save_pretrained(tmp_path / "hf")  # the user's flags are saved, training keeps them off
     with open(tmp_path / "hf" / "config.json") as f:
         assert json.load(f)["text_config"]["use_cache"] is True
+    assert wrapped.config.text_config.use_cache is False
+
+
+def test_gemma4_conditional_generation_trains_with_parity():
+    """gemma4 (Gemma4ForConditionalGeneration, text only): per-layer input embeddings, a text_config.use_cache."""
+    pytest.importorskip("transformers.models.gemma4")
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+                vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)
+    model = _seeded(transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+    assert model.config.text_config.use_cache is True
+    ref, exact, got, wrapped, _ = run_pair(model, steps=3, micro_batches=2)
+    check(ref, exact, got)
     assert wrapped.config.text_config.use_cache is False
 
 
@@ -148,7 +163,6 @@ def test_config_refusing_a_global_per_layer_attribute_trains():
     check(ref, exact, got)
 
 
-@pytest.mark.slow
 def test_per_layer_config_attributes_train_with_parity():
     model = tiny_dots3()
     with pytest.raises(Exception, match="per-layer attribute"):
@@ -180,9 +194,19 @@ def tiny_bamba():
     return _seeded(cfg)
 
 
-@pytest.mark.parametrize("family", ["jamba", "bamba"])
+def tiny_olmo_hybrid():
+    """A 2-layer OLMo hybrid: a gated-delta-net (linear attention) layer, then an attention layer (two classes)."""
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _seeded(cfg)
+
+
+@pytest.mark.parametrize("family", ["jamba", "bamba", "olmo_hybrid"])
 def test_hybrid_decoder_streams_every_layer_with_parity(family, tmp_path):
-    build = {"jamba": tiny_jamba, "bamba": tiny_bamba}[family]
+    build = {"jamba": tiny_jamba, "bamba": tiny_bamba, "olmo_hybrid": tiny_olmo_hybrid}[family]
     model = build()
     name, layers = megatrain.runtime.find_decoder_layers(model)
     assert name == "model.layers"
@@ -264,14 +288,20 @@ def tiny_zamba2(num_mem_blocks=1):
     return _seeded(cfg)
 
 
-def test_zamba2_streams_its_decoder_with_a_shared_block_with_parity(tmp_path):
+def test_zamba2_streams_its_decoder_with_a_shared_block_with_parity(tmp_path, steps=3, micro_batches=2):
     model = tiny_zamba2()
     assert megatrain.runtime.find_decoder_layers(model)[0] == "model.layers"  # not the adapter list
-    ref, exact, got, wrapped, opt = run_pair(model, steps=3, micro_batches=2)
+    ref, exact, got, wrapped, opt = run_pair(model, steps=steps, micro_batches=micro_batches)
     check(ref, exact, got)
-    check_checkpoint_round_trip(tiny_zamba2, wrapped, opt, tmp_path / "ckpt", 2)
+    check_checkpoint_round_trip(tiny_zamba2, wrapped, opt, tmp_path / "ckpt", micro_batches)
     eng = wrapped.megatrain
     assert [u.module for u in eng.layers] == list(wrapped.model.layers)  # every decoder layer streamed
     assert all(p.device.type == "meta" for p in wrapped.model.layers[0].parameters())
     shared = [u.index for u in eng.layers if u.shared]
     assert shared == [1, 3]  # the hybrid layers use the shared block, resident
+    sd = wrapped.state_dict()  # the shared block under each layer's name, as torch's
+    assert sd.keys() == tiny_zamba2().state_dict().keys()
+    assert sd["model.layers.1.shared_transformer.self_attn.q_proj.weight"] is \
+        sd["model.layers.3.shared_transformer.self_attn.q_proj.weight"] or torch.equal(
+            sd["model.layers.1.shared_transformer.self_attn.q_proj.weight"],
+            sd["model.layers.3.shared_transformer.self_attn.q_proj.weight"])

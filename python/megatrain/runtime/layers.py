@@ -89,11 +89,12 @@ def find_decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     loop or comprehension over ``self.<name>`` in its source: ``for layer in self.layers[:n]``,
     ``enumerate(self.h)``, or a loop body indexing it with the loop variable:
     ``for i in range(n): self.ffns[i](x)``); an adapter list indexed by a layer number
-    (``self.adapters[layer_idx]``, Zamba 2) or a list only called by index is not one. Among those, the ones under ``model.get_decoder()`` when
-    transformers names a decoder (a multimodal model's text decoder, not its vision encoder), and
-    of these the list with the most parameters. The entries may be of different
-    classes (hybrid models: attention and state-space layers); each structure (class + parameter
-    shapes and dtypes) gets its own templates and slot pool. When no module's source can be read
+    (``self.adapters[layer_idx]``, Zamba 2) or a list only called by index is not one. Among
+    those, the ones under ``model.get_decoder()`` when transformers names a decoder (a multimodal
+    model's text decoder, not its vision encoder), and of these the list with the most
+    parameters. The entries may be of different classes (hybrid models: attention and
+    state-space layers); each structure (class + own parameters' names, shapes and dtypes) gets
+    its own slot pool (see :func:`model_units`). When no module's source can be read
     (a model built by ``exec``), the largest list of same-class entries is taken instead.
 
     Returns:

@@ -45,8 +45,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
 
     Args:
         model: a Hugging Face causal LM (or any module whose forward loops over one ``nn.ModuleList``
-            of decoder layers; hybrid models may mix layer classes), with its weights on the CPU (any float dtype; fp32 recommended: the
-            fp32 master weights are initialised from them).
+            of decoder layers; hybrid models may mix layer classes), with its weights on the CPU (any
+            float dtype; fp32 recommended: the fp32 master weights are initialised from them).
         device: compute device. Default: ``cuda`` when available, else ``cpu``.
         compute_dtype: dtype of the streamed compute copy and of all activations:
             ``torch.bfloat16`` (default on CUDA) or ``torch.float32`` (default on CPU; exact parity).

@@ -217,7 +217,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """A forward with autograd on runs without a KV cache, as transformers' gradient checkpointing
         does: a layer re-run in backward would update the cache a second time and take its own keys
         as the past (wrong gradients). ``use_cache=True`` (the argument, or ``model.config.use_cache``
-        or a nested config's, e.g. ``text_config.use_cache``, set back after wrap) is turned off with one warning; a given ``past_key_values`` is refused.
+        or a nested config's, e.g. ``text_config.use_cache``, set back after wrap) is turned off with
+        one warning; a given ``past_key_values`` is refused.
 
         Raises:
             ValueError: ``past_key_values`` given to a forward with autograd on.
