@@ -73,7 +73,7 @@ _SIZE_KEYS = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
     "moe_shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
     # vocabulary / positions
-    "vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "n_positions": POSITIONS, "n_ctx": POSITIONS,
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "n_positions": POSITIONS, "n_ctx": POSITIONS,
     "max_seq_len": POSITIONS, "seq_length": POSITIONS, "max_sequence_length": POSITIONS,
     # mixture of experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
@@ -85,9 +85,17 @@ _SIZE_KEYS = {
     "mamba_num_heads": 8, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_head": 16, "mamba_d_ssm": 128,
     "mamba_chunk_size": 16, "chunk_size": 16, "n_mamba_heads": 8, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "num_expert_group": 1, "num_experts_per_token": 2, "num_shared_experts": 1,
+    # sparse-attention indexers (DeepSeek-V3.2 style)
+    "index_head_dim": 16, "index_n_heads": 4, "index_topk": 8,
     # misc
     "sliding_window": 8, "attention_window_size": 8, "window_size": 8, "num_nextn_predict_layers": 0,
 }
+# Keys that only shrink (a model with 1 KV head or top-1 routing keeps it); the others are set.
+_AT_MOST = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_experts_per_tok",
+            "moe_topk", "moe_k", "n_group", "topk_group", "first_k_dense_replace", "num_expert_group",
+            "num_experts_per_token", "num_shared_experts", "num_nextn_predict_layers", "sliding_window",
+            "attention_window_size", "window_size"}
 # Derived values recomputed from the tiny sizes when the config has them.
 _DERIVED = ("head_dim", "kv_channels", "attention_head_size", "qk_head_dim")
 
@@ -123,6 +131,26 @@ def causal_lm_types() -> List[str]:
 # "text_config.x" for a nested one). Only where the generic shrinking builds no model.
 OVERRIDES: Dict[str, dict] = {
     # layer pattern from period / offset: layer 0 Mamba + dense MLP, layer 1 attention + MoE
+    # the default config has no RoPE parameters per layer type
+    "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for t in ("full_attention", "sliding_attention")}},
+    # MoE sizes left None by the default config
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # its sliding-window layers' head_dim is qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note_text": {"head_dim": 16},
+    "dots3_note": {"text_config.head_dim": 16},
+    # input / recurrent / output layer groups add up to the layer count
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "num_hidden_layers": 3},
+    # head_dim None in the default config (its RoPE scaling needs it)
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    # Mamba-2 heads x head_dim = expand x hidden_size
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    # every layer is a Mamba layer by default (and plain HF training then fails on its cache)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    # no attention layer at all by default (attn_layer_indices None): layer 1 attention
+    "bamba": {"attn_layer_indices": [1]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     # ReformerModelWithLMHead asserts is_decoder; in training the axial position shape multiplies to the
     # sequence length (4 x 4 = 16)
@@ -145,11 +173,19 @@ def _n_layers(d: dict) -> Optional[int]:
     return None
 
 
+def _per_layer(key: str, value, n: int) -> bool:
+    """Whether config entry ``key`` holds one value per layer (a list, or a pattern string like
+    nemotron_h's ``hybrid_override_pattern``) of a model with ``n`` layers."""
+    if n < 2 or not isinstance(value, (list, str)) or len(value) != n:
+        return False
+    return isinstance(value, list) or "pattern" in key or "layer" in key
+
+
 def _pick_layers(d: dict, n: int) -> Optional[List[int]]:
     """Indices of the original ``n`` layers that the tiny model keeps: the first layer of every distinct
     value in each per-layer list (so sliding and full attention, attention and state-space layers all
     stay), at least ``LAYERS`` of them, in order. ``None`` if the config has no per-layer list."""
-    lists = [v for v in d.values() if isinstance(v, (list, str)) and len(v) == n and n > 1]
+    lists = [v for k, v in d.items() if _per_layer(k, v, n)]
     if not lists:
         return None
     keep = set()
@@ -167,6 +203,15 @@ def _pick_layers(d: dict, n: int) -> Optional[List[int]]:
     return sorted(keep)
 
 
+def _shrink_values(v):
+    """One layer's settings of a per-layer dict, with the tiny sizes."""
+    if not isinstance(v, dict):
+        return v
+    return {k: (min(x, _SIZE_KEYS[k]) if k in _AT_MOST else _SIZE_KEYS[k])
+            if k in _SIZE_KEYS and isinstance(x, int) and not isinstance(x, bool) and _SIZE_KEYS[k] is not None
+            else x for k, x in v.items()}
+
+
 def _shrink(d: dict) -> dict:
     """Shrink one config dict in place (and its nested sub-config dicts); returns it."""
     for k, v in list(d.items()):
@@ -182,11 +227,15 @@ def _shrink(d: dict) -> dict:
         if isinstance(v, float) and ("dropout" in low or "pdrop" in low or "layerdrop" in low or "jitter" in low):
             d[k] = 0.0
         elif k in _SIZE_KEYS and isinstance(v, int) and _SIZE_KEYS[k] is not None:
-            d[k] = min(v, _SIZE_KEYS[k]) if k not in ("first_k_dense_replace",) else min(v, 1)
+            d[k] = min(v, _SIZE_KEYS[k]) if k in _AT_MOST else _SIZE_KEYS[k]
     if keep is not None:
         for k, v in list(d.items()):
-            if isinstance(v, (list, str)) and len(v) == n:
+            if _per_layer(k, v, n):
                 d[k] = type(v)([v[i] for i in keep]) if isinstance(v, list) else "".join(v[i] for i in keep)
+            elif isinstance(v, dict) and v and all(str(i).isdigit() for i in v):
+                # per-layer settings keyed by layer index (gemma4, dots3: per_layer_config)
+                d[k] = {type(next(iter(v)))(pos): _shrink_values(v[type(next(iter(v)))(i)])
+                        for pos, i in enumerate(keep) if type(next(iter(v)))(i) in v}
         for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
             if isinstance(d.get(k), int):
                 d[k] = len(keep)
@@ -200,6 +249,10 @@ def _shrink(d: dict) -> dict:
             d["qk_head_dim"] = d["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 0)
         if isinstance(d.get("head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int) and "kv_lora_rank" in d:
             d["head_dim"] = d["qk_rope_head_dim"]
+        if "kv_lora_rank" in d and isinstance(d.get("num_key_value_heads"), int):
+            d["num_key_value_heads"] = heads  # multi-head latent attention: one KV head per query head
+        if isinstance(d.get("rotary_dim"), int):
+            d["rotary_dim"] = min(d["rotary_dim"], width // heads // 2)
     for k in ("query_pre_attn_scalar",):
         if isinstance(d.get(k), (int, float)) and d.get("head_dim"):
             d[k] = d["head_dim"]
