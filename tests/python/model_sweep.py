@@ -142,9 +142,6 @@ OVERRIDES: Dict[str, dict] = {
     "dots3_note": {"text_config.head_dim": 16},
     # input / recurrent / output layer groups add up to the layer count
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "num_hidden_layers": 3},
-    # head_dim None in the default config (its RoPE scaling needs it)
-    "hunyuan_v1_dense": {"head_dim": 16},
-    "hunyuan_v1_moe": {"head_dim": 16},
     # Mamba-2 heads x head_dim = expand x hidden_size
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
     # every layer is a Mamba layer by default (and plain HF training then fails on its cache)
@@ -243,7 +240,7 @@ def _shrink(d: dict) -> dict:
     width = next((d[k] for k in ("hidden_size", "n_embd", "d_model", "dim") if isinstance(d.get(k), int)), None)
     if heads and width:
         for k in _DERIVED:
-            if isinstance(d.get(k), int):
+            if isinstance(d.get(k), int) or (k == "head_dim" and k in d and d[k] is None):
                 d[k] = width // heads
         if isinstance(d.get("qk_head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int):
             d["qk_head_dim"] = d["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 0)
