@@ -21,7 +21,14 @@ CI_SAMPLE = ["llama", "gpt2", "qwen2_moe", "mixtral", "gemma2", "phi3"]
 
 # type -> why megatrain fails it today (first error of the sweep). Remove an entry when the type
 # passes or is refused with a one-line error.
-KNOWN_FAILURES = {}
+KNOWN_FAILURES = {
+    "fuyu": "parity miss from step 1 (loss 4.8525 vs 4.8475): the language model's embedding and layer "
+            "weights differ after the first update; FuyuForCausalLM wraps a Persimmon language_model",
+    "reformer": "in training: RuntimeError: Tensor on device meta is not on the expected device cpu! "
+                "(reversible layers; to be refused at wrap)",
+    "bailing_hybrid": "ran past the sweep's 400 s per-type limit (its plain PyTorch run takes ~8 s): hybrid "
+                      "linear / full attention decoder",
+}
 
 
 @pytest.mark.parametrize("model_type", CI_SAMPLE)
