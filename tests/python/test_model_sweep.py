@@ -26,6 +26,11 @@ KNOWN_FAILURES = {
             "weights differ after the first update; FuyuForCausalLM wraps a Persimmon language_model",
     "reformer": "in training: RuntimeError: Tensor on device meta is not on the expected device cpu! "
                 "(reversible layers; to be refused at wrap)",
+    "gemma4": "in training: RuntimeError: The size of tensor a (23) must match the size of tensor b (16) at "
+              "non-singleton dimension 3 (sdpa_attention.py): multimodal wrapper, the attention mask does not "
+              "match the keys through streamed layers",
+    "xglm": "parity miss on self_attn.k_proj.bias only (|diff| ~3e-9 on a tensor of max 7e-9: a gradient that "
+            "is zero in exact arithmetic); not yet checked why the fp64 judge does not accept it",
     "bailing_hybrid": "ran past the sweep's 400 s per-type limit (its plain PyTorch run takes ~8 s): hybrid "
                       "linear / full attention decoder",
 }
