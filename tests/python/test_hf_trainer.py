@@ -413,7 +413,7 @@ def test_trainer_cuda_bf16_trains_saves_resumes(tmp_path):
     from megatrain.integrations import MegatrainTrainer
 
     def trainer(model):
-        model = megatrain.wrap(model, device="cuda")
+        model = megatrain.wrap(model, device="cuda", activation_policy="recompute")  # streamed: H2D / D2H logged
         rec = _LossRecorder(model)
         args = _args(str(tmp_path / "run"), use_cpu=False, save_strategy="steps", save_steps=5)
         return MegatrainTrainer(model=model, args=args, train_dataset=_dataset()), rec
@@ -443,7 +443,7 @@ def test_plain_trainer_cuda_bf16(tmp_path):
     from megatrain.integrations import MegatrainTrainer
 
     def wrapped():
-        return megatrain.wrap(_model(), device="cuda")
+        return megatrain.wrap(_model(), device="cuda", activation_policy="recompute")  # streamed: H2D / D2H logged
 
     ref_model = wrapped()
     ref_rec = _LossRecorder(ref_model)

@@ -308,3 +308,46 @@ def test_trainer_use_liger_kernel_patches_the_wrapped_model_and_trains(liger, mo
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0)
     assert transformers.__version__  # (the Trainer of this transformers version was the one exercised)
+
+
+# ------------------------------------------------------------------ other models in the process
+def test_liger_global_patches_do_not_reach_other_models(liger, as_on_cuda, monkeypatch):
+    """Liger's apply also replaces classes and ``apply_rotary_pos_emb`` in ``modeling_llama`` (global:
+    a CPU model built afterwards would get Triton kernels that fail on CPU tensors). After ``wrap`` the
+    classes are the originals and the function runs Liger's kernel only for CUDA tensors."""
+    from transformers.models.llama import modeling_llama as ml
+
+    orig_norm, orig_rope = ml.LlamaRMSNorm, ml.apply_rotary_pos_emb
+    monkeypatch.setattr(ml, "LlamaRMSNorm", ml.LlamaRMSNorm)  # restored at teardown whatever wrap does
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", ml.apply_rotary_pos_emb)
+
+    class GlobalNorm(orig_norm):
+        pass
+
+    def liger_rope(*a, **k):
+        raise RuntimeError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    def apply_with_globals(model=None, **kw):
+        ml.LlamaRMSNorm, ml.apply_rotary_pos_emb = GlobalNorm, liger_rope  # what Liger's apply_liger_kernel_to_llama does
+        _apply_to_llama(model=model, **kw)
+
+    monkeypatch.setitem(_monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN, "llama", apply_with_globals)
+    torch.manual_seed(0)
+    other = _model()
+    x = _batch()
+    with torch.no_grad():
+        expected = other(input_ids=x).logits
+    wrapped = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    try:
+        assert ml.LlamaRMSNorm is orig_norm
+        assert ml.apply_rotary_pos_emb is not liger_rope and ml.apply_rotary_pos_emb._megatrain_original is orig_rope
+        with torch.no_grad():
+            assert torch.equal(other(input_ids=x).logits, expected)  # a CPU model keeps the original RoPE
+        torch.manual_seed(0)
+        fresh = _model()
+        assert not any(isinstance(m, GlobalNorm) for m in fresh.modules())
+        monkeypatch.setattr(kernels, "_on_cuda", lambda args, kwargs: True)  # as for CUDA tensors:
+        with pytest.raises(RuntimeError, match="Triton"):                     # Liger's kernel is called
+            ml.apply_rotary_pos_emb(x.float(), x.float(), x.float(), x.float())
+    finally:
+        wrapped.megatrain.close()

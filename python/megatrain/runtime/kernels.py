@@ -31,6 +31,13 @@ before, chunked by megatrain when ``chunked_loss`` says so. Both are exact (no a
 the same function again: it binds the same forwards again (same effect), and megatrain's tiling still
 runs (the tiled modules' ``forward`` is a data descriptor that takes precedence over the instance
 attribute Liger writes).
+
+Other models in the process are left as they were: Liger's patches of the ``transformers`` modeling
+modules are global (every model of the architecture built or run afterwards would get them, and
+Liger's Triton kernels fail on CPU tensors). ``wrap`` therefore puts back each class Liger replaced
+in those modules (this model's modules already hold Liger's forwards), and each module-level
+function it replaced (``apply_rotary_pos_emb``) becomes one that calls Liger's kernel for CUDA
+tensors and the original otherwise (:func:`_contain_module_patches`).
 """
 
 from __future__ import annotations
@@ -118,9 +125,55 @@ def apply_liger_kernel(model: nn.Module, layers, required: bool = False) -> dict
             raise ValueError(f"megatrain.wrap: liger_kernel=True, but liger-kernel has no kernels for model_type "
                              f"{model_type!r}; pass liger_kernel=None (used where supported) or False")
         return dict(applied=False, model_type=model_type, reason="architecture not supported by liger-kernel")
+    before = _modeling_modules()
     _apply_liger_kernel_to_instance(model=model)
+    _contain_module_patches(before)
     for layer in layers:
         if "forward" in vars(layer):
             raise RuntimeError(f"megatrain.wrap: liger-kernel replaced the forward of decoder layer "
                                f"{type(layer).__name__} itself; megatrain streams through it: pass liger_kernel=False")
     return dict(applied=True, model_type=model_type, reason=None)
+
+
+def _modeling_modules() -> dict:
+    """``{module name: dict of its attributes}`` of every imported ``transformers.models`` module."""
+    return {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
+            if mod is not None and name.startswith("transformers.models.")}
+
+
+def _on_cuda(args, kwargs) -> bool:
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            return x.is_cuda
+    return False
+
+
+def _device_dispatch(original, liger_fn):
+    """``liger_fn`` for CUDA tensors (the first tensor argument decides), ``original`` otherwise."""
+    original = getattr(original, "_megatrain_original", original)  # a second wrap: no nesting
+
+    def dispatch(*args, **kwargs):
+        return (liger_fn if _on_cuda(args, kwargs) else original)(*args, **kwargs)
+
+    dispatch._megatrain_original = original
+    dispatch.__name__ = getattr(original, "__name__", "dispatch")
+    dispatch.__doc__ = getattr(original, "__doc__", None)
+    return dispatch
+
+
+def _contain_module_patches(before: dict) -> None:
+    """Undoes the global side of Liger's patching (see the module docstring): classes put back,
+    module-level functions dispatched by device. ``before``: :func:`_modeling_modules` taken just
+    before Liger was applied."""
+    for name, old in before.items():
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        for attr, was in old.items():
+            now = vars(mod).get(attr, was)
+            if now is was:
+                continue
+            if isinstance(was, type):
+                setattr(mod, attr, was)
+            elif callable(was) and callable(now):
+                setattr(mod, attr, _device_dispatch(was, now))
