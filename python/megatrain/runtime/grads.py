@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 
 from .._loader import load_extension
+from .thread_guard import _graph_task_id
 
 if TYPE_CHECKING:
     from .units import Unit
@@ -332,12 +333,3 @@ class GradLedger:
                               finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None)
         return handle
 
-
-def _graph_task_id() -> Optional[int]:
-    """Id of the autograd graph task (backward pass) running now, or None (unknown / outside one)."""
-    f = getattr(torch._C, "_current_graph_task_id", None)
-    try:
-        i = f() if f is not None else -1
-    except RuntimeError:
-        return None
-    return None if i < 0 else int(i)

@@ -80,6 +80,7 @@ def _mark_freed(graph: _Graph) -> None:
 
 
 def _graph_task_id() -> Optional[int]:
+    """Id of the autograd graph task (backward pass) running now, or None (unknown / outside one)."""
     f = getattr(torch._C, "_current_graph_task_id", None)
     try:
         i = f() if f is not None else -1
