@@ -298,6 +298,11 @@ def _dry_run(cfg, resume) -> int:
         sys.stdout.flush()
         raise
     print(plan.estimate)
+    m = cfg.model.path
+    print(f"the run would train on: data {cfg.data.path!r}, tokenizer {getattr(plan.data.tokenizer, 'source', None)!r}"
+          + (f", model {m!r}" if m else ""))
+    if m is not None and not trainer.has_weights(m):
+        print(f"note: {m!r} holds no weights (estimated from its config.json alone): the real run needs them")
     return 0
 
 

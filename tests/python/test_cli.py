@@ -354,7 +354,8 @@ def test_loss_curve_png_and_the_table_names_the_output_paths_also_on_resume(tmp_
     assert code == 0, err
     curve, metrics, tb = out / "loss_curve.png", out / "metrics.jsonl", out / "tensorboard"
     _assert_png(curve)
-    for name, path in (("loss curve", curve), ("metrics", metrics), ("TensorBoard logs", tb)):
+    for name, path in (("loss curve", curve), ("metrics", metrics), ("TensorBoard logs", tb),
+                       ("summary", out / "summary.json")):
         row = [line for line in stdout.splitlines() if line.startswith(f"| {name} ")]
         assert len(row) == 1 and str(path) in row[0], (name, stdout)
     summary = json.loads((out / "summary.json").read_text())

@@ -221,8 +221,9 @@ def test_dry_run_estimates_a_model_directory_holding_only_config_json(tmp_path, 
     argv = ["train", "--model", str(model), "--out", str(out), "--data", str(corpus), *TINY, "--seq-len", "32"]
     code, stdout, err = _run_main([*argv, "--dry-run"], capsys)
     assert code == 0, err
-    assert "estimated from its config.json alone" not in stdout  # the CLI estimates the config object
     assert "LlamaForCausalLM" in stdout and "fits this machine" in stdout and "on this CPU" in stdout
+    assert f"note: {str(model)!r} holds no weights (estimated from its config.json alone): the real run needs them" in stdout
+    assert f"the run would train on: data {str(corpus)!r}" in stdout
     assert not out.exists()
     code, _, err = _run_main(argv, capsys)
     assert code == 2 and "has no weights" in err and "--dry-run estimates the memory from config.json alone" in err

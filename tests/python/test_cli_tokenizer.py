@@ -152,3 +152,15 @@ def test_tokenizer_larger_than_the_embedding_is_refused_before_writing(tmp_path,
     assert "has 48 tokens but the model's embedding has 32 rows" in lines[0], lines[0]
     assert "--tokenizer" in lines[0]
     assert not out.exists(), "nothing may be written when the tokenizer is refused"
+
+
+def test_model_without_data_says_it_trains_on_the_built_in_corpus(tmp_path, dir_with_tokenizer, capsys):
+    """--model DIR without --data fine-tunes on the built-in corpus: said in one warning line, which names
+    --data (a forgotten flag would otherwise train the user's model on Python sources unnoticed)."""
+    capsys.readouterr()
+    plan = _prepare(["--model", str(dir_with_tokenizer), "--out", str(tmp_path / "o"), "--seq-len", "32",
+                     "--micro-batch-size", "2", "--set", "data.max_documents=20"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in _warnings(err) if "no --data given" in ln]
+    assert len(lines) == 1 and "pass --data PATH" in lines[0] and str(dir_with_tokenizer) in lines[0], err
+    assert plan.cfg.data.path == "stdlib"

@@ -377,8 +377,12 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
             )
     # Last, with the data loaded: the memory available now, which the model build and training take next.
     estimate = estimate_run(cfg, model_config, device, compute_dtype, dry_run=dry_run)
-    if getattr(tokenizer, "note", None) and (ranks is None or ranks.main):
-        data_mod.warn(tokenizer.note)  # once the input is good: a refusal stays one line
+    if ranks is None or ranks.main:  # once the input is good: a refusal stays one line
+        if getattr(tokenizer, "note", None):
+            data_mod.warn(tokenizer.note)
+        if cfg.model.path is not None and cfg.data.path == "stdlib":
+            data_mod.warn(f"no --data given: fine-tuning {cfg.model.path!r} on the built-in corpus (the Python standard "
+                          "library's own sources); pass --data PATH for your text")
     return Plan(
         cfg=cfg,
         data=text,
@@ -1306,4 +1310,6 @@ def summary_rows(summary: dict) -> list:
     rows.append(("loss curve", summary.get("loss_curve") or "(not written)"))
     rows.append(("metrics", summary.get("metrics_file") or "n/a"))
     rows.append(("TensorBoard logs", summary.get("tensorboard_dir") or "(off: log.tensorboard=false or not installed)"))
+    if summary.get("out_dir"):
+        rows.append(("summary", os.path.join(summary["out_dir"], "summary.json")))
     return rows
