@@ -1,72 +1,14 @@
 """Import the compiled extension ``megatrain._C``, naming the likely cause when that fails.
 
-The extension is built against one torch (and CUDA) version; importing it under another one fails
-with an undefined-symbol or similar error. This module compares the versions recorded at build
-time (``_build_info.json``, written by setup.py) with those installed now and says which differs.
+``from megatrain._ext import _C`` is :func:`megatrain._loader.load_extension`'s module: an import
+under another torch / CUDA / Python than the build's raises an ImportError that names the
+mismatch (:func:`explain_import_failure`, from :mod:`megatrain._build_check`), and, in a source
+tree, a build from other C++ sources than ``csrc/`` holds now raises one naming the rebuild.
 """
 
-import json
-import sys
-from pathlib import Path
+from megatrain._build_check import explain_import_failure, recorded_build_info
+from megatrain._loader import load_extension
 
-import torch  # libc10 / libtorch must be loaded before _C
-
-_BUILD_INFO_PATH = Path(__file__).with_name("_build_info.json")
-_REBUILD = "rebuild it with `pip install --no-build-isolation -e .` from the repository root"
-
-
-def recorded_build_info():
-    """Build-time facts from ``_build_info.json``, or ``None`` when no build happened here.
-
-    Returns:
-        dict | None: keys ``version``, ``torch_version``, ``cuda_version`` (str or None),
-        ``with_cuda``, ``isas_compiled``, ``git_sha``, ``python_version``.
-    """
-    try:
-        return json.loads(_BUILD_INFO_PATH.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def explain_import_failure(err: BaseException) -> str:
-    """A message naming the most likely mismatch behind a failed ``import megatrain._C``."""
-    info = recorded_build_info()
-    lines = [f"megatrain._C could not be imported ({type(err).__name__}: {err})."]
-    if info is None:
-        lines.append(f"No build was found (no {_BUILD_INFO_PATH.name} next to the package): {_REBUILD}.")
-        return "\n".join(lines)
-    now_py = ".".join(map(str, sys.version_info[:3]))
-    mismatches = []
-    if info.get("torch_version") != torch.__version__:
-        mismatches.append(
-            f"it was built against torch {info.get('torch_version')} but torch {torch.__version__} is installed"
-        )
-    if info.get("with_cuda") and info.get("cuda_version") != torch.version.cuda:
-        mismatches.append(
-            f"it was built for CUDA {info.get('cuda_version')} but the installed torch uses CUDA "
-            f"{torch.version.cuda}"
-        )
-    built_py = str(info.get("python_version", ""))
-    if built_py.rsplit(".", 1)[0] != now_py.rsplit(".", 1)[0]:
-        mismatches.append(f"it was built for Python {built_py} but this is Python {now_py}")
-    if mismatches:
-        lines.append("Likely cause: " + "; ".join(mismatches) + f". {_REBUILD}.")
-    elif "undefined symbol" in str(err):
-        lines.append(
-            "Versions match the recorded build, but a symbol is missing: the extension is stale or "
-            f"was built by a different compiler/ABI; {_REBUILD}."
-        )
-    else:
-        lines.append(f"The recorded build matches the installed torch/CUDA/Python; {_REBUILD}.")
-    return "\n".join(lines)
-
-
-try:
-    from megatrain import _C  # noqa: E402  (registers torch.ops.megatrain.*)
-except ImportError as _err:
-    raise ImportError(explain_import_failure(_err)) from _err
-from megatrain._loader import load_extension  # noqa: E402
-
-load_extension()  # a source tree's C++ changed since the build: ImportError naming the rebuild
+_C = load_extension()
 
 __all__ = ["_C", "recorded_build_info", "explain_import_failure"]

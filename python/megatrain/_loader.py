@@ -1,6 +1,8 @@
 """Load the compiled extension ``megatrain._C`` (and its ops), explaining any failure."""
 import importlib
 
+from ._build_check import explain_import_failure
+
 _SOURCES_CHECKED = False
 
 
@@ -9,14 +11,13 @@ def load_extension():
 
     Raises:
         ImportError: the extension is missing or was built against another torch / CUDA (the
-            message, from ``megatrain._ext``, names the mismatch), or, in a source tree, from other
+            message, from ``megatrain._build_check``, names the mismatch), or, in a source tree, from other
             C++ sources than ``csrc/`` holds now (``megatrain._source_hash``); each says how to rebuild.
     """
     try:
         mod = importlib.import_module("megatrain._C")
-    except ImportError:
-        importlib.import_module("megatrain._ext")  # raises an ImportError that names the mismatch
-        raise
+    except ImportError as err:
+        raise ImportError(explain_import_failure(err)) from err
     global _SOURCES_CHECKED
     if not _SOURCES_CHECKED:  # once per process: a stale build of an editable install fails here
         from pathlib import Path

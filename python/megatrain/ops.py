@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from megatrain._ext import _C  # noqa: F401  (loading _C registers the ops)
+from megatrain import _C  # noqa: F401  (loading _C registers the ops; megatrain._loader imports this module)
 
 __all__ = ["adamw_step_", "grad_accumulate_"]
 

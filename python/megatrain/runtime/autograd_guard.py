@@ -1,5 +1,5 @@
 """``torch.autograd.grad`` / ``torch.autograd.backward`` refuse a wrapped model's decoder-layer
-placeholders (installed when megatrain is imported).
+placeholders (installed at the first ``megatrain.wrap``, :mod:`.torch_patches`).
 
 A streamed layer's parameters are meta-device placeholders that never enter the autograd graph:
 megatrain computes their gradients inside its own autograd Function, on leaf views of a device
@@ -113,7 +113,7 @@ backward._megatrain = True
 def install_autograd_guard() -> None:
     """Route ``torch.autograd.grad`` / ``torch.autograd.backward`` through :func:`grad` / :func:`backward`
     (idempotent). ``Tensor.backward`` calls ``torch.autograd.backward`` by that name, so it is routed too;
-    a reference taken before megatrain was imported (``from torch.autograd import grad``) keeps torch's."""
+    a reference taken before the first ``wrap`` (``from torch.autograd import grad``) keeps torch's."""
     if torch.autograd.grad is _torch_grad:
         torch.autograd.grad = grad
     if torch.autograd.backward is _torch_backward:

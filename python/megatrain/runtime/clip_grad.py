@@ -1,4 +1,4 @@
-"""``torch.nn.utils.clip_grad_norm_`` made exact for a wrapped model's parameters (installed when megatrain is imported)."""
+"""``torch.nn.utils.clip_grad_norm_`` made exact for a wrapped model's parameters (installed at the first ``megatrain.wrap``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
                     foreach: Optional[bool] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``, exact for the parameters of a wrapped model.
 
-    Installed in place of torch's function when megatrain is imported; for anything but a
+    Installed in place of torch's function at the first ``megatrain.wrap``; for anything but a
     wrapped model's parameters it calls torch's own. For those it returns the total L2 norm of
     their gradients (computed from the engine's per-parameter squared norms: a float32 CPU
     scalar tensor, the same value torch would return on the unwrapped model) and records the
@@ -104,7 +104,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
 
 def clip_grad_value_(parameters, clip_value: float, foreach: Optional[bool] = None) -> None:
     """``torch.nn.utils.clip_grad_value_``; refused for a wrapped model's parameters (installed in place
-    of torch's function when megatrain is imported; anything else goes to torch's own).
+    of torch's function at the first ``megatrain.wrap``; anything else goes to torch's own).
 
     A wrapped model's gradients live in the host store and its layers' ``p.grad`` is never set, so an
     elementwise clip has nothing to act on (torch failed with an internal error on the placeholders).

@@ -14,15 +14,13 @@ import atexit
 import contextlib
 import os
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
 from .._loader import load_extension
 from .host_memory import check_host_budget
-
-if TYPE_CHECKING:
-    from .disk_offload import OffloadPlan
+from .offload_plan import OffloadPlan
 
 _C = load_extension()
 

@@ -1,6 +1,6 @@
 """``torch.func.functional_call`` refuses to replace a parameter or buffer of a wrapped model's decoder
 layers, and ``torch.nn.utils.parametrize.register_parametrization`` to parametrize one of their modules
-(installed when megatrain is imported).
+(installed at the first ``megatrain.wrap``, :mod:`.torch_patches`).
 
 functional_call (also ``torch.nn.utils.stateless.functional_call`` and any other swap through
 ``torch.nn.utils._named_member_accessor``) puts the given tensors into the modules' ``_parameters`` /

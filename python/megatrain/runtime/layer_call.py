@@ -9,20 +9,44 @@ the engine. :class:`_WeightRef` is what a kept graph saves instead of a slot's w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
     from .units import Unit
-    from .wrapped import WrappedEngine
+
+
+class LayerEngine(Protocol):
+    """What a streamed layer and :class:`_LayerFunction` need of their engine
+    (:class:`~megatrain.runtime.wrapped.WrappedEngine` is the one; naming it here would make this
+    module import the one that imports it)."""
+
+    device: torch.device
+    activation_policy: str
+    offload: Optional[Any]  # runtime.offload.InputOffload under the offload policy
+    activity: Any  # runtime.thread_guard.ModelActivity
+
+    def run_layer(self, layer, args, kwargs): ...
+
+    def checkpointing_requested(self, index: int, enabled: bool) -> None: ...
+
+    def store_this(self, call: _LayerCall, diff_inputs) -> bool: ...
+
+    def forward_stored(self, call: _LayerCall, diff_inputs): ...
+
+    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1, around=None): ...
+
+    def block_input(self, call: _LayerCall): ...
+
+    def backward_layer(self, call: _LayerCall, inputs, grad_outs): ...
 
 
 class _StreamedLayerMixin:
     """Forward of a streamed decoder layer (mixed into a subclass of the layer's own class)."""
 
-    _megatrain_engine: "WrappedEngine"
+    _megatrain_engine: LayerEngine
     _megatrain_unit: Unit
 
     def forward(self, *args, **kwargs):  # noqa: D401 - replaces the layer's forward

@@ -31,7 +31,7 @@ script read and write those masters:
   records ``dtype: float32`` (the masters' dtype) and ``use_cache: true``.
 * ``torch.nn.utils.clip_grad_norm_`` over a wrapped model's parameters: the exact global norm
   from the engine's per-parameter squared norms, and the clip coefficient applied inside the
-  next ``CPUAdamW.step()`` (:func:`megatrain.runtime.clip_grad.clip_grad_norm_`, installed at import).
+  next ``CPUAdamW.step()`` (:func:`megatrain.runtime.clip_grad.clip_grad_norm_`, installed at the first ``wrap``).
 * ``torch.save(model)`` / ``copy.deepcopy(model)``: refused with one line naming what to use; so are
   casts and moves of the resident weights, PEFT's merges and embedding resizes (:mod:`.module_guards`).
 

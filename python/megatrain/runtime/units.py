@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .._loader import load_extension
-from .grads import UnitGrads
+from .unit_grads import UnitGrads
 
 _C = load_extension()
 
@@ -51,7 +51,7 @@ class Entry:
 class Unit(UnitGrads):
     """A group of parameters streamed and updated together (one decoder layer or the resident unit).
 
-    The per-entry gradient and update state is the engine's ``_C.Ledger``; :class:`~megatrain.runtime.grads.UnitGrads`
+    The per-entry gradient and update state is the engine's ``_C.Ledger``; :class:`~megatrain.runtime.unit_grads.UnitGrads`
     reads it (``has_grad``, ``grad_sq``, ``batches``, ``eager``, ``direct``, ``update_settled``, ...).
     """
 

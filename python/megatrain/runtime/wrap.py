@@ -33,6 +33,7 @@ from .module_api import install as _install_module_api
 from .module_guards import check_layers_unhooked
 from .policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from .attention_reuse import AttentionReuse
+from .torch_patches import install_torch_patches
 from .wrapped import WrappedEngine
 
 
@@ -257,6 +258,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     # A wrapped model that was dropped (a notebook cell run again) sits in reference cycles until the
     # cyclic collector runs: collect it now so that its host store is freed before this one is allocated.
     gc.collect()
+    install_torch_patches()  # the first wrap: torch's clip_grad_norm_, autograd.grad, ... rerouted (see there)
     engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
                            grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
                            source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,

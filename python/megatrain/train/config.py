@@ -1,7 +1,7 @@
 """Configuration of the command-line trainer (``megatrain train``).
 
 A configuration is a YAML mapping with six sections (``model``, ``data``, ``train``, ``runtime``,
-``eval``, ``log``). Every key has a default (see :mod:`megatrain.train.defaults`), so an empty file
+``eval``, ``log``). Every key has a default (presets: :mod:`megatrain.train.presets`), so an empty file
 — or no file — is the built-in default run. Unknown sections or keys are errors, and values are
 converted and checked here, at the boundary, so that a bad value is reported as one line naming the
 key, the rule, and what was found ("train.lr must be a number, got 'abc'") before anything is loaded
@@ -24,6 +24,8 @@ import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from megatrain.train.presets import PRESETS
 
 
 class UsageError(ValueError):
@@ -571,6 +573,20 @@ def parse_override(text: str) -> tuple:
     return section, name, parsed
 
 
+def preset_dict(name: str) -> dict:
+    """The merged mapping (dataclass defaults <- preset) for preset ``name``.
+
+    Raises:
+        UsageError: unknown preset.
+    """
+    if name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    raw = Config().to_dict()
+    for section, values in PRESETS[name].items():
+        raw[section].update(copy.deepcopy(values))
+    return raw
+
+
 def build_config(
     config_path: Optional[str] = None,
     preset: str = "default",
@@ -586,8 +602,6 @@ def build_config(
     Raises:
         UsageError: unknown section/key, a value of the wrong type or out of range.
     """
-    from megatrain.train.defaults import preset_dict
-
     if base is not None:
         raw = merge(Config().to_dict(), base, where="the checkpoint's configuration")
     else:
