@@ -22,19 +22,10 @@ CI_SAMPLE = ["llama", "gpt2", "qwen2_moe", "mixtral", "gemma2", "phi3"]
 # type -> why megatrain fails it today (first error of the sweep). Remove an entry when the type
 # passes or is refused with a one-line error.
 KNOWN_FAILURES = {
-    "fuyu": "parity miss from step 1 (loss 4.8525 vs 4.8475): the language model's embedding and layer "
-            "weights differ after the first update; FuyuForCausalLM wraps a Persimmon language_model",
-    "reformer": "in training: RuntimeError: Tensor on device meta is not on the expected device cpu! "
-                "(reversible layers; to be refused at wrap)",
-    "gemma4": "in training: RuntimeError: The size of tensor a (23) must match the size of tensor b (16) at "
-              "non-singleton dimension 3 (sdpa_attention.py): multimodal wrapper, the attention mask does not "
-              "match the keys through streamed layers",
-    "gemma4_unified": "in training: RuntimeError: The size of tensor a (32) must match the size of tensor b (16) at "
-                      "non-singleton dimension 3 (sdpa_attention.py): as gemma4",
+    "fuyu": "parity: one element of 16 in language_model.layers.0.self_attn.k_layernorm.bias differs by "
+            "2.8e-07 (the tensor's max is 1.9e-03) after 3 steps; losses match; not yet judged",
     "xglm": "parity miss on self_attn.k_proj.bias only (|diff| ~3e-9 on a tensor of max 7e-9: a gradient that "
             "is zero in exact arithmetic); not yet checked why the fp64 judge does not accept it",
-    "bailing_hybrid": "ran past the sweep's 400 s per-type limit (its plain PyTorch run takes ~8 s): hybrid "
-                      "linear / full attention decoder",
 }
 
 
