@@ -54,7 +54,8 @@ def _run(debug: bool, max_grad_norm=1.0, **wrap_kw):
 
 
 @pytest.mark.parametrize("debug,wrap_kw", [
-    # the default: streamed recompute with the step boundary's units (resident unit, layer 0) on the device
+    # streamed recompute (the parity helper names it; the CUDA default is auto, the auto_race_debug case)
+    # with the step boundary's units (resident unit, layer 0) on the device: recompute's default
     (False, {}),
     (True, {}),
     # without clipping: those units' updates enqueued before step() waits for the gradients (non-finite
@@ -104,7 +105,7 @@ def test_bf16_parity_after_the_planner_moves_state_and_graphs_1b(monkeypatch, cl
 
 
 def _check_parity(ref, got, stats, wrap_kw):
-    if set(wrap_kw) <= {"max_grad_norm"}:  # wrap's default: device_state_layers="boundary"
+    if set(wrap_kw) <= {"max_grad_norm"}:  # recompute's default: device_state_layers="boundary"
         print(f"boundary: resident on the device {stats['device_state_resident']}, device_state_layers "
               f"{stats['device_state_layers']} ({stats['device_state_bytes'] / 2**30:.2f} GiB)")
         assert stats["device_state_resident"] and stats["device_state_layers"] == 1
