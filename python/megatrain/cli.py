@@ -289,6 +289,7 @@ def _what_is_kept(exc: BaseException, out_dir: Optional[str]) -> str:
 
 def _dry_run(cfg, resume) -> int:
     """``--dry-run``: every check of a real run, the memory estimate printed; no model, nothing written."""
+    from megatrain.runtime.estimate import has_weight_files
     from megatrain.train import trainer
 
     try:
@@ -301,7 +302,7 @@ def _dry_run(cfg, resume) -> int:
     m = cfg.model.path
     print(f"the run would train on: data {cfg.data.path!r}, tokenizer {getattr(plan.data.tokenizer, 'source', None)!r}"
           + (f", model {m!r}" if m else ""))
-    if m is not None and not trainer.has_weights(m):
+    if m is not None and not has_weight_files(m):
         print(f"note: {m!r} holds no weights (estimated from its config.json alone): the real run needs them")
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import glob
 import json
 import math
 import os
@@ -30,13 +29,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatrain.checkpoint import existing_ancestor
+from megatrain.runtime.estimate import has_weight_files
 from megatrain.train.config import (Config, UsageError, to_yaml, wrap_auto_switch, wrap_device_state_layers,
                                     wrap_rows_mode)
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
 
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 @dataclass
@@ -125,7 +124,7 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer
             raise UsageError(f"model path {m.path!r} is not a directory; give a local Hugging Face model directory")
         if not os.path.isfile(os.path.join(m.path, "config.json")):
             raise UsageError(f"model directory {m.path!r} has no config.json; save the model with save_pretrained")
-        if weights and not has_weights(m.path):
+        if weights and not has_weight_files(m.path):
             raise UsageError(
                 f"model directory {m.path!r} has no weights (*.safetensors or pytorch_model.bin); "
                 "save the model with save_pretrained or build one from model.arch (--dry-run estimates the memory "
@@ -213,11 +212,6 @@ class DoesNotFit(UsageError):
     def __init__(self, message: str, estimate):
         super().__init__(message)
         self.estimate = estimate
-
-
-def has_weights(path: str) -> bool:
-    """Whether model directory ``path`` holds weight files (:data:`WEIGHT_PATTERNS`)."""
-    return any(glob.glob(os.path.join(path, p)) for p in WEIGHT_PATTERNS)
 
 
 def has_safetensors(path: str) -> bool:
