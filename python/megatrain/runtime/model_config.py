@@ -72,6 +72,11 @@ def cache_asked(cfg) -> bool:
     return any(bool(v) for v in cache_flags(cfg).values())
 
 
+def router_logits_asked(cfg) -> bool:
+    """Whether ``cfg`` or a nested config sets ``output_router_logits`` (per layer: any layer's)."""
+    return cfg is not None and any(config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg))
+
+
 def write_cache_flags(config_dict: dict, flags: Dict[Tuple[str, ...], object]) -> None:
     """Write ``flags`` (from :func:`cache_flags`) into a ``config.json`` dict, nested configs included."""
     for path, v in flags.items():

@@ -28,7 +28,7 @@ from .device_state_plan import check_device_state_layers, resolve_device_state_l
 from .kernels import apply_liger_kernel, check_liger_kernel, resolve_liger_kernel
 from .disk_offload import check_offload_args
 from .layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
-from .model_config import cache_flags, config_value, set_cache_flags, sub_configs
+from .model_config import cache_flags, router_logits_asked, set_cache_flags
 from .module_api import install as _install_module_api
 from .module_guards import check_layers_unhooked
 from .policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
@@ -241,7 +241,7 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)
-    if cfg is not None and any(config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg)):
+    if router_logits_asked(cfg):
         # The router logits would be captured from the streamed layers' graph-free forward, so
         # the auxiliary load-balancing loss would silently get no gradient.
         raise UnsupportedModelError(

@@ -21,7 +21,7 @@ from .functional_call_guard import note_streamed_layer
 from .layer_call import _Block, _LayerCall, _streamed_class
 from .layer_exec import LayerExecution
 from .layers import UnsupportedModelError, _move_buffers, model_units
-from .model_config import cache_asked, config_value, sub_configs
+from .model_config import cache_asked, router_logits_asked
 from .module_api import EngineModuleApi
 from .planner import PlacementReplan
 from .policies import ActivationPolicies, check_activation_policy
@@ -377,8 +377,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """
         self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
-        if (kwargs or {}).get("output_router_logits") or any(
-                config_value(c, "output_router_logits", False) for _, c in sub_configs(cfg)):
+        if (kwargs or {}).get("output_router_logits") or router_logits_asked(cfg):
             # captured from the streamed layers' graph-free forward: the auxiliary loss would get no gradient
             raise UnsupportedModelError(
                 "megatrain: output_router_logits=True (the MoE auxiliary load-balancing loss) is not supported "
