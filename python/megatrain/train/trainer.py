@@ -255,10 +255,10 @@ def check_checkpoint(path: str, model_config) -> None:
     check_loading_info(path, {"missing_keys": missing, "mismatched_keys": mismatched, "unexpected_keys": unexpected})
 
 
-def estimate_run(cfg: Config, model_config, device, compute_dtype, dry_run: bool = False):
+def estimate_run(cfg: Config, model_config, device, compute_dtype):
     """The run's memory (:func:`megatrain.estimate`, from the model config on the meta device: nothing
     is allocated) and the refusal when it does not fit: the one rule of ``--dry-run`` and of the
-    real run (``dry_run`` changes nothing; it is accepted for the callers that pass it).
+    real run.
 
     Refused unless everything the run allocates fits the memory available now: the host store,
     gradient staging, the accumulator and the disk tier's buffers, plus a margin of
@@ -370,7 +370,7 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
                 "data.seq_len, data.max_documents, data.eval_fraction, data.tokenizer and train.seed"
             )
     # Last, with the data loaded: the memory available now, which the model build and training take next.
-    estimate = estimate_run(cfg, model_config, device, compute_dtype, dry_run=dry_run)
+    estimate = estimate_run(cfg, model_config, device, compute_dtype)
     if ranks is None or ranks.main:  # once the input is good: a refusal stays one line
         if getattr(tokenizer, "note", None):
             data_mod.warn(tokenizer.note)
