@@ -8,7 +8,7 @@ chunked_loss / tile_mlp "auto")`` and times ONE training step with no warm-up st
 these lengths a step is minutes of attention work and the first-call costs (allocator growth,
 kernel selection, page faults of the host store) are a small part of it; they are included.
 
-Activation policy: ``block:K`` with K from ``megatrain.runtime.long_context.checkpoint_spacing``
+Activation policy: ``block:K`` with K from ``megatrain.runtime.activations.long_context.checkpoint_spacing``
 (the smallest K whose ceil(L/K) + K - 1 saved layer inputs fit in --ckpt-fraction of the GPU's
 memory), or ``--policy`` (``auto``: chosen by megatrain.wrap from the measured first layer call,
 ``auto_decisions`` in the JSON; ``offload``: every layer input parked in pinned host memory,
@@ -55,7 +55,7 @@ def _policy_for(spec, m) -> str:
     if spec.get("policy"):
         return spec["policy"]
     import torch
-    from megatrain.runtime.long_context import checkpoint_spacing
+    from megatrain.runtime.activations.long_context import checkpoint_spacing
     total = torch.cuda.get_device_properties(0).total_memory if spec["device"].startswith("cuda") else 64 * GiB
     ckpt = spec["batch"] * spec["seq"] * m["hidden"] * (2 if spec["dtype"] == "bf16" else 4)
     k = checkpoint_spacing(m["layers"], ckpt, spec["ckpt_fraction"] * total)
@@ -115,7 +115,7 @@ def _loss_methods():
     """name -> fn(hidden [N, H], weight [V, H], shifted labels [N]) -> loss; those importable here."""
     import torch
     from transformers.loss.loss_utils import ForCausalLMLoss
-    from megatrain.runtime.long_context import _rows_for, chunked_causal_lm_loss
+    from megatrain.runtime.activations.long_context import _rows_for, chunked_causal_lm_loss
 
     def ours(h, w, y):
         free, _ = torch.cuda.mem_get_info() if h.is_cuda else (16 * GiB, 0)

@@ -131,7 +131,7 @@ def child_save(spec):
     """A bf16 HF directory written layer by layer from a seeded init (never the whole model in memory)."""
     import torch
     from safetensors.torch import save_file
-    from megatrain.runtime.loading import meta_model
+    from megatrain.state.loading import meta_model
     m = spec["model"]
     cfg = _config(m, 2048)
     cfg.dtype = "bfloat16"

@@ -257,12 +257,12 @@ def profile_steps(step, batches, spec) -> dict:
 
 def worker_timeline_row(eng, step=None) -> "dict | None":
     """The engine's worker timeline of optimizer step ``step`` (else, or when it is not complete, of the
-    last complete step: ``eng.worker_timeline()``) with its summary (``megatrain.runtime.timeline.
+    last complete step: ``eng.worker_timeline()``) with its summary (``megatrain.runtime.engine.timeline.
     timeline_summary``: totals per kind, longest waits, update span; seconds from the step's begin),
     or None where the engine has no timeline."""
     if not hasattr(eng, "worker_timeline"):
         return None
-    from megatrain.runtime.timeline import timeline_summary
+    from megatrain.runtime.engine.timeline import timeline_summary
     events = (eng.worker_timeline(step) if step is not None else []) or eng.worker_timeline()
     step = next((e.get("step") for e in events if e["kind"] == "step_begin"), None)
     return dict(step=step, **timeline_summary(events), events=events)
@@ -411,7 +411,7 @@ def run_megatrain(spec):
         lc = getattr(eng, "long_context", None)  # what the last timed step chunked / tiled (from free memory)
         tiling = {k: v for k, v in lc.last.items() if k != "tokens"} if lc is not None else None
         if spec.get("profile") and dev.startswith("cuda"):
-            timeline = hasattr(eng, "set_worker_timeline")  # megatrain.runtime.timeline (Options.worker_timeline)
+            timeline = hasattr(eng, "set_worker_timeline")  # megatrain.runtime.engine.timeline (Options.worker_timeline)
             first = opt.steps_called + 1  # the first profiled step
             if timeline:
                 eng.set_worker_timeline(True)
@@ -596,7 +596,7 @@ def run_deepspeed(spec, stage: int):
     import torch
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from megatrain.runtime.host_memory import host_memory_limits
+    from megatrain.runtime.placement.host_memory import host_memory_limits
     need, avail = deepspeed_host_need(spec["model"], stage), host_memory_limits().get("mem_available_bytes")
     if avail is not None and need > avail:  # it would page-lock past the host's memory and thrash for minutes
         return dict(status=f"skipped: DeepSpeed's own estimate (estimate_zero{stage}_model_states_mem_needs, "

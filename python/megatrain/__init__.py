@@ -14,12 +14,12 @@ __version__ = "0.1.0"
 
 from . import optim  # noqa: E402
 from .runtime import UnsupportedModelError, wrap  # noqa: E402
-from .runtime.export import export_pretrained, master_state_dict  # noqa: E402
+from .state.export import export_pretrained, master_state_dict  # noqa: E402
 from .errors import CheckpointError  # noqa: E402
-from .runtime.thread_guard import ModelInUseError  # noqa: E402
-from .runtime.loading import from_config, from_pretrained  # noqa: E402
-from .runtime.estimate import MemoryEstimate, estimate  # noqa: E402
-from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from .runtime.model.thread_guard import ModelInUseError  # noqa: E402
+from .state.loading import from_config, from_pretrained  # noqa: E402
+from .runtime.placement.estimate import MemoryEstimate, estimate  # noqa: E402
+from .state.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def cuda_status() -> str:

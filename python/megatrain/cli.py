@@ -289,7 +289,7 @@ def _what_is_kept(exc: BaseException, out_dir: Optional[str]) -> str:
 
 def _dry_run(cfg, resume) -> int:
     """``--dry-run``: every check of a real run, the memory estimate printed; no model, nothing written."""
-    from megatrain.runtime.estimate import has_weight_files
+    from megatrain.runtime.placement.estimate import has_weight_files
     from megatrain.train import trainer
 
     try:

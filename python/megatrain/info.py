@@ -19,7 +19,7 @@ def collect() -> dict:
     info["cuda_version_now"] = torch.version.cuda
     info["cuda_usable"] = bool(info["with_cuda"]) and torch.cuda.is_available()
     info["torch_threads"] = torch.get_num_threads()
-    from megatrain.runtime.host_memory import host_memory_limits
+    from megatrain.runtime.placement.host_memory import host_memory_limits
 
     info["memory"] = host_memory_limits()
     return info

@@ -151,7 +151,7 @@ def slow_checkpoint_writes(seconds: float) -> None:
     """
     import time
 
-    import megatrain.checkpoint as ck
+    import megatrain.state.checkpoint as ck
 
     real = ck._write_safetensors
 
@@ -169,7 +169,7 @@ def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:
     (``layer_bytes``: the measured graph of one layer call; ``input_bytes``: its differentiable inputs)."""
     import importlib
 
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
     decide = wrap_mod.WrappedEngine._decide_auto
 
     def limited(self, key, layer_bytes, input_bytes=0):

@@ -1,4 +1,4 @@
-"""Attention outputs kept from a block's re-run (runtime/attention_reuse.py), CPU (SDPA's flash kernel for CPU).
+"""Attention outputs kept from a block's re-run (runtime/activations/attention_reuse.py), CPU (SDPA's flash kernel for CPU).
 
 Against plain PyTorch training of the same SDPA model and against megatrain with the reuse off;
 with a count of the attention forwards that run in backward."""
@@ -105,7 +105,7 @@ def test_a_padding_mask_runs_sdpa_unchanged_and_stays_exact():
 
 
 def test_no_room_keeps_nothing(monkeypatch):
-    from megatrain.runtime import attention_reuse
+    from megatrain.runtime.activations import attention_reuse
 
     monkeypatch.setattr(attention_reuse, "FREE_FRACTION", 0.0)
     (got, wrapped, _), batches, kw = _train(sdpa_llama(), "block:2", steps=2)

@@ -1,4 +1,4 @@
-"""GPU: a kept attention output (runtime/attention_reuse.py) and its fused backward against SDPA's own autograd.
+"""GPU: a kept attention output (runtime/activations/attention_reuse.py) and its fused backward against SDPA's own autograd.
 
 bf16, causal, the kernel SDPA's dispatcher picks (cuDNN or flash on the H200), with and without
 grouped-query heads. The training-level check is ``block3_reuse_race_debug`` in test_parity_cuda.py.
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.runtime import attention_reuse as ar
+from megatrain.runtime.activations import attention_reuse as ar
 
 pytestmark = pytest.mark.cuda
 

@@ -33,7 +33,7 @@ def _tiny_model(seed: int = 0):
 
 def _setup(seed: int = 0):
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     model = megatrain.wrap(_tiny_model(seed), device="cpu", compute_dtype=torch.float32)
     named = list(model.named_parameters())
@@ -47,7 +47,7 @@ def _setup(seed: int = 0):
 def _train(model, opt, sched, start: int, stop: int, ga: int = 2, save_at=None, ckpt=None):
     """Steps ``start+1 .. stop``; data drawn from the torch RNG (so RNG restore matters), dropout on."""
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     model.train()
     losses = []
@@ -63,20 +63,20 @@ def _train(model, opt, sched, start: int, stop: int, ga: int = 2, save_at=None, 
         opt.zero_grad()
         losses.append(total)
         if save_at is not None and step == save_at:
-            megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": step})
+            megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": step})
     return losses
 
 
 def _dump(model, losses, out):
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     torch.save({"losses": losses, "params": megatrain.master_state_dict(model)}, out)
 
 
 def _worker(argv):
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     mode = argv[0]
     if mode == "full":  # uninterrupted 10 steps, saving at step 5
@@ -88,7 +88,7 @@ def _worker(argv):
         ckpt, out = argv[1], argv[2]
         model, opt, sched = _setup(seed=123)
         torch.manual_seed(999)  # the checkpoint's RNG state must win
-        extra = megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+        extra = megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt, sched)
         assert extra == {"step": 5}, extra
         losses = _train(model, opt, sched, extra["step"], 10)
         _dump(model, losses, out)
@@ -96,12 +96,12 @@ def _worker(argv):
         ckpt = argv[1]
         model, opt, sched = _setup()
         _train(model, opt, sched, 0, 1)
-        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
+        megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
         _train(model, opt, sched, 1, 2)
         from parity import slow_checkpoint_writes
         slow_checkpoint_writes(30)
         print("SAVING", flush=True)
-        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 2})
+        megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 2})
         print("SAVED (should have been killed)", flush=True)
     elif mode == "memory":
         _memory_worker(int(argv[1]), argv[2])
@@ -124,7 +124,7 @@ def _reset_peak() -> None:
 
 def _memory_worker(layers: int, ckpt: str) -> None:
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -153,9 +153,9 @@ def _memory_worker(layers: int, ckpt: str) -> None:
         _reset_peak()
         t0 = time.perf_counter()
         if what == "save":
-            megatrain.checkpoint.save_checkpoint(ckpt, model, opt, extra={"step": 0})
+            megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, extra={"step": 0})
         else:
-            megatrain.checkpoint.load_checkpoint(ckpt, model, opt)
+            megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt)
         dt = time.perf_counter() - t0
         peak = _rss_kib("VmHWM") * 1024
         res[what] = {"steady_rss": steady, "peak_rss": peak, "rise": peak - steady, "seconds": dt}
@@ -223,8 +223,8 @@ def _copy(src, dst):
 
 def test_truncated_file_is_refused_naming_it(full_run, tmp_path):
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.checkpoint import CheckpointError
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import CheckpointError
 
     ckpt = _copy(full_run[0], tmp_path / "c")
     victim = os.path.join(ckpt, "unit-00001.safetensors")
@@ -233,7 +233,7 @@ def test_truncated_file_is_refused_naming_it(full_run, tmp_path):
     model, opt, sched = _setup()
     before = megatrain.master_state_dict(model)
     with pytest.raises(CheckpointError, match="unit-00001.safetensors.*truncated"):
-        megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+        megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt, sched)
     after = megatrain.master_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was written
 
@@ -241,8 +241,8 @@ def test_truncated_file_is_refused_naming_it(full_run, tmp_path):
 @pytest.mark.parametrize("victim", ["unit-00000.safetensors", "state.json"])
 def test_altered_file_is_refused_naming_it(full_run, tmp_path, victim):
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.checkpoint import CheckpointError
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import CheckpointError
 
     ckpt = _copy(full_run[0], tmp_path / "c")
     path = os.path.join(ckpt, victim)
@@ -253,53 +253,53 @@ def test_altered_file_is_refused_naming_it(full_run, tmp_path, victim):
         f.write(bytes([b[0] ^ 0x01]))
     model, opt, sched = _setup()
     with pytest.raises(CheckpointError, match=f"{victim}.*sha256"):
-        megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched)
+        megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt, sched)
 
 
 def test_bad_save_arguments_are_refused_before_anything_is_written(tmp_path):
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     model = megatrain.wrap(_tiny_model(), device="cpu")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
     with pytest.raises(TypeError, match="directory must be a path"):
-        megatrain.checkpoint.save_checkpoint(None, model, opt)
+        megatrain.state.checkpoint.save_checkpoint(None, model, opt)
     with pytest.raises(ValueError, match="extra must be a dict"):
-        megatrain.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt, extra=[1, 2])
+        megatrain.state.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt, extra=[1, 2])
     assert not (tmp_path / "ck").exists()
 
 
 def test_missing_manifest_is_refused(tmp_path):
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.checkpoint import CheckpointError
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import CheckpointError
 
     model, opt, _ = _setup()
     with pytest.raises(CheckpointError, match="manifest.json not found"):
-        megatrain.checkpoint.load_checkpoint(str(tmp_path), model, opt)
+        megatrain.state.checkpoint.load_checkpoint(str(tmp_path), model, opt)
 
 
 def test_mismatched_model_is_refused(full_run):
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.checkpoint import CheckpointError
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import CheckpointError
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = megatrain.wrap(LlamaForCausalLM(cfg), device="cpu")
     with pytest.raises(CheckpointError, match="unit 0"):
-        megatrain.checkpoint.load_checkpoint(full_run[0], model)
+        megatrain.state.checkpoint.load_checkpoint(full_run[0], model)
 
 
 def test_megatrain_checkpoint_error_catches_failing_load_and_save(tmp_path):
     # There were two unrelated CheckpointError classes: `except megatrain.CheckpointError` let a
     # failing load_checkpoint through. One class now, raised by loading, from_pretrained and saving.
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.runtime import loading
+    import megatrain.state.checkpoint
+    from megatrain.state import loading
 
-    assert megatrain.checkpoint.CheckpointError is megatrain.CheckpointError is loading.CheckpointError
+    assert megatrain.state.checkpoint.CheckpointError is megatrain.CheckpointError is loading.CheckpointError
     model, opt, sched = _setup()
     ckpt = megatrain.save_checkpoint(str(tmp_path / "ck"), model, opt, sched)
     victim = os.path.join(ckpt, "unit-00001.safetensors")
@@ -332,8 +332,8 @@ def test_megatrain_checkpoint_error_catches_failing_load_and_save(tmp_path):
 
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     import megatrain
-    import megatrain.checkpoint
-    from megatrain.checkpoint import verify_checkpoint
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import verify_checkpoint
 
     ckpt = str(tmp_path / "ck")
     e = dict(os.environ, OMP_NUM_THREADS="2")
@@ -355,9 +355,9 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     assert p.returncode == -signal.SIGKILL
     verify_checkpoint(ckpt)
     model, opt, sched = _setup()
-    assert megatrain.checkpoint.load_checkpoint(ckpt, model, opt, sched) == {"step": 1}
+    assert megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt, sched) == {"step": 1}
     # The next save cleans the stale temporary directory up.
-    megatrain.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
+    megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, sched, extra={"step": 1})
     assert not [d for d in os.listdir(tmp_path) if d.startswith(".ck.")]
 
 
@@ -389,7 +389,7 @@ def test_peak_host_memory_save_load_1b(tmp_path):
 def test_cuda_bf16_save_load_continues_identically(tmp_path):
     """On the GPU (bf16 compute copy): a loaded checkpoint continues like the run that saved it."""
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     def setup(seed):
         model = megatrain.wrap(_tiny_model(seed), device="cuda", compute_dtype=torch.bfloat16)
@@ -411,11 +411,11 @@ def test_cuda_bf16_save_load_continues_identically(tmp_path):
     model, opt, sched = setup(0)
     steps(model, opt, sched, 3)
     ck = str(tmp_path / "ck")
-    megatrain.checkpoint.save_checkpoint(ck, model, opt, sched, extra={"step": 3})
+    megatrain.state.checkpoint.save_checkpoint(ck, model, opt, sched, extra={"step": 3})
     saved = megatrain.master_state_dict(model)
     cont = steps(model, opt, sched, 3)
     model2, opt2, sched2 = setup(5)
-    assert megatrain.checkpoint.load_checkpoint(ck, model2, opt2, sched2) == {"step": 3}
+    assert megatrain.state.checkpoint.load_checkpoint(ck, model2, opt2, sched2) == {"step": 3}
     loaded = megatrain.master_state_dict(model2)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     cont2 = steps(model2, opt2, sched2, 3)

@@ -246,14 +246,14 @@ def test_saved_model_reloads_with_plain_transformers_to_same_eval_loss(tiny_run)
 
 
 def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     def broken_export(model, out_dir, dtype=None):
         os.makedirs(out_dir, exist_ok=True)
         (open(os.path.join(out_dir, "model.safetensors"), "w")).write("half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(megatrain.checkpoint, "save_pretrained_streamed", broken_export)
+    monkeypatch.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", broken_export)
     out = tmp_path / "out"
     argv = ["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--set", "eval.batches=1",
             "--device", "cpu", *TINY]  # fmt: skip
@@ -326,7 +326,7 @@ def test_torchrun_two_ranks_match_one_process_with_the_global_batch(tmp_path, ca
     print(f"megatrain train, 2 ranks vs 1: max loss rel diff {worst:.2e}, max |param diff| {diff:.2e}")
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["checkpoints"][-1].endswith("step-00000004")
-    megatrain.checkpoint.verify_checkpoint(summary["checkpoints"][-1])
+    megatrain.state.checkpoint.verify_checkpoint(summary["checkpoints"][-1])
 
 
 def _assert_png(path):

@@ -160,7 +160,7 @@ def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path
 def test_dry_run_at_512k_tokens_says_how_the_loss_and_mlp_are_split(tmp_path, capsys, monkeypatch, flags, expect):
     """The dry run prints how the loss and the MLP are split; on the CPU device the 8 x 524288 tokens'
     activations (~60 GiB) live in host memory too, so a 24 GiB host refuses the run, saying what to lower."""
-    from megatrain.runtime import host_memory
+    from megatrain.runtime.placement import host_memory
 
     monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(
         mem_available_bytes=24 << 30, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
@@ -234,7 +234,7 @@ def test_dry_run_of_a_70b_config_on_the_cpu_suggests_only_what_would_fit(tmp_pat
     """A Llama-3-70B config.json on a CPU with 24 GiB: refused in one line that names no GPU, does not
     suggest offload_dir (the 280 GB of fp32 compute copies stay in RAM) or LoRA, and plans no
     "chunks of 1 rows"."""
-    from megatrain.runtime import host_memory
+    from megatrain.runtime.placement import host_memory
 
     monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
     monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(

@@ -260,6 +260,6 @@ def test_torchrun_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_
     stopped_at = summary["step"]
     assert summary["status"] == "interrupted" and 3 <= stopped_at < 200, summary
     assert summary["checkpoint"] == str(out / "checkpoints" / f"step-{stopped_at:08d}")
-    megatrain.checkpoint.verify_checkpoint(summary["checkpoint"])
+    megatrain.state.checkpoint.verify_checkpoint(summary["checkpoint"])
     assert err.count(f"megatrain: terminated (SIGTERM) after step {stopped_at}") == 2, err[-3000:]  # both ranks
     assert max(_records(out)) == stopped_at

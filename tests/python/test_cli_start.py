@@ -19,11 +19,11 @@ if _PY not in sys.path:
     sys.path.insert(0, _PY)
 
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
-from megatrain.runtime import host_memory  # noqa: E402
+from megatrain.runtime.placement import host_memory
 from megatrain.train import trainer  # noqa: E402
 from parity import run_cli  # noqa: E402
 
-MARGIN = 1 << 30  # megatrain.runtime.estimate.RUN_HOST_MARGIN_BYTES, as docs/cli.md states it
+MARGIN = 1 << 30  # megatrain.runtime.placement.estimate.RUN_HOST_MARGIN_BYTES, as docs/cli.md states it
 
 # The activation estimate does not depend on the free memory with these (no auto choice): a rule at a byte.
 F = ["--steps", "2", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress", "--device", "cpu",
@@ -99,7 +99,7 @@ def test_dry_run_and_run_refuse_alike_unless_store_activations_and_margin_fit(tm
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     assert json.load(open(out / "summary.json"))["status"] == "completed"
-    from megatrain.runtime.estimate import RUN_HOST_MARGIN_BYTES
+    from megatrain.runtime.placement.estimate import RUN_HOST_MARGIN_BYTES
 
     assert est.host_margin_bytes == RUN_HOST_MARGIN_BYTES == MARGIN
 
@@ -166,7 +166,7 @@ def test_disk_full_at_start_leaves_out_as_it_was_and_the_rerun_starts(tmp_path, 
 
 
 def test_disk_full_in_the_final_save_says_intact_only_when_a_model_is_there(tmp_path, corpus, capsys, monkeypatch):
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     out = tmp_path / "out"
     args = ["train", "--out", str(out), "--data", str(corpus), *F]
@@ -175,13 +175,13 @@ def test_disk_full_in_the_final_save_says_intact_only_when_a_model_is_there(tmp_
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(d, "model.safetensors"))
 
     with monkeypatch.context() as m:
-        m.setattr(megatrain.checkpoint, "save_pretrained_streamed", full_save)
+        m.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
         code, _, err = run_cli(args, capsys)
     line = _one_line(code, err, "No space left on device; free disk space or choose another --out")
     assert "intact" not in line and not (out / "model").exists(), line
     assert run_cli(args + ["--set", "log.overwrite=true"], capsys)[0] == 0
     with monkeypatch.context() as m:
-        m.setattr(megatrain.checkpoint, "save_pretrained_streamed", full_save)
+        m.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
         code, _, err = run_cli(args + ["--set", "log.overwrite=true"], capsys)
     line = _one_line(code, err, "No space left on device")
     assert line.endswith(f"(the model in {out / 'model'} is intact)"), line
@@ -206,7 +206,7 @@ def test_model_dir_with_a_nan_weight_names_the_tensor_and_file(tmp_path, corpus,
 
 
 def test_count_nonfinite_counts_across_chunks():
-    from megatrain.runtime.loading import count_nonfinite
+    from megatrain.state.loading import count_nonfinite
 
     t = torch.zeros(10, 7, dtype=torch.bfloat16)
     t[0, 0], t[9, 6], t[4, 2] = float("nan"), float("inf"), -float("inf")
@@ -217,10 +217,10 @@ def test_count_nonfinite_counts_across_chunks():
 def test_sigint_just_after_the_final_model_swap_completes_the_run(tmp_path, corpus, capsys, monkeypatch):
     """The signal arrives between the swap that puts the new model in place and the end of the run
     (injected right after the swap's fsync of out/): the model is saved, so the run is complete."""
-    import megatrain.atomic
+    import megatrain.state.atomic
 
     out = tmp_path / "out"
-    real_fsync = megatrain.atomic._fsync
+    real_fsync = megatrain.state.atomic._fsync
     sent = []
 
     def fsync_then_signal(path):
@@ -229,7 +229,7 @@ def test_sigint_just_after_the_final_model_swap_completes_the_run(tmp_path, corp
             sent.append(path)
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(megatrain.atomic, "_fsync", fsync_then_signal)
+    monkeypatch.setattr(megatrain.state.atomic, "_fsync", fsync_then_signal)
     code, stdout, err = run_cli(["train", "--out", str(out), "--data", str(corpus), *F], capsys)
     assert sent, "the swap happened"
     assert code == 0, err

@@ -222,7 +222,7 @@ def test_a_rank_that_dies_ends_the_job_and_the_checkpoint_loads(tmp_path):
     assert ends[0] - ends[1] < 60
     assert "megatrain data parallel" in outs[0] and "exited" in outs[0], outs[0][-2000:]
     model, opt = _one_rank(args)
-    megatrain.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
+    megatrain.state.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
     megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert all(float(opt.state[p]["step"]) == 2 for g in opt.param_groups for p in g["params"])
 
@@ -295,7 +295,7 @@ def test_a_rank_that_stops_early_ends_the_job_and_the_checkpoint_stays(tmp_path)
                for ln in lines)
     assert not (tmp_path / "ckpt_end").exists()
     model, opt = _one_rank(args)
-    megatrain.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
+    megatrain.state.checkpoint.verify_checkpoint(str(tmp_path / "ckpt"))
     megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert all(float(opt.state[p]["step"]) == 2 for g in opt.param_groups for p in g["params"])
 

@@ -2,7 +2,7 @@
 
 On the CPU backend the "device" is the CPU: the device-state layers' master / exp_avg / exp_avg_sq /
 gradient accumulator / compute copy are tensors outside the host store, updated by
-``megatrain.runtime.device_state`` exactly as on a GPU. The reference is torch.optim.AdamW on the
+``megatrain.runtime.placement.device_state`` exactly as on a GPU. The reference is torch.optim.AdamW on the
 same model; parameters are compared per element after 10 steps.
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import megatrain
-import megatrain.checkpoint
-from megatrain.runtime.engine import locate
+import megatrain.state.checkpoint
+from megatrain.runtime.engine.core import locate
 from parity import (PARITY_EPS, assert_close_rel, limit_auto_room, make_batches, poison_gradient_at, train_megatrain,
                     train_reference)
 from test_parity_cpu import NOISE_DRIVEN, tiny
@@ -104,7 +104,7 @@ def test_parity_mixed_placement(monkeypatch):
 def test_default_placement_is_the_planner_under_auto_on_cuda_only():
     """``device_state_layers=None`` (default): ``"auto"`` with ``activation_policy="auto"`` on CUDA,
     ``"boundary"`` under the other policies on CUDA, 0 on the CPU backend."""
-    resolve = importlib.import_module("megatrain.runtime.device_state_plan").resolve_device_state_layers
+    resolve = importlib.import_module("megatrain.runtime.placement.device_state_plan").resolve_device_state_layers
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve(None, "auto", cuda) == "auto"
     assert resolve(None, "recompute", cuda) == "boundary" and resolve(None, "store", cuda) == "boundary"
@@ -145,7 +145,7 @@ def test_auto_places_every_layer_when_it_fits_and_bad_values_are_refused():
     for bad in (-1, 4, "all", 1.5, True):
         with pytest.raises(ValueError, match="device_state_layers"):
             megatrain.wrap(tiny("llama"), device="cpu", device_state_layers=bad)
-    plan = importlib.import_module("megatrain.runtime.device_state_plan").plan_device_state_layers
+    plan = importlib.import_module("megatrain.runtime.placement.device_state_plan").plan_device_state_layers
     layers = model.megatrain.layers
     per = layers[0].device_state.nbytes
     assert plan(layers, torch.float32, int(per * 2.5), fraction=1.0) == 2
@@ -155,8 +155,8 @@ def test_auto_places_every_layer_when_it_fits_and_bad_values_are_refused():
 def _limit_device_room(monkeypatch, units):
     """Make ``device_state_layers="auto"`` see just enough free memory for the resident unit's fp32
     state and ``units`` more layers (fraction 1)."""
-    dsp = importlib.import_module("megatrain.runtime.device_state_plan")
-    eng_mod = importlib.import_module("megatrain.runtime.engine")
+    dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
+    eng_mod = importlib.import_module("megatrain.runtime.engine.core")
     init = eng_mod.Engine.init_device_state
 
     def limited(self, layers):
@@ -203,7 +203,7 @@ def test_resident_device_state_round_trips_through_state_dict_and_checkpoint(tmp
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     emb = model.get_input_embeddings().weight
     assert torch.equal(sd["model.embed_tokens.weight"], emb.detach().float())
-    megatrain.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    megatrain.state.checkpoint.save_checkpoint(str(tmp_path / "ck"), model, opt)
     # a save reads the state without handing it out writable: no copy back to the device at the next step
     assert not any(u.device_state.host_dirty for u in model.megatrain.units if u.device_state is not None)
     x = batches[2][0]
@@ -211,7 +211,7 @@ def test_resident_device_state_round_trips_through_state_dict_and_checkpoint(tmp
     opt.step()
     opt.zero_grad()
     assert not torch.equal(emb.detach().float(), sd["model.embed_tokens.weight"])  # trained on
-    megatrain.checkpoint.load_checkpoint(str(tmp_path / "ck"), model, opt)
+    megatrain.state.checkpoint.load_checkpoint(str(tmp_path / "ck"), model, opt)
     assert torch.equal(emb.detach().float(), sd["model.embed_tokens.weight"])  # the device buffer was restored
     du = model.megatrain.resident.device_state
     e = [i for i, en in enumerate(model.megatrain.resident.entries) if en.name.endswith("embed_tokens.weight")][0]
@@ -246,12 +246,12 @@ def test_checkpoint_save_load_in_a_fresh_model_continues_bit_identically(tmp_pat
     model, opt, sched = _setup(1)
     _steps(model, opt, sched, batches[:3])
     ck = str(tmp_path / "ck")
-    megatrain.checkpoint.save_checkpoint(ck, model, opt, sched)
+    megatrain.state.checkpoint.save_checkpoint(ck, model, opt, sched)
     saved = {k: v.clone() for k, v in megatrain.master_state_dict(model).items()}
     cont = _steps(model, opt, sched, batches[3:])
     final = megatrain.master_state_dict(model)
     model2, opt2, sched2 = _setup(1, seed=7)
-    megatrain.checkpoint.load_checkpoint(ck, model2, opt2, sched2)
+    megatrain.state.checkpoint.load_checkpoint(ck, model2, opt2, sched2)
     loaded = megatrain.master_state_dict(model2)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     cont2 = _steps(model2, opt2, sched2, batches[3:])
@@ -490,7 +490,7 @@ def test_a_write_through_an_optimizer_state_tensor_held_from_before_the_last_ste
 def test_boundary_places_the_resident_unit_then_layer_0_within_its_share():
     """``device_state_layers="boundary"`` (the CUDA default of the streamed policies): the resident
     unit, then layer 0, while together they fit in ``BOUNDARY_DEVICE_STATE_FRACTION`` of the free memory."""
-    dsp = importlib.import_module("megatrain.runtime.device_state_plan")
+    dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
     model = megatrain.wrap(tiny("llama"), device="cpu", device_state_layers="boundary")
     eng = model.megatrain
     assert _device_layers(model) == [0] and eng.resident.device_state is not None
@@ -519,7 +519,7 @@ def test_parity_boundary_placement_with_the_fused_device_adamw(monkeypatch, clip
 def _record_step_order(monkeypatch, eng):
     """Log, in order, each device-state update (by unit kind and index) and each ``wait_grads`` of ``eng``."""
     order = []
-    ds_mod = importlib.import_module("megatrain.runtime.device_state")
+    ds_mod = importlib.import_module("megatrain.runtime.placement.device_state")
     update, wait = ds_mod.DeviceState.update, type(eng).wait_grads
 
     def logged_update(self, unit, *a, **kw):

@@ -14,8 +14,8 @@ import torch
 
 import megatrain
 from megatrain import _C
-from megatrain.checkpoint import verify_checkpoint
-from megatrain.runtime import disk_offload
+from megatrain.state.checkpoint import verify_checkpoint
+from megatrain.runtime.placement import disk_plan as disk_offload
 from megatrain.runtime.options import options_set
 
 sys.path.insert(0, os.path.dirname(__file__))

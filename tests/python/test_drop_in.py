@@ -666,7 +666,7 @@ def test_implementation_selectors_are_accepted_with_identical_results():
 def test_optimizer_state_read_right_after_step_shows_the_new_moments():
     import time
 
-    from megatrain.runtime.worker import _Worker
+    from megatrain.runtime.engine.worker import _Worker
 
     x = batches(1)[0]
     ref, ropt = make(False)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import megatrain  # noqa: E402
 from parity import tiny_gpt2_config, tiny_llama_config  # noqa: E402
-from megatrain.runtime import host_memory  # noqa: E402
+from megatrain.runtime.placement import host_memory
 
 
 _llama = tiny_llama_config
@@ -102,7 +102,7 @@ def test_trainable_and_transform_freeze_like_from_config_does():
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_estimate_of_a_directory_reads_headers_only(tmp_path, monkeypatch, tied):
-    from megatrain.runtime import loading
+    from megatrain.state import loading
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(_llama(tied)).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
@@ -206,7 +206,7 @@ def test_estimate_says_what_chunked_loss_and_tile_mlp_use_and_refuses_what_wrap_
 
 
 def test_estimate_auto_policy_spaces_checkpoints_when_the_inputs_do_not_fit(monkeypatch):
-    from megatrain.runtime.long_context import checkpoint_spacing
+    from megatrain.runtime.activations.long_context import checkpoint_spacing
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import device_state_plan as dsp
-from megatrain.runtime.engine_memory import EngineMemory
-from megatrain.runtime.policies import default_activation_policy
+from megatrain.runtime.placement import device_state_plan as dsp
+from megatrain.runtime.engine.memory import EngineMemory
+from megatrain.runtime.activations.policies import default_activation_policy
 
 GiB = 1 << 30
-wrap_mod = importlib.import_module("megatrain.runtime.wrap")  # (megatrain.runtime.wrap is also the function)
+wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")  # (megatrain.runtime.model.wrap is also the function)
 
 
 def _llama_config():

@@ -50,7 +50,7 @@ def _plan(seq_len: int = 16):
 
 def _worker(argv):
     import megatrain
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
 
     mode = argv[0]
     if mode == "slow_save":  # a checkpoint save that takes a while (another process saves meanwhile)
@@ -58,7 +58,7 @@ def _worker(argv):
         from parity import slow_checkpoint_writes
         slow_checkpoint_writes(float(argv[2]))
         print("SAVING", flush=True)
-        megatrain.checkpoint.save_checkpoint(argv[1], model, opt, extra={"who": "slow"})
+        megatrain.state.checkpoint.save_checkpoint(argv[1], model, opt, extra={"who": "slow"})
         print("SAVED", flush=True)
     elif mode == "killed_model_save":  # the CLI's final save of a second run, killed mid-way
         from megatrain.train import data as data_mod
@@ -115,14 +115,14 @@ def _watch_every_step(monkeypatch, check):
                       (shutil, "rmtree")]:
         wrap(obj, name)
     try:
-        import megatrain.atomic as atomic
-    except ImportError:  # a megatrain without megatrain.atomic
+        import megatrain.state.atomic as atomic
+    except ImportError:  # a megatrain without megatrain.state.atomic
         return
     wrap(atomic, "_exchange")
 
 
 def test_atomic_directory_is_old_or_new_at_every_moment(tmp_path, monkeypatch):
-    from megatrain.atomic import atomic_directory
+    from megatrain.state.atomic import atomic_directory
 
     def mine(p):
         return os.path.isfile(os.path.join(p, "mark"))
@@ -163,7 +163,7 @@ def test_atomic_directory_is_old_or_new_at_every_moment(tmp_path, monkeypatch):
 
 def test_atomic_directory_never_deletes_a_live_writers_temporary(tmp_path):
     """A temporary locked by a live writer survives another writer's clean-up; an unlocked one goes."""
-    from megatrain.atomic import atomic_directory
+    from megatrain.state.atomic import atomic_directory
 
     dest = str(tmp_path / "d")
     stale = tmp_path / ".d.tmp-killed"  # left by a killed writer: nobody holds its lock
@@ -275,8 +275,8 @@ def test_cli_final_save_killed_keeps_the_previous_model_and_the_next_save_cleans
 
 # ---------------------------------------------------------------------------- 8. two processes, one checkpoint path
 def test_two_processes_saving_one_checkpoint_both_complete(tmp_path):
-    import megatrain.checkpoint
-    from megatrain.checkpoint import verify_checkpoint
+    import megatrain.state.checkpoint
+    from megatrain.state.checkpoint import verify_checkpoint
 
     ckpt = str(tmp_path / "ck")
     p = _spawn("slow_save", ckpt, "0.7")
@@ -288,7 +288,7 @@ def test_two_processes_saving_one_checkpoint_both_complete(tmp_path):
                 for f in os.listdir(tmp_path / d)):
             time.sleep(0.05)
         model, opt = _wrapped(seed=1)
-        megatrain.checkpoint.save_checkpoint(ckpt, model, opt, extra={"who": "fast"})
+        megatrain.state.checkpoint.save_checkpoint(ckpt, model, opt, extra={"who": "fast"})
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
@@ -296,7 +296,7 @@ def test_two_processes_saving_one_checkpoint_both_complete(tmp_path):
     assert p.returncode == 0 and "SAVED" in out, err[-3000:]
     verify_checkpoint(ckpt)
     model, opt = _wrapped(seed=2)
-    assert megatrain.checkpoint.load_checkpoint(ckpt, model, opt) == {"who": "slow"}  # the last swap wins
+    assert megatrain.state.checkpoint.load_checkpoint(ckpt, model, opt) == {"who": "slow"}  # the last swap wins
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -430,7 +430,7 @@ def test_cli_huge_lr_is_one_line_and_the_masters_stay_finite(tmp_path, capsys):
 def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys, monkeypatch):
     import errno
 
-    import megatrain.checkpoint
+    import megatrain.state.checkpoint
     from megatrain.train import trainer
 
     out = tmp_path / "out"
@@ -451,7 +451,7 @@ def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys
         open(os.path.join(d, "model.safetensors"), "wb").write(b"half")
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(d, "model.safetensors"))
 
-    monkeypatch.setattr(megatrain.checkpoint, "save_pretrained_streamed", full_save)
+    monkeypatch.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
     code, _, err = _cli(args + ["--set", "log.overwrite=true"], capsys)
     _one_line(code, err, "No space left on device")
     assert _snapshot_bytes(out / "model") == first, "the previous model is intact"

@@ -372,7 +372,7 @@ def test_an_adapter_only_load_copies_no_frozen_entry(monkeypatch):
     """``load_state_dict(adapter_sd, strict=False)`` on a LoRA model with a bf16 compute copy touches the
     adapter's entries only: no fp32 copy of a frozen base entry (4 bytes per base parameter, a 30B base's
     120 GB) is made, for the shape check or the load, and the base stays bit for bit."""
-    from megatrain.runtime import state_dict_views
+    from megatrain.runtime.model import state_dict_views
 
     torch.manual_seed(0)
     w = megatrain.wrap(_lora_random_b(_tiny()), device="cpu", compute_dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import megatrain
-from megatrain.runtime.grads import grad_norms
+from megatrain.runtime.engine.grads import grad_norms
 from megatrain.runtime.options import options_set
 
 

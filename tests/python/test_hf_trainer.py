@@ -380,7 +380,7 @@ def test_trainer_under_torchrun_matches_one_process_with_the_global_batch(tmp_pa
     diff = max(float((ranks[0]["params"][n] - t).abs().max()) for n, t in params.items())
     print(f"Trainer, 2 processes vs 1: max loss rel diff {worst:.2e}, max |param diff| {diff:.2e}")
     ck = tmp_path / "dp" / "checkpoint-5"
-    megatrain.checkpoint.verify_checkpoint(str(ck / "megatrain"))  # written once, by rank 0
+    megatrain.state.checkpoint.verify_checkpoint(str(ck / "megatrain"))  # written once, by rank 0
     assert (ck / "model.safetensors").is_file() and (ck / "trainer_state.json").is_file()
 
 

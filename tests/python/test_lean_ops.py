@@ -1,4 +1,4 @@
-"""Lean activations (megatrain.runtime.lean_ops): less kept for backward, the same gradients bit for bit."""
+"""Lean activations (megatrain.runtime.activations.lean_ops): less kept for backward, the same gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import megatrain
-from megatrain.runtime.lean_ops import lean_kind
+from megatrain.runtime.activations.lean_ops import lean_kind
 from parity import PARITY_EPS, make_batches
 
 

@@ -1,4 +1,4 @@
-"""Liger-Kernel on a wrapped model (``wrap(liger_kernel=None | True | False)``, ``megatrain.runtime.kernels``).
+"""Liger-Kernel on a wrapped model (``wrap(liger_kernel=None | True | False)``, ``megatrain.runtime.model.fused_kernels``).
 
 liger-kernel (Triton) runs only on CUDA and is not installed here: a fake ``liger_kernel`` package is put
 in ``sys.modules``. Its ``_apply_liger_kernel_to_instance`` dispatches on ``model.config.model_type``
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import kernels
+from megatrain.runtime.model import fused_kernels as kernels
 
-wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
 
 
 def _model():
@@ -247,7 +247,7 @@ def test_training_with_liger_forwards_matches_without(liger, as_on_cuda, policy,
 def test_lean_activations_leave_liger_modules_to_liger(liger, as_on_cuda, monkeypatch, use_liger):
     """lean_activations=True: without Liger the norms and MLP run lean_ops' forms; with Liger its bound
     forwards (which keep what the lean forms keep) run instead, in forward and in the backward re-run."""
-    from megatrain.runtime import long_context
+    from megatrain.runtime.activations import long_context
 
     lean_calls = []
     real = long_context.lean_forward

@@ -155,7 +155,7 @@ def test_missing_tensor_is_refused(sharded):
 
 
 def test_refusal_allocates_no_store(sharded, monkeypatch):
-    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime.engine.core import core as engine_mod
     built = []
     orig = engine_mod.Engine.__init__
     monkeypatch.setattr(engine_mod.Engine, "__init__", lambda self, *a, **k: (built.append(1), orig(self, *a, **k)))
@@ -184,7 +184,7 @@ def test_wrap_frees_layer_weights_as_it_copies(monkeypatch):
     import gc
     import weakref
 
-    from megatrain.runtime.wrap import WrappedEngine
+    from megatrain.runtime.model.wrap import WrappedEngine
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama())

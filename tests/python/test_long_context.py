@@ -13,7 +13,7 @@ import transformers
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import megatrain
-from megatrain.runtime import long_context as lc
+from megatrain.runtime.activations import long_context as lc
 from parity import assert_close_rel
 
 VOCAB, SEQ, BATCH = 96, 16, 2

@@ -79,12 +79,12 @@ def check(ref, exact, got, rtol=RTOL):
 def check_checkpoint_round_trip(build, wrapped, opt, directory, micro_batches):
     """Save ``wrapped``'s training state, load it into a freshly wrapped ``build()``: masters, Adam moments
     and step counts bit-identical."""
-    megatrain.checkpoint.save_checkpoint(str(directory), wrapped, opt)
+    megatrain.state.checkpoint.save_checkpoint(str(directory), wrapped, opt)
     fresh = megatrain.wrap(build(), device="cpu", compute_dtype=torch.float32)
     opt2 = megatrain.optim.CPUAdamW(param_groups(fresh, "one", 1e-3, 0.1), lr=1e-3, betas=(0.9, 0.95),
                                     weight_decay=0.1, eps=PARITY_EPS, max_grad_norm=1.0,
                                     gradient_accumulation_steps=micro_batches)
-    megatrain.checkpoint.load_checkpoint(str(directory), fresh, opt2)
+    megatrain.state.checkpoint.load_checkpoint(str(directory), fresh, opt2)
     a, b = megatrain.master_state_dict(wrapped), megatrain.master_state_dict(fresh)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]

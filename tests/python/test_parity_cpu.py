@@ -175,7 +175,7 @@ def test_parity_auto_policy(monkeypatch, fraction, expect_store):
     # remaining layers fall back to recompute (the first one stays stored: a mixed backward).
     import importlib
 
-    policies = importlib.import_module("megatrain.runtime.policies")
+    policies = importlib.import_module("megatrain.runtime.activations.policies")
     monkeypatch.setattr(policies, "AUTO_STORE_FRACTION", fraction)
     model = tiny("llama")
     ref, got, wrapped, _ = run_pair(model, policy="auto", max_grad_norm=1.0)
@@ -255,7 +255,7 @@ def test_parity_auto_policy_after_a_frozen_embedding_decides_once_by_the_hidden_
 def test_parity_offload_policy(monkeypatch, micro_batches):
     # offload: every saved layer input goes through a host buffer (on the CPU a copy to another CPU
     # tensor, the same code path as pinned memory on CUDA) and comes back in backward: exact.
-    from megatrain.runtime import offload
+    from megatrain.runtime.activations import host_offload as offload
 
     parked, fetched = [], []
     park, fetch = offload.InputOffload.park, offload.InputOffload.fetch
@@ -274,7 +274,7 @@ def test_parity_offload_policy(monkeypatch, micro_batches):
 
 
 def test_offload_policy_refuses_what_the_host_cannot_hold(monkeypatch):
-    from megatrain.runtime import offload
+    from megatrain.runtime.activations import host_offload as offload
 
     model = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="offload")
     megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
@@ -298,9 +298,9 @@ def test_offload_policy_refuses_what_the_host_cannot_hold(monkeypatch):
 def test_auto_policy_counts_the_saved_inputs_of_the_recomputed_layers(free_mib, layer_mib, input_mib, expect):
     import importlib
 
-    from megatrain.runtime.long_context import checkpoint_spacing
+    from megatrain.runtime.activations.long_context import checkpoint_spacing
 
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
     eng = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto").megatrain
     mib = 1 << 20
     eng.free_device_bytes = lambda: int(free_mib * mib / wrap_mod.AUTO_STORE_FRACTION)
@@ -505,7 +505,7 @@ def test_bad_optimizer_argument_is_a_one_line_value_error(kw, msg):
         params = list(model.parameters())
         with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW.add_param_group: {msg}$"):
             megatrain.optim.CPUAdamW([{"params": params[:1]}, {"params": params[1:], **hp}])
-    assert megatrain.runtime.engine.locate(next(model.parameters()))[0].optimizer is None  # nothing attached
+    assert megatrain.runtime.engine.core.locate(next(model.parameters()))[0].optimizer is None  # nothing attached
 
 
 def test_foreign_parameter_rejected_by_optimizer():
@@ -737,7 +737,7 @@ def test_undeclared_accumulation_with_clipping_still_sums_micro_batches():
 def test_worker_runs_gradient_tasks_first_then_updates_by_deadline():
     import threading
 
-    from megatrain.runtime.worker import _Worker
+    from megatrain.runtime.engine.worker import _Worker
 
     w = _Worker()
     gate = threading.Event()
@@ -936,7 +936,7 @@ def test_auto_policy_measures_a_trainable_layer_after_frozen_first_layers(monkey
 def test_auto_policy_with_every_layer_frozen_measures_the_first_layer(monkeypatch):
     # No decoder layer is trainable (a trainable embedding only): no later layer would measure a
     # larger graph, so the first call decides, before the others keep graphs of their own.
-    wrap_mod = importlib.import_module("megatrain.runtime.wrap")
+    wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
     events = []
     stored, decide = wrap_mod.WrappedEngine.forward_stored, wrap_mod.WrappedEngine._decide_auto
     monkeypatch.setattr(wrap_mod.WrappedEngine, "forward_stored",

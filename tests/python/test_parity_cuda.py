@@ -89,7 +89,7 @@ def test_bf16_parity_after_the_planner_moves_state_and_graphs_1b(monkeypatch, cl
     made again; with the race switch."""
     import importlib
 
-    planner = importlib.import_module("megatrain.runtime.planner")
+    planner = importlib.import_module("megatrain.runtime.placement.replan")
     seen = []
 
     def choose(m):

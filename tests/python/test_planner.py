@@ -1,4 +1,4 @@
-"""The placement planner's second decision (``megatrain.runtime.planner``): device-state layers
+"""The placement planner's second decision (``megatrain.runtime.placement.replan``): device-state layers
 against kept graphs after the first optimizer step, by measured sizes and times.
 
 The rule itself is checked on numbers (``plan_placement`` / ``hide_layers``); the re-placement
@@ -13,7 +13,7 @@ import pytest
 from test_device_state import HOST_RTOL, _device_layers, _limit_device_room, check, run_pair
 from test_parity_cpu import tiny
 
-planner = importlib.import_module("megatrain.runtime.planner")
+planner = importlib.import_module("megatrain.runtime.placement.replan")
 GiB = 1 << 30
 
 
@@ -95,7 +95,7 @@ def test_with_clipping_the_state_moves_to_the_device_only_when_the_host_updates_
 
 
 def test_the_auto_rule_keeps_what_fits_its_share_of_the_free_memory():
-    policies = importlib.import_module("megatrain.runtime.policies")
+    policies = importlib.import_module("megatrain.runtime.activations.policies")
     G, I, free = 3057778704, 134217728, 56947037696  # 6.74B, 24 layers' state on the H200: 10 graphs measured
     k, block_k = policies.auto_store_layers(32, G, I, free)
     assert (k, block_k) == (10, 1)

@@ -14,7 +14,7 @@ import transformers
 import megatrain
 from megatrain._loader import load_extension
 from megatrain.runtime.options import options_set
-from megatrain.runtime.slots import NativeSlot, Slot
+from megatrain.runtime.engine.slots import NativeSlot, Slot
 
 _C = load_extension()
 

@@ -57,7 +57,7 @@ def test_a_dropped_state_dict_costs_no_copy_from_the_device(monkeypatch):
     """No state_dict tensor alive: ``step()`` copies nothing to the host store; a slice of one tensor of
     layer 0 alive (its state dict dropped): each ``step()`` copies layer 0's masters alone (not its
     moments, not the other layer's), and the slice reads the current weights."""
-    ds = importlib.import_module("megatrain.runtime.device_state").DeviceState
+    ds = importlib.import_module("megatrain.runtime.placement.device_state").DeviceState
     copied, full = [], []
     masters_to_host, to_host = ds.masters_to_host, ds.to_host
 
@@ -173,7 +173,7 @@ def test_held_state_dict_tensors_of_host_layers_read_the_step_when_it_returns(mo
     while the next forward starts. A held state_dict tensor reads the store directly, so ``step()``
     waits for the updates of the units with such a tensor alive (only those) before it returns, and
     each read right after ``step()`` is torch's parameter after its step."""
-    slots = importlib.import_module("megatrain.runtime.slots").SlotPool
+    slots = importlib.import_module("megatrain.runtime.engine.slots").SlotPool
     waited = []
     wait_update = slots.wait_update
 

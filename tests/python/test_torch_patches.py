@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# (module, attribute) of every torch function megatrain reroutes (runtime/torch_patches.py).
+# (module, attribute) of every torch function megatrain reroutes (runtime/compat/torch_patches.py).
 PATCHED = [
     ("torch.nn.utils", "clip_grad_norm_"),
     ("torch.nn.utils.clip_grad", "clip_grad_norm_"),

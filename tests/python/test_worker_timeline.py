@@ -12,8 +12,8 @@ import transformers
 import megatrain
 from megatrain import _C
 from megatrain.runtime.options import Options, options_set
-from megatrain.runtime.timeline import timeline_summary
-from megatrain.runtime.worker import _Worker
+from megatrain.runtime.engine.timeline import timeline_summary
+from megatrain.runtime.engine.worker import _Worker
 from parity import make_batches, tiny_llama_config
 
 STEPS = 2

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained_streamed
+from ..state.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_streamed
 from ..optim import CPUAdamW
 
 MEGATRAIN_CKPT_DIR = "megatrain"
@@ -363,7 +363,7 @@ class MegatrainTrainer(Trainer):
             self._write_model(output_dir)
 
     def _write_model(self, output_dir: str) -> None:
-        from ..runtime.export import _export_peft, _is_peft
+        from ..state.export import _export_peft, _is_peft
 
         if _is_peft(self.model):  # as a plain Trainer saves a PEFT model: the adapter, in PEFT's format
             os.makedirs(output_dir, exist_ok=True)

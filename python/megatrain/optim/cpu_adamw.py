@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..runtime.engine import locate
+from ..runtime.engine.core import locate
 
 NONFINITE_MODES = ("skip", "raise")
 
@@ -194,7 +194,7 @@ class CPUAdamW(torch.optim.Optimizer):
     As ``torch.optim.AdamW``: ``add_param_group`` trains the new group from the next ``step()``;
     ``zero_grad(set_to_none=False)`` followed by ``step()`` runs a zero-gradient update of the
     parameters that held a gradient; ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-    clips exactly when ``max_grad_norm`` is set (see ``megatrain.runtime.module_api``). Unlike it,
+    clips exactly when ``max_grad_norm`` is set (see ``megatrain.runtime.model.module_api``). Unlike it,
     a second ``step()`` without a backward in between raises (the gradients were consumed).
 
     Raises:

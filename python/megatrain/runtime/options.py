@@ -2,7 +2,7 @@
 
 :func:`options` returns the :class:`Options` in force: those given to :func:`set_options` (a
 benchmark's "before" configuration), else the environment read at the call. An
-:class:`~megatrain.runtime.engine.Engine` reads them once, when ``wrap`` builds it, and keeps them
+:class:`~megatrain.runtime.engine.core.Engine` reads them once, when ``wrap`` builds it, and keeps them
 as ``engine.options``. The C++ core reads its own switches (``MEGATRAIN_HUGEPAGES``,
 ``MEGATRAIN_CPU_ISA``, ...; see ``csrc/megatrain/common/tuning.h``).
 """
@@ -66,14 +66,14 @@ class Options:
             the gradient D2H copies are the C++ scheduler's (``megatrain._C.SlotPool``,
             ``_C.copy_to_host``); False: the same in Python on torch streams and events.
         replan: benchmark "before" switch (no environment variable). False: the placement planner
-            does not place again after the first step (``megatrain.runtime.planner``).
+            does not place again after the first step (``megatrain.runtime.placement.replan``).
         disk_buffers: ``MEGATRAIN_DISK_BUFFERS`` (default 2, at least 2): RAM buffers of the disk
             tier's pool (``wrap(offload_dir=...)``), each the fp32 state of the largest layer on disk:
             one is updated while the next is read ahead or the last is written behind.
         disk_io_threads: ``MEGATRAIN_DISK_IO_THREADS`` (default 4): pread / pwrite threads of the disk tier.
         worker_timeline: ``MEGATRAIN_WORKER_TIMELINE=1`` (default off): record a per-step timeline of the
             CPU worker's update / gradient tasks and of the main thread's waits for them
-            (``model.megatrain.worker_timeline()``, :mod:`megatrain.runtime.timeline`); a few clock
+            (``model.megatrain.worker_timeline()``, :mod:`megatrain.runtime.engine.timeline`); a few clock
             reads and list appends per task. ``set_worker_timeline`` switches it on a built engine.
         disk_fault: tests only (no environment variable): ``(op, unit, errno, after)`` injected
             into the disk tier's I/O (``_C.DiskTier(_fault=...)``): every ``op`` ("read" / "write")

@@ -173,7 +173,7 @@ class DeviceMemoryLimit(float):
 
 
 def _device_memory_limit(key: str, value: Any):
-    from megatrain.runtime.device_state_plan import MIN_GPU_MEMORY_LIMIT_BYTES
+    from megatrain.runtime.placement.device_state_plan import MIN_GPU_MEMORY_LIMIT_BYTES
 
     bad = UsageError(f"{key} must be GPU bytes >= 1MiB (e.g. 40GiB) or a fraction of the GPU's memory in (0, 1] "
                      f"(e.g. 0.5), got {_describe(value)}")
@@ -520,7 +520,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"runtime.compute_dtype must be auto, bf16 or fp32, got {r.compute_dtype!r}")
     if not (r.device in ("auto", "cpu", "cuda") or (r.device.startswith("cuda:") and r.device[5:].isdigit())):
         raise UsageError(f"runtime.device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
-    from megatrain.runtime.wrap import check_activation_policy  # the rule of megatrain.wrap itself
+    from megatrain.runtime.model.wrap import check_activation_policy  # the rule of megatrain.wrap itself
 
     try:
         if r.activation_policy is not None:
@@ -528,7 +528,7 @@ def validate(cfg: Config) -> None:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if r.offload_dir is not None:
-        from megatrain.runtime.disk_offload import check_offload_args  # megatrain.wrap's own rule
+        from megatrain.runtime.placement.disk_plan import check_offload_args  # megatrain.wrap's own rule
 
         try:
             check_offload_args(r.offload_dir, None, "runtime")

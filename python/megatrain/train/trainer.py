@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megatrain.checkpoint import existing_ancestor
-from megatrain.runtime.estimate import has_weight_files
+from megatrain.state.checkpoint import existing_ancestor
+from megatrain.runtime.placement.estimate import has_weight_files
 from megatrain.train.config import (Config, UsageError, to_yaml, wrap_auto_switch, wrap_device_state_layers,
                                     wrap_rows_mode)
 from megatrain.train import data as data_mod
@@ -196,7 +196,7 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer
 def check_writable(directory: str, out_dir: str) -> None:
     """Raises a one-line UsageError unless a file can be created in ``directory`` (tried: a
     temporary file, removed at once; permission bits do not tell for root, /proc or a read-only mount)."""
-    from megatrain.atomic import write_probe_error
+    from megatrain.state.atomic import write_probe_error
 
     if not os.access(directory, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write output directory {out_dir!r}: {directory!r} is not writable; choose another --out")
@@ -225,7 +225,7 @@ def check_checkpoint(path: str, model_config) -> None:
     Raises:
         UsageError: a truncated / malformed file, a shard missing, a tensor missing or of the wrong shape.
     """
-    from megatrain.runtime.loading import CheckpointError, CheckpointIndex, _aliases, meta_model
+    from megatrain.state.loading import CheckpointError, CheckpointIndex, _aliases, meta_model
 
     try:
         index = CheckpointIndex(path)
@@ -262,7 +262,7 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
 
     Refused unless everything the run allocates fits the memory available now: the host store,
     gradient staging, the accumulator and the disk tier's buffers, plus a margin of
-    :data:`~megatrain.runtime.estimate.RUN_HOST_MARGIN_BYTES` (1 GiB) kept free, in host memory; the
+    :data:`~megatrain.runtime.placement.estimate.RUN_HOST_MARGIN_BYTES` (1 GiB) kept free, in host memory; the
     layer slots, resident unit, activations and logits (rough) in GPU memory on CUDA, or in the host
     memory left beside the store and the margin on the CPU device; the disk tier's files on its disk.
 
@@ -271,7 +271,7 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
         UsageError: transformers cannot build the model from this config.
     """
     import megatrain
-    from megatrain.runtime.estimate import RUN_HOST_MARGIN_BYTES
+    from megatrain.runtime.placement.estimate import RUN_HOST_MARGIN_BYTES
 
     t = cfg.train
     try:
@@ -292,7 +292,7 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
                          "model.extra" + (f" ({extra})" if extra else "")) from None
     if not est.fits:
         sizes = "" if cfg.model.path is not None else "; or lower model.hidden_size, model.num_layers, model.vocab_size"
-        from megatrain.runtime.estimate import _count
+        from megatrain.runtime.placement.estimate import _count
 
         raise DoesNotFit(f"the model ({_count(est.num_params)} parameters) does not fit this machine: "
                          f"{est.reason()}{sizes}", est)
@@ -476,7 +476,7 @@ def build_model(plan: Plan):
             if bars:
                 hf_logging.enable_progress_bar()
         check_loading_info(path, info)
-        from megatrain.runtime.loading import count_nonfinite
+        from megatrain.state.loading import count_nonfinite
 
         for name, p in model.named_parameters():
             bad = count_nonfinite(p)
@@ -598,7 +598,7 @@ def is_train_model_dir(path: str) -> bool:
     """Whether ``path`` is a model directory :func:`save_model` wrote: ``megatrain_train.json``
     lists exactly the files there and the weights carry megatrain's producer mark. A model the user
     saved (a README, other weights, no list) is not one, and is never replaced."""
-    from megatrain.checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
+    from megatrain.state.checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
 
     try:
         with open(os.path.join(path, TRAIN_MARK)) as f:
@@ -619,7 +619,7 @@ def check_model_dest(out_dir: str) -> str:
     Raises:
         UsageError: it holds something else (e.g. the user's own base model); nothing is written.
     """
-    from megatrain.atomic import check_replaceable
+    from megatrain.state.atomic import check_replaceable
 
     try:
         return check_replaceable(os.path.join(out_dir, "model"), MODEL_WHAT, is_train_model_dir, MODEL_EXPECTED)
@@ -629,7 +629,7 @@ def check_model_dest(out_dir: str) -> str:
 
 def save_model(model, tokenizer, out_dir: str, plan: Plan) -> str:
     """Exports HF weights + tokenizer to ``out_dir/model``, written atomically
-    (:func:`megatrain.atomic.atomic_directory`): a kill at any moment leaves the previous model or
+    (:func:`megatrain.state.atomic.atomic_directory`): a kill at any moment leaves the previous model or
     the new one there, complete. Only a directory an earlier run saved is ever replaced.
 
     Raises:
@@ -638,8 +638,8 @@ def save_model(model, tokenizer, out_dir: str, plan: Plan) -> str:
     """
     import torch
 
-    from megatrain.atomic import atomic_directory
-    from megatrain.checkpoint import save_pretrained_streamed
+    from megatrain.state.atomic import atomic_directory
+    from megatrain.state.checkpoint import save_pretrained_streamed
 
     final = check_model_dest(out_dir)
     try:
@@ -718,7 +718,7 @@ def find_resume_point(path: str) -> ResumePoint:
     Raises:
         UsageError: PATH is neither, the checkpoint is damaged, or it was not written by ``megatrain train``.
     """
-    from megatrain.checkpoint import CheckpointError, read_manifest
+    from megatrain.state.checkpoint import CheckpointError, read_manifest
 
     if not os.path.exists(path):
         raise UsageError(f"--resume {path!r} does not exist; give a run's out directory or one of its checkpoints")
@@ -844,7 +844,7 @@ def run(cfg: Config, plan: Optional[Plan] = None, echo=None, stop: Optional[Stop
     import torch
 
     import megatrain
-    from megatrain.checkpoint import CheckpointError
+    from megatrain.state.checkpoint import CheckpointError
 
     plan = plan or prepare(cfg)
     t, d = cfg.train, plan.data

@@ -126,7 +126,7 @@ class DataParallelEngine:
         opt = self.optimizer
         if opt is None:
             return super().submit_grads(unit, grads, staging)  # raises: no CPUAdamW
-        from ..grads import _graph_task_id, grad_norms, in_compute
+        from ..engine.grads import _graph_task_id, grad_norms, in_compute
 
         dp = self.dp
         dp.reclaim()

@@ -1,0 +1,1 @@
+"""Activation policies: what a layer keeps for backward (recompute, store, offload, long context)."""

@@ -1,0 +1,133 @@
+"""Update submission over the C++ gradient ledger: the fused CPU AdamW tasks, moving direct
+gradients to the fp32 accumulator, and forgetting gradients (``zero_grad``).
+
+:class:`UpdateQueue` is mixed into :class:`~megatrain.runtime.engine.core.Engine`; it queues the
+worker's update tasks (``_C.Worker.submit_adam``, no GIL) and records what they report for
+:meth:`~megatrain.runtime.engine.grads.GradLedger.settle`. The gradients it reads were handed over by
+:class:`~megatrain.runtime.engine.grads.GradLedger`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+from .worker import _Worker
+
+if TYPE_CHECKING:
+    from .units import Unit
+
+
+class UpdateQueue:
+    """Update submission of an :class:`~megatrain.runtime.engine.core.Engine` (see module docstring)."""
+
+    def _submit_adam(self, unit: Unit, items, scale: float, after=None,
+                     entries: Optional[List[int]] = None, zero_grads=(), finite_from=None) -> None:
+        """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; ``_C.Worker.submit_adam``, by deadline).
+
+        The ledger queues the entries' updates now; the loads of the unit wait for the task
+        (``unit.update_tasks``). Each entry's gradient is read from the compute section (a direct
+        gradient no update took over yet) or the fp32 accumulator; direct entries that are not
+        updated (not in this optimizer) get their weights back. ``after``: the handle of the
+        unit's gradient task (the update is not started before it ran). ``finite_from``: that
+        task's ``GradOutcome``; a non-finite gradient skips the update (the masters are untouched,
+        the compute copy is rewritten from them, and ``settle`` has the optimizer undo the step
+        count). ``zero_grads``: entries updated with an all-zero gradient
+        (``zero_grad(set_to_none=False)`` and no backward since).
+        """
+        entries = list(range(len(unit.entries))) if entries is None else list(entries)
+        direct = unit.direct
+        updated = {it[0] for it in items}
+        zero = set(zero_grads)
+
+        def view(i, name):
+            return self.task_view(unit, i, name)
+
+        def grad_src(i):
+            if i in zero:
+                return torch.zeros(view(i, "master").numel(), dtype=torch.float32)
+            return view(i, "compute" if direct[i] else "grad_accum")
+
+        if unit.disk is not None:  # the fp32 state on disk: the task acquires the unit from the tier
+            adam_items, restore, on_skip = [], [], []
+            tier_items, restore_tier, on_skip_tier, tier = self.disk.adam_args(
+                unit, items, entries, zero, direct, lambda i: view(i, "compute"))
+            tier.update(tier_items=tier_items, restore_tier=restore_tier, restore_on_skip_tier=on_skip_tier)
+            key = self.disk.update_key(unit)
+            self.disk.prefetch([unit])
+        else:
+            adam_items = [(i, view(i, "master"), view(i, "exp_avg"), view(i, "exp_avg_sq"), grad_src(i),
+                           view(i, "compute"), lr, b1, b2, eps, wd, step) for i, lr, b1, b2, eps, wd, step in items]
+            restore = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i] and i not in updated]
+            on_skip = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i]]
+            tier, key = {}, unit.update_key
+        opt = self.optimizer
+        step_number = getattr(opt, "steps_called", 0) + 1  # the step() this update belongs to
+        klass = _Worker.UPDATE if self.overlap else _Worker.GRAD
+        handle, outcome = self._worker.submit_adam(self.ledger, unit.index, adam_items, scale, restore, entries,
+                                                   finite_from, on_skip, klass, key, after, **tier)
+        unit.update_tasks.append(handle)
+        with self._settle_lock:
+            self._update_outcomes.append((handle, outcome, opt, unit, items, step_number))
+
+    def ensure_weights(self, unit: Unit) -> None:
+        """Move ``unit``'s direct gradients from the compute section to the fp32 accumulator (waits).
+
+        Needed when an entry gets a second gradient before the optimizer stepped (gradient
+        accumulation the optimizer was not told about): the first one still counts, and the
+        compute copy is rewritten from the fp32 master weights.
+        """
+        direct = [i for i, d in enumerate(unit.direct) if d]
+        if not direct:
+            return
+        self.enable_accumulator()
+        if unit.disk is not None:  # the accumulator and the masters on disk
+            moved_tier = [(i, unit.entries[i].state_offset, self.task_view(unit, i, "compute")) for i in direct]
+            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, [], moved_tier=moved_tier,
+                                                             **self.disk.state_args(unit, accum=True))
+        else:
+            moved = [(i, self.task_view(unit, i, "grad_accum"), self.task_view(unit, i, "master"),
+                      self.task_view(unit, i, "compute")) for i in direct]
+            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved)
+        self.wait_task(handle)
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients (the next backward overwrites the accumulators).
+
+        Waits for the gradient tasks in flight, resets every entry of the ledger, and queues the
+        weights back for gradients D2H'd into the compute section and never used (the loads of
+        those units wait for it).
+        """
+        self._worker.wait_grads()
+        self.settle()
+        restore = []
+        for u in self.units:
+            idx = [i for i, d in enumerate(u.direct) if d]
+            for i in range(len(u.entries)):
+                self.ledger.reset(u.index, i)
+            if idx:
+                restore.append((u, idx))
+        for u, idx in restore:
+            if u.disk is not None:  # the masters on disk
+                back, tier = [], dict(restore_tier=[(u.entries[i].state_offset, self.task_view(u, i, "compute"))
+                                                    for i in idx], **self.disk.state_args(u))
+            else:
+                back, tier = [(self.task_view(u, i, "master"), self.task_view(u, i, "compute")) for i in idx], {}
+            handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
+                                                 None, **tier)
+            u.update_tasks.append(handle)
+
+    def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,
+                      zero_grads=(), finite_on_device: bool = False) -> None:
+        """Queue the AdamW update of ``unit``'s ``entries`` (default all; worker, by deadline).
+
+        Bumps the unit's version now. The gradient is the fp32 accumulator, or the compute section
+        after a direct D2H. ``finite_on_device``: a device-state unit's non-finite check on the
+        device (:meth:`~..placement.device_state.DeviceState.update`).
+        """
+        self.invalidate([unit])  # now, on the main thread: slots holding the old weights are stale
+        if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
+            return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads,
+                                            finite_on_device=finite_on_device)
+        self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)

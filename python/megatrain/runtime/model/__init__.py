@@ -1,0 +1,1 @@
+"""The wrapped model: decoder layers found and streamed, the nn.Module surface."""

@@ -1,0 +1,1 @@
+"""Placement across the tiers: device-state layers, the host store, the disk tier; the estimate."""

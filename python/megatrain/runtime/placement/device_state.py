@@ -1,0 +1,378 @@
+"""Device-state layers: the whole training state of chosen decoder layers kept on the compute device.
+
+``megatrain.wrap(model, device_state_layers=K)`` keeps, for decoder layers ``0 .. K-1``, every
+persistent tensor on the device, in flat buffers laid out exactly like the layer's host-store
+sections (same per-entry offsets):
+
+* ``compute`` — the compute-dtype weights (2 B/param in bf16, 4 in fp32): the layer's permanent
+  device slot. ``acquire()`` returns it (no H2D copy, never released to another layer, never a
+  prefetch target); the weights never stream.
+* ``master``, ``exp_avg``, ``exp_avg_sq`` — fp32 (12 B/param).
+* ``grad`` — the fp32 gradient accumulator (4 B/param): the layer's weight gradients are summed
+  here on the device (no D2H); the squared L2 norm of each accumulated gradient is reduced on the
+  device and read by the CPU worker (8 bytes per parameter tensor), so clipping (the global norm)
+  and the non-finite check see these layers exactly as the host-stored ones.
+
+18 B/param in all (16 with fp32 state + 2 for the bf16 compute copy) on the device; the host
+store keeps its sections for these layers too (they are the checkpoint / state_dict surface).
+
+The update runs on the device in ``optimizer.step()`` (with clipping after the global norm is known;
+without it, with the fused kernel, enqueued before ``step()`` waits for the gradients, the
+non-finite check made on the device), with the group's ``lr`` / ``betas`` / ``eps`` /
+``weight_decay`` of that moment, the per-parameter step counts, and the clip coefficient, exactly as
+``torch.optim.AdamW`` (:mod:`.device_adamw`); then the compute copy is rewritten from the new master.
+Layer 0 .. K-1 (and the resident unit) are what the next forward needs first: their update takes a
+few milliseconds of GPU time, and the next forward runs on them while the CPU worker updates layers
+K and deeper.
+
+Host-visible state: :meth:`DeviceState.to_host` copies master / exp_avg / exp_avg_sq / compute of
+the device-state layers into their host-store sections (only when they changed since the last
+copy) and :meth:`DeviceState.from_host` copies them back after the host store was written.
+Callers use the engine's ``sync_host()`` (before reading the host store) and ``host_written()``
+(after writing it); checkpoint, state_dict, export and the optimizer's state do. A read of
+``optimizer.state[p]`` hands out the host sections writable (``sync_host(for_write=True)``): the
+unit's next update first copies them back to the device, so an in-place write there takes effect
+as in ``torch.optim.AdamW``. :meth:`DeviceState.masters_to_host` copies the master section alone:
+``optimizer.step()`` calls it (through the engine's ``refresh_state_dict_views()``) for the units
+whose ``model.state_dict()`` tensors are held, so those read the current weights as torch's do.
+
+On the CPU backend the "device" is the CPU: the buffers are ordinary CPU tensors outside the host
+store and every step of the logic is the same, so CPU parity tests cover it.
+
+The ``device_state_layers`` argument (default, check) and how many layers fit: :mod:`.device_state_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+
+from .device_adamw import device_adamw
+from ..engine.grads import grad_norms
+
+
+class DeviceSlot:
+    """The permanent device slot of a device-state layer (the interface of ``engine.Slot``)."""
+
+    permanent = True
+
+    def __init__(self, unit, buf: torch.Tensor):
+        self.buf = buf
+        self.unit = unit
+        self.version = 0
+        self.in_use = 0
+        self.last_use = 0
+        self.weights_ready = None
+        self.buffer_free = None
+        self.free_recorded = False
+
+
+class DeviceUnit:
+    """One device-state layer: its device buffers and bookkeeping."""
+
+    def __init__(self, unit, device: torch.device, compute_dtype: torch.dtype, cuda: bool,
+                 compute: Optional[torch.Tensor] = None):
+        self.unit = unit
+        # the resident unit's compute copy is the device buffer its parameters view (``compute``)
+        self.owns_compute = compute is None
+        self.compute = torch.empty(unit.numel, dtype=compute_dtype, device=device) if compute is None else compute
+        n = unit.state_numel
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        self.exp_avg = torch.empty(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.empty(n, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self.slot = DeviceSlot(unit, self.compute)
+        self.host_stale = False  # the device state changed since the last to_host()
+        self.host_master_stale = False  # the device master changed since it was last copied to the host store
+        self.host_dirty = False  # the host sections may have been written (optimizer.state): from_host() first
+        self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
+        if cuda:
+            self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
+        self.grad_task = None  # handle of the last gradient task (it reads norm_row)
+        # Runs [start, end) of the compute layout holding the trainable entries (None: no frozen entry):
+        # what to_host() copies. A frozen entry's device copy changes only by from_host(), so the host
+        # store's is never older, and may be newer (written through model.state_dict(), to be taken).
+        self.trained_runs = _trained_runs(unit)
+
+    def fp32(self, name: str, i: int) -> torch.Tensor:
+        e = self.unit.entries[i]
+        return getattr(self, name)[e.state_offset:e.state_offset + e.numel]
+
+    def weights(self, i: int) -> torch.Tensor:
+        e = self.unit.entries[i]
+        return self.compute[e.offset:e.offset + e.numel]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this unit's state added (the resident unit's compute buffer existed before)."""
+        own = (self.compute,) if self.owns_compute else ()
+        return sum(t.numel() * t.element_size() for t in own + (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+
+
+def _trained_runs(unit) -> Optional[List[tuple]]:
+    """``[(start, end)]`` element runs of ``unit``'s compute layout that hold its trainable entries (with the
+    padding between them), or None when no entry is frozen."""
+    entries = sorted(unit.entries, key=lambda e: e.offset)
+    if not any(e.frozen for e in entries):
+        return None
+    runs, start = [], None
+    for e in entries:
+        if e.frozen:
+            if start is not None:
+                runs.append((start, e.offset))
+                start = None
+        elif start is None:
+            start = e.offset
+    if start is not None:
+        runs.append((start, int(unit.numel)))
+    return runs
+
+
+class DeviceState:
+    """The device-state layers of an engine (see the module docstring).
+
+    Args:
+        eng: the :class:`~megatrain.runtime.engine.core.Engine` (its store already filled).
+        units: the layer units to keep on the device (layers ``0 .. K-1``).
+
+    Raises:
+        torch.cuda.OutOfMemoryError: the buffers do not fit (raised while wrapping).
+    """
+
+    def __init__(self, eng, units: List):
+        self.eng = eng
+        self.units = []
+        impl = eng.options.device_adam
+        if impl not in ("", "fused", "foreach"):
+            raise ValueError(f"MEGATRAIN_DEVICE_ADAM must be 'fused' or 'foreach', got {impl!r}")
+        # torch._fused_adamw_ on CUDA (what torch.optim.AdamW(fused=True) runs); the foreach
+        # formulation of torch.optim.AdamW elsewhere. Both are torch's own AdamW math.
+        self.impl = impl or ("fused" if eng.cuda else "foreach")
+        self.add(units)
+
+    @torch.no_grad()
+    def add(self, units: List) -> None:
+        """Put the training state of ``units`` (units whose state is in the host store) on the device too."""
+        eng = self.eng
+        for u in units:
+            buf = eng.resident_buf if u.kind == "resident" else None  # the resident unit's existing compute copy
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
+            self.units.append(u)
+        self.from_host(units)
+
+    @torch.no_grad()
+    def remove(self, units: List) -> None:
+        """Give the training state of ``units`` back to the host store (copied there first) and free
+        their device buffers. Only between steps: no gradient of theirs may be accumulated or pending."""
+        for u in units:
+            if u.device_state.host_dirty:  # optimizer.state[p] was handed out: the host sections are the newer
+                u.device_state.host_stale = u.device_state.host_master_stale = False
+        self.to_host(units)
+        for u in units:
+            du = u.device_state
+            self.eng.wait_task(du.grad_task)
+            u.device_state = None
+            self.units.remove(u)
+
+    @property
+    def layers(self) -> List:
+        """The decoder-layer units among :attr:`units` (the resident unit may be there too, first)."""
+        return [u for u in self.units if u.kind == "layer"]
+
+    @property
+    def resident(self) -> bool:
+        """Whether the resident unit's training state is on the device."""
+        return any(u.kind == "resident" for u in self.units)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by all device-state layers."""
+        return sum(u.device_state.nbytes for u in self.units)
+
+    # ------------------------------------------------------------------ host store
+    def _select(self, units):
+        if units is None:
+            return self.units
+        return [u for u in units if getattr(u, "device_state", None) is not None]
+
+    @torch.no_grad()
+    def to_host(self, units=None) -> None:
+        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) into the host store.
+
+        Only units whose device state changed since the last copy, and the master only when it
+        changed since :meth:`masters_to_host` copied it (the host master may have been written
+        since, through a ``model.state_dict()`` tensor: that write is kept for the caller to take);
+        of the compute copy, the trainable entries only (a frozen entry's host copy is never older
+        than the device's, and may have been written the same way). Blocks until the copies are done.
+        """
+        eng = self.eng
+        for u in self._select(units):
+            du = u.device_state
+            if not du.host_stale:
+                continue
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if u.state_numel and (name != "master" or du.host_master_stale):
+                    eng.store.section(u.index, name).copy_(getattr(du, name))
+            host = eng.store.section(u.index, "compute")
+            if du.trained_runs is None:
+                host.copy_(du.compute)
+            else:
+                for a, b in du.trained_runs:
+                    host[a:b].copy_(du.compute[a:b])
+            du.host_stale = du.host_master_stale = False
+
+    @torch.no_grad()
+    def masters_to_host(self, units=None) -> None:
+        """Copy the fp32 master weights of ``units`` (default all) into the host store's master section.
+
+        Only units whose master changed since it was last copied; exp_avg / exp_avg_sq / compute stay
+        as they are in the host store (:meth:`to_host` copies them when they are read). Blocks until
+        the copies are done (on CUDA: after the units' updates enqueued on the compute stream).
+        """
+        eng = self.eng
+        for u in self._select(units):
+            du = u.device_state
+            if not du.host_master_stale:
+                continue
+            if u.state_numel:
+                eng.store.section(u.index, "master").copy_(du.master)
+            du.host_master_stale = False
+
+    @torch.no_grad()
+    def from_host(self, units=None) -> None:
+        """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) from the host store
+        (the writes into the optimizer's handed-out moment tensors until now are taken)."""
+        eng = self.eng
+        opt = eng.optimizer
+        for u in self._select(units):
+            if opt is not None and hasattr(opt, "moments_written"):
+                opt.moments_written(u)
+            du = u.device_state
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if u.state_numel:
+                    getattr(du, name).copy_(eng.store.section(u.index, name))
+            du.compute.copy_(eng.store.section(u.index, "compute"))
+            du.host_stale = du.host_master_stale = False
+            du.host_dirty = False
+
+    def mark_host_dirty(self, units=None) -> None:
+        """The host sections of ``units`` (default all) were handed out writable (``optimizer.state[p]``):
+        the next update of such a unit first copies them back to the device (:meth:`from_host`)."""
+        for u in self._select(units):
+            u.device_state.host_dirty = True
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def submit_grads(self, unit, grads: List[Optional[torch.Tensor]], task_id) -> None:
+        """Sum ``grads`` (device tensors, one per entry or None) into the unit's fp32 device accumulator.
+
+        The first gradient since the last step / ``zero_grad`` overwrites it. The squared norms of
+        the accumulated gradients go to the engine's ledger (``record_norm``) in a task of the CPU
+        worker, ordered with the host-stored units' gradient tasks and ``zero_grad``.
+        """
+        eng = self.eng
+        du = unit.device_state
+        idx = []
+        states = unit.grad_states()
+        opt = eng.optimizer
+        if opt is not None and opt.max_grad_norm is None and eng.eager_updates:
+            # as for the host-stored units, whose update is queued at their last micro-batch: one more raises
+            ga = opt.gradient_accumulation_steps
+            if any(g is not None and not unit.entries[i].frozen and states[i].micro_batches >= ga
+                   for i, g in enumerate(grads)):
+                opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
+        for i, g in enumerate(grads):
+            if g is None or unit.entries[i].frozen:
+                continue
+            acc = du.fp32("grad", i)
+            if states[i].micro_batches == 0:
+                acc.copy_(g.reshape(-1))
+            else:
+                acc.add_(g.reshape(-1))
+            eng.ledger.on_device(unit.index, i)
+            idx.append(i)
+        unit.last_task = task_id
+        if not idx:
+            return
+        norms = grad_norms([du.fp32("grad", i) for i in idx], eng.fused_grad_norms)
+        ev = None
+        if eng.cuda:
+            eng.wait_task(du.grad_task)  # the previous task read the row; almost always long done
+            row = du.norm_row[:len(idx)]
+            row.copy_(norms, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(eng.compute_stream())
+        else:
+            row = norms
+        ledger = eng.ledger
+
+        def task():
+            if ev is not None:
+                ev.synchronize()
+            vals = row.tolist()
+            for k, i in enumerate(idx):
+                ledger.record_norm(unit.index, i, float(vals[k]) ** 2)
+
+        du.grad_task = unit.grad_task = eng.submit_grad_task(task, ready=ev)
+
+    # ------------------------------------------------------------------ update
+    @property
+    def checks_on_device(self) -> bool:
+        """Whether :meth:`update` can skip a non-finite gradient's update on the device
+        (``finite_on_device``: the fused kernel's ``found_inf``), without the host knowing the norm yet."""
+        return self.impl == "fused"
+
+    @torch.no_grad()
+    def update(self, unit, items, scale: float, entries: Optional[List[int]] = None, zero_grads=(),
+               finite_on_device: bool = False) -> None:
+        """AdamW of ``unit``'s ``items`` on the device, now (enqueued on the compute stream).
+
+        Args:
+            items: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (the
+                optimizer has bumped the step counts).
+            scale: the clip coefficient (1.0 without clipping).
+            entries: the entries this update covers (default: all).
+            zero_grads: entries updated with an all-zero gradient (``zero_grad(set_to_none=False)``).
+            finite_on_device: without clipping, decide the non-finite skip on the device (the
+                gradients' float64 norms, as the host's, feed ``torch._fused_adamw_``'s ``found_inf``:
+                every group of the unit is skipped when one of its gradients is non-finite) instead
+                of reading the norms on the host, which waits for the end of backward. The caller
+                then undoes the step counts from the host's norms (:meth:`skip_if_nonfinite`).
+                Only where :attr:`checks_on_device`.
+
+        Without clipping each layer's update is skipped when its gradient is non-finite (the
+        optimizer's step counts are put back and the skip is reported, as for the host-stored
+        layers); with clipping the optimizer has checked the global norm already.
+        """
+        opt = self.eng.optimizer
+        du = unit.device_state
+        if du.host_dirty:  # optimizer.state[p] of this unit was handed out: take what was written there
+            self.from_host([unit])
+        zero = set(zero_grads)
+        found_inf = None
+        if finite_on_device:
+            if not self.checks_on_device:
+                raise RuntimeError("megatrain: finite_on_device needs the fused device AdamW")
+            checked = [du.fp32("grad", i) for i, *_ in items if i not in zero]
+            if checked:  # float64 norms: finite exactly when every element is (as the host's grad_sq)
+                norms = grad_norms(checked, self.eng.fused_grad_norms)
+                found_inf = (~torch.isfinite(norms)).any().to(torch.float32)
+        elif opt is not None and opt.max_grad_norm is None and items and self.skip_if_nonfinite(unit, items, zero):
+            return
+        device_adamw(du, items, scale, zero, fused=self.impl == "fused", found_inf=found_inf)
+        du.host_stale = du.host_master_stale = True
+
+    def skip_if_nonfinite(self, unit, items, zero=()) -> bool:
+        """Without clipping: when the host's norms of ``unit``'s ``items`` (``grad_sq``, known once its
+        gradient task ran) are not all finite, put the optimizer's step counts back and record the
+        skip with the optimizer (``skip_unit_update``: its non-finite warning). Returns whether it was skipped (the update then did not run, or
+        ran with ``found_inf`` set, which left every state unchanged)."""
+        sq = unit.grad_sq
+        if all(math.isfinite(sq[i]) for i, *_ in items if i not in zero):
+            return False
+        opt = self.eng.optimizer
+        opt.skip_unit_update(unit, items, opt.steps_called + 1)
+        return True
+

@@ -1,0 +1,146 @@
+"""Placement of the device-state layers (:mod:`.device_state`): the ``device_state_layers`` argument
+(its default, its check) and how many layers fit on the device.
+
+:func:`resolve_device_state_layers` and :func:`check_device_state_layers` give ``megatrain.wrap``'s
+``device_state_layers`` its default and refuse bad values; :func:`unit_device_bytes` is the exact
+device size of one unit's state; :func:`plan_device_state_layers` counts the layers (from layer 0)
+whose state fits in ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory (``"auto"`` at wrap;
+the placement planner, :mod:`.replan`, places once more after the first step);
+:func:`plan_boundary_units` chooses the units of ``"boundary"`` (the default of the streamed
+policies on CUDA). :func:`check_gpu_memory_limit` / :func:`resolve_gpu_memory_limit` /
+:func:`capped_free_bytes`: ``megatrain.wrap``'s ``gpu_memory_limit``, the cap on the device memory
+every placement decision counts as free.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
+# memory free when the model is wrapped; the rest is left for activations (activation_policy
+# "auto" measures what is left), logits and fragmentation.
+AUTO_DEVICE_STATE_FRACTION = 0.5
+
+# device_state_layers="boundary" (the default on CUDA under every activation policy but "auto"): the
+# resident unit, then layer 0, keep their whole training state on the device when together they fit
+# in this fraction of the device memory free at wrap time. Their gradients are the last of a
+# backward and their weights the first need of the next forward: on the host, their H2D copies,
+# gradient D2H and CPU AdamW sit between two steps with the GPU idle (20-30 ms per step at 3.37B).
+BOUNDARY_DEVICE_STATE_FRACTION = 0.125
+
+
+def resolve_device_state_layers(value, activation_policy: str, device: torch.device):
+    """``device_state_layers`` as given, or its default (``None``): on CUDA ``"auto"`` under
+    ``activation_policy="auto"`` (the placement planner) and ``"boundary"`` under the other policies;
+    on the CPU backend 0 (every layer's state in the host store, which already is the compute
+    device's memory)."""
+    if value is None:
+        if device.type != "cuda":
+            return 0
+        return "auto" if activation_policy == "auto" else "boundary"
+    return value
+
+
+def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_layers") -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 0, ``"auto"``, ``"boundary"`` or ``None`` (the default)."""
+    if value is None or (isinstance(value, str) and value in ("auto", "boundary")):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an int >= 0 (layers 0..K-1 keep their whole training state on the device), "
+                         f"'auto' or 'boundary', got {value!r}")
+
+
+def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True) -> int:
+    """Device bytes :class:`~.device_state.DeviceState` allocates for ``unit``: the compute copy (unless
+    ``with_compute`` is False: the resident unit's is its existing device buffer) plus 4 fp32 sections.
+
+    ``unit.numel`` / ``unit.state_numel`` are the padded lengths of the unit's compute and fp32
+    host-store sections (the device buffers use the same layout).
+    """
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    return (int(unit.numel) * elem if with_compute else 0) + 16 * int(unit.state_numel)
+
+
+def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
+                             fraction: Optional[float] = None) -> int:
+    """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``
+    (``fraction`` None: ``AUTO_DEVICE_STATE_FRACTION``)."""
+    budget = (AUTO_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
+    k, used = 0, 0
+    for u in layers:
+        used += unit_device_bytes(u, compute_dtype)
+        if used > budget:
+            break
+        k += 1
+    return k
+
+
+def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_bytes: int,
+                        fraction: Optional[float] = None) -> tuple:
+    """The units of ``device_state_layers="boundary"``: ``(resident_units, layers)``.
+
+    The resident unit (``resident``, None when it cannot be placed) first, then ``first_layer``
+    (layer 0, None when it cannot), each only while their device state together fits in
+    ``fraction`` (default ``BOUNDARY_DEVICE_STATE_FRACTION``) of ``free_bytes``. Returns the list of
+    resident units placed (``[]`` or ``[resident]``) and the number of decoder layers placed (0 or 1).
+    """
+    budget = (BOUNDARY_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
+    used, placed = 0, []
+    if resident is not None:
+        need = unit_device_bytes(resident, compute_dtype, with_compute=False)
+        if need <= budget:
+            used, placed = need, [resident]
+    layers = 0
+    if first_layer is not None and used + unit_device_bytes(first_layer, compute_dtype) <= budget:
+        layers = 1
+    return placed, layers
+
+
+# gpu_memory_limit: an int below this is refused (it would be bytes; 1 most likely meant "all of it", 1.0).
+MIN_GPU_MEMORY_LIMIT_BYTES = 1 << 20
+
+
+def check_gpu_memory_limit(value, what: str = "megatrain.wrap: gpu_memory_limit") -> None:
+    """Raise ``ValueError`` (one line) unless ``value`` is None, an int of bytes >= 1 MiB, or a float in (0, 1]
+    (a fraction of the device's memory)."""
+    if value is None:
+        return
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= MIN_GPU_MEMORY_LIMIT_BYTES:
+        return
+    hint = " (an int is bytes: for a share of the device write a float, e.g. 1.0)" if (
+        isinstance(value, int) and not isinstance(value, bool) and 0 < value < MIN_GPU_MEMORY_LIMIT_BYTES) else ""
+    raise ValueError(f"{what} must be a number of bytes (an int >= {MIN_GPU_MEMORY_LIMIT_BYTES}) or a fraction of the "
+                     f"device's memory (a float in (0, 1], e.g. 0.5), got {value!r}{hint}")
+
+
+def resolve_gpu_memory_limit(value, device: torch.device, total_bytes: Optional[int] = None) -> Optional[int]:
+    """``gpu_memory_limit`` in bytes (checked by :func:`check_gpu_memory_limit`), or None (no cap).
+
+    Args:
+        value: None, an int (bytes) or a float in (0, 1] (a fraction of the device's memory).
+        device: the compute device. On the CPU backend the cap does not apply (None): the "device"
+            memory there is host memory, bounded by ``host_memory_limit`` instead.
+        total_bytes: the device's memory; default ``torch.cuda.get_device_properties(device).total_memory``.
+    """
+    check_gpu_memory_limit(value)
+    if value is None or torch.device(device).type != "cuda":
+        return None
+    if isinstance(value, float):
+        if total_bytes is None:
+            total_bytes = torch.cuda.get_device_properties(device).total_memory
+        return int(value * int(total_bytes))
+    return int(value)
+
+
+def capped_free_bytes(free_bytes: int, allocated_bytes: int, limit_bytes: Optional[int]) -> int:
+    """Device bytes the planner may place in: ``free_bytes`` (what the device has free for new tensors),
+    at most ``limit_bytes - allocated_bytes`` (the cap less what this process's tensors on the device
+    already hold: ``torch.cuda.memory_allocated``), never below 0. ``limit_bytes`` None: no cap."""
+    free = max(0, int(free_bytes))
+    if limit_bytes is None:
+        return free
+    return max(0, min(free, int(limit_bytes) - int(allocated_bytes)))

@@ -1,0 +1,242 @@
+"""The disk tier in the engine: which layers keep their fp32 state on local disk, and access to it.
+
+``wrap(model, offload_dir=PATH, host_memory_limit=BYTES)``: the decoder layers whose fp32 state
+(master, ``exp_avg``, ``exp_avg_sq`` and, with accumulation, the gradient accumulator) does not fit
+in host memory keep it in :class:`megatrain._C.DiskTier` files under ``offload_dir``
+(``csrc/megatrain/disk_tier/``, docs/disk_tier.md); their bf16 compute copy stays in the pinned
+host store, since it is what streams to the GPU.
+
+* :func:`plan_offload` chooses them before anything is allocated: the deepest layers first (their
+  updates are needed last by the next forward), as few as make the host part fit
+  ``host_memory_limit`` and the host budget check (the disk tier's RAM buffers counted), and
+  checks the disk's free space.
+* :class:`DiskOffload` (``Engine.disk``, :mod:`.disk_tier`) owns the tiers: ``tier`` (the state; tier unit ``k`` is
+  engine unit ``Unit.disk == k``) and ``accum`` (the accumulators, ``offload_dir/grad_accum``,
+  made when the accumulator is enabled). The worker's update, accumulate and move tasks acquire a
+  unit's buffer when they run (``_C.Worker.submit_*`` with ``state_tier`` / ``accum_tier``);
+  the main thread reads and writes state through :meth:`DiskOffload.window` (fill, checkpoints,
+  ``state_dict``, ``optimizer.state``) after the worker is idle. Reads are issued ahead
+  (:meth:`DiskOffload.prefetch`) in the order the updates will run; writes go behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import List, Optional
+
+import torch
+
+from ..._loader import load_extension
+from ...state.atomic import write_probe_error
+from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
+from .host_memory import host_budget_shortfall
+from .offload_plan import OffloadPlan
+
+_C = load_extension()
+
+
+def _gib(n: int) -> str:
+    from .memory_estimate import _fmt
+
+    return _fmt(n)
+
+
+def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
+    """Check ``offload_dir`` then ``host_memory_limit`` as ``wrap`` takes them; returns the absolute directory.
+
+    Nothing is kept: ``offload_dir`` may be missing (it is made, with its files, when the
+    engine is built) but its parent must exist and be writable; an existing one must be a
+    writable directory. Writable: a probe file could be created and removed there.
+
+    Raises:
+        ValueError: one line naming what is wrong.
+    """
+    path = _check_offload_dir(offload_dir, where)
+    if host_memory_limit is not None and (isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, int)
+                                          or host_memory_limit <= 0):
+        raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int) or None, got "
+                         f"{host_memory_limit!r}")
+    return path
+
+
+def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
+    if offload_dir is None:
+        return None
+    if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
+        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
+    path = os.path.abspath(os.fspath(offload_dir))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{where}: offload_dir={path} exists and is not a directory; pass a directory on a local disk")
+        if write_probe_error(path) is not None:
+            raise ValueError(f"{where}: offload_dir={path} is not writable by this process; pass a directory it can "
+                             "write (a local disk with room for the layers' fp32 state)")
+        return path
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{where}: the parent of offload_dir={path} does not exist ({parent}); create it or pass "
+                         "another directory")
+    if write_probe_error(parent) is not None:
+        raise ValueError(f"{where}: offload_dir={path} cannot be created: {parent} is not writable by this process")
+    return path
+
+
+def state_layout(state_numel: int) -> List[int]:
+    """Section byte sizes of one unit's file in the state tier: master, exp_avg, exp_avg_sq (fp32)."""
+    return [4 * int(state_numel)] * len(STATE_SECTIONS)
+
+
+def accum_layout(state_numel: int) -> List[int]:
+    """Section byte sizes of one unit's file in the accumulator tier: grad_accum (fp32)."""
+    return [4 * int(state_numel)]
+
+
+def stale_tier_bytes(directory: str) -> int:
+    """Disk bytes held by tier files of an earlier run in ``directory`` (removed when a tier opens there)."""
+    total = 0
+    for d in (directory, os.path.join(directory, ACCUM_DIR)):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            if n.startswith("megatrain_unit_") and n.endswith(".tier"):
+                try:
+                    total += os.stat(os.path.join(d, n)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes the disk tier may use under ``directory``: the filesystem's free bytes (``_C.DiskTier.free_bytes``:
+    statvfs, a missing directory is its nearest existing ancestor) plus the stale tier files it removes first."""
+    return int(_C.DiskTier.free_bytes(directory)) + stale_tier_bytes(directory)
+
+
+def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, offloaded, num_buffers, cuda,
+               with_accumulator) -> dict:
+    from ..engine.units import plan_host_memory
+
+    hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded)
+    numel = hp["layout"]["unit_state_numel"]
+    disk = [k for k, o in enumerate(offloaded) if o]
+    layouts = [state_layout(numel[k]) for k in disk]
+    alayouts = [accum_layout(numel[k]) for k in disk]
+    nb = min(num_buffers, len(disk))
+    pool = _C.DiskTier.pool_bytes(layouts, nb) if disk else 0
+    apool = _C.DiskTier.pool_bytes(alayouts, nb) if disk else 0
+    host = hp["store_bytes"] + hp["staging_bytes"] + pool
+    if with_accumulator:
+        host += apool + (hp["accumulator_bytes"] if accumulator_mode is None else 0)
+    return dict(host_plan=hp, disk=disk, layouts=layouts, alayouts=alayouts, pool=pool, apool=apool, host=host,
+                pinned=hp["store_bytes"] + hp["staging_bytes"] if cuda else 0, nb=nb)
+
+
+def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[bool], staging_buffers: int, *,
+                 offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
+                 cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
+                 check: bool = True, where: str = "megatrain.wrap") -> OffloadPlan:
+    """Choose the layers whose fp32 state goes to disk, before anything is allocated or written.
+
+    The deepest decoder layers are moved first (never the resident unit, never layers
+    ``0 .. keep_layers-1``, which stay host / device resident), as few as make the host part fit:
+    ``store + staging + the tiers' RAM pools [+ accumulators]`` within ``host_memory_limit`` (if
+    given) and the host budget check's limits (MemAvailable, cgroup, RLIMIT_MEMLOCK; the same
+    rules as ``check_host_budget``, with ``reclaimable_bytes`` of credit). Without ``offload_dir``
+    nothing moves (``host_memory_limit`` is then only checked).
+
+    Args:
+        units: the engine's units (:func:`~megatrain.runtime.model.decoder_layers.model_units`).
+        accumulator_mode: the engine's (True: store section; None: auto; False: none).
+        with_accumulator: count the gradient accumulator (always with ``accumulator_mode=True``).
+        num_buffers: RAM buffers per tier (``Options.disk_buffers``).
+        check: raise when it does not fit (False: return the plan of "every candidate on disk"
+            with ``host_bytes`` / ``free_bytes`` for :func:`megatrain.estimate` to report).
+
+    Raises:
+        HostMemoryError: the host part does not fit even with every candidate layer on disk, or
+            ``host_memory_limit`` is exceeded without ``offload_dir`` (one line, bytes needed vs limit).
+        DiskSpaceError: ``offload_dir``'s filesystem has less free space than the files need.
+    """
+    with_accumulator = with_accumulator or accumulator_mode is True
+    n_units = len(units)
+    layers = [u.index for u in units if u.kind == "layer"]
+    cands = list(reversed(layers[keep_layers:])) if offload_dir is not None else []  # deepest first
+    limits = None
+
+    def fits(need) -> bool:
+        nonlocal limits
+        if host_memory_limit is not None and need["host"] > host_memory_limit:
+            return False
+        if limits is None:
+            from .host_memory import host_memory_limits
+            limits = host_memory_limits()
+        return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits) is None
+
+    chosen = None
+    for n in range(len(cands) + 1):
+        off = [False] * n_units
+        for k in cands[:n]:
+            off[k] = True
+        need = _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
+                          with_accumulator)
+        if fits(need):
+            chosen = need
+            break
+    plan_need = chosen if chosen is not None else need
+    off = [False] * n_units
+    for k in plan_need["disk"]:
+        off[k] = True
+    plan = OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=plan_need["nb"],
+                       disk_units=plan_need["disk"], offloaded=off, host_plan=plan_need["host_plan"],
+                       state_layouts=plan_need["layouts"], accum_layouts=plan_need["alayouts"],
+                       disk_bytes=_C.DiskTier.bytes_required(plan_need["layouts"]) if plan_need["disk"] else 0,
+                       accum_disk_bytes=_C.DiskTier.bytes_required(plan_need["alayouts"]) if plan_need["disk"] else 0,
+                       pool_bytes=plan_need["pool"], accum_pool_bytes=plan_need["apool"] if with_accumulator else 0,
+                       host_bytes=plan_need["host"], pinned_bytes=plan_need["pinned"],
+                       with_accumulator=with_accumulator)
+    if offload_dir is not None:
+        plan.free_bytes = free_bytes(offload_dir)
+    if not check:
+        return plan
+    if chosen is None:
+        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers)
+    if plan.disk_units and plan.disk_total_bytes > plan.free_bytes:
+        need_b = plan.disk_total_bytes
+        msg = (f"{where}: the fp32 state of {len(plan.disk_units)} decoder layers on disk needs {need_b} bytes "
+               f"({_gib(need_b)}) under offload_dir={offload_dir}, but its filesystem has {plan.free_bytes} bytes "
+               f"({_gib(plan.free_bytes)}) free; free space there, point offload_dir at a larger disk, or raise "
+               "host_memory_limit. Nothing was written.")
+        err = _C.DiskSpaceError(msg)
+        err.errno = errno.ENOSPC
+        err.needed_bytes = int(need_b)
+        err.free_bytes = int(plan.free_bytes)
+        raise err
+    return plan
+
+
+def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0):
+    need = plan.host_bytes
+    if limit is not None and need > limit:
+        avail, name = limit, "host_memory_limit"
+    else:
+        short = host_budget_shortfall(need, plan.pinned_bytes, credit)
+        avail, name = (short["available_bytes"] + short.get("credit_bytes", 0), short["limit"]) if short else (limit, "?")
+    if offload_dir is None:
+        msg = (f"{where}: the host store needs {need} bytes ({_gib(need)}) but the {name} allows {avail} bytes "
+               f"({_gib(avail)}); pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers "
+               "that do not fit there, or raise host_memory_limit")
+    else:
+        hp = plan.host_plan
+        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk, the host part needs {need} "
+               f"bytes ({_gib(need)}: store {_gib(hp['store_bytes'])} with every compute copy and the resident "
+               f"unit's state, disk buffers {_gib(plan.pool_bytes + plan.accum_pool_bytes)}, gradient staging "
+               f"{_gib(hp['staging_bytes'])}) but the {name} allows {avail} bytes ({_gib(avail)}); raise "
+               "host_memory_limit, free host memory, or train a smaller model"
+               + (f" (layers 0..{keep_layers - 1} never go to disk: device_state_layers={keep_layers}; lower it)"
+                  if keep_layers else "") + ". Nothing was allocated.")
+    e = _C.HostMemoryError(msg)
+    e.needed_bytes, e.available_bytes, e.limit = int(need), int(avail or 0), name
+    raise e

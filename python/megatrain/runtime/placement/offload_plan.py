@@ -1,0 +1,50 @@
+"""What :func:`~megatrain.runtime.placement.disk_plan.plan_offload` chooses: :class:`OffloadPlan`.
+
+A plain record, apart from the planner (:mod:`.disk_plan`) that fills it and the tiers
+(:mod:`.disk_tier`) that open what it names, so both can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class OffloadPlan:
+    """What :func:`plan_offload` chose. Sizes in bytes.
+
+    Attributes:
+        disk_units: engine unit indices whose fp32 state is on disk (ascending; empty: none).
+        offloaded: per engine unit, whether it is one of them (``HostStore(offloaded=...)``).
+        host_plan: :func:`~megatrain.runtime.engine.units.plan_host_memory` of the store without their fp32 sections.
+        state_layouts / accum_layouts: per disk unit, the section bytes of its state / accumulator file.
+        disk_bytes: files of the state tier; accum_disk_bytes: of the accumulator tier.
+        pool_bytes / accum_pool_bytes: RAM of the tiers' buffer pools.
+        host_bytes: what the engine checks against the host budget (store + staging + pools [+ accumulators]).
+        pinned_bytes: the page-locked part (CUDA: store + staging).
+        free_bytes: free bytes of ``offload_dir``'s filesystem (plus stale tier files), None without a directory.
+        with_accumulator: whether the accumulator was counted (store section, or auto mode with accumulation).
+    """
+
+    offload_dir: Optional[str]
+    host_memory_limit: Optional[int]
+    num_buffers: int
+    disk_units: List[int] = field(default_factory=list)
+    offloaded: List[bool] = field(default_factory=list)
+    host_plan: dict = field(default_factory=dict)
+    state_layouts: List[List[int]] = field(default_factory=list)
+    accum_layouts: List[List[int]] = field(default_factory=list)
+    disk_bytes: int = 0
+    accum_disk_bytes: int = 0
+    pool_bytes: int = 0
+    accum_pool_bytes: int = 0
+    host_bytes: int = 0
+    pinned_bytes: int = 0
+    free_bytes: Optional[int] = None
+    with_accumulator: bool = False
+
+    @property
+    def disk_total_bytes(self) -> int:
+        """Disk bytes of both tiers (the accumulator's only when counted)."""
+        return self.disk_bytes + (self.accum_disk_bytes if self.with_accumulator else 0)

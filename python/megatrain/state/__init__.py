@@ -1,0 +1,1 @@
+"""Reading and writing training state: checkpoints, the atomic directory, export, streamed loading."""
