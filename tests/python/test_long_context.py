@@ -14,6 +14,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 import megatrain
 from megatrain.runtime.activations import long_context as lc
+from megatrain.runtime.activations.tiling import norms_of, tiled_class
 from parity import assert_close_rel
 
 VOCAB, SEQ, BATCH = 96, 16, 2
@@ -162,10 +163,10 @@ def test_tiled_mlp_and_norm_gradients_are_the_untiled_ones(rows):
     model = tiny("llama")
     tiled = copy.deepcopy(model)
     for layer in tiled.model.layers:
-        parts = [layer.mlp] + lc._norms_of(layer)
+        parts = [layer.mlp] + norms_of(layer)
         assert len(parts) == 3  # the MLP, input_layernorm, post_attention_layernorm
         for m in parts:
-            m.__class__ = lc._tiled_class(type(m))
+            m.__class__ = tiled_class(type(m))
             m._megatrain_long = _Rows(rows)
     x = torch.randint(0, VOCAB, (BATCH, SEQ))
     a = model(input_ids=x, labels=x).loss

@@ -47,100 +47,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .lean_ops import lean_forward, lean_kind
+from .lean_ops import lean_kind
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss, checkpoint_spacing: public here too
     EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
     _rows_for, _TiledMLPFunction, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
     norm_rows_for)
 from ..model.model_config import config_value
-
-
-class _TiledMixin:
-    """Forward of a decoder layer's MLP, tiled over the rows of its input when the plan says so."""
-
-    def forward(self, x, *args, **kwargs):
-        plan = getattr(self, "_megatrain_long", None)
-        if (plan is None or getattr(_local, "bypass", False) or args or kwargs or not isinstance(x, torch.Tensor)
-                or x.dim() < 2):
-            return self._megatrain_untiled_forward(x, *args, **kwargs)
-        rows = plan.tile_rows(self, x)
-        if rows is None:
-            # (a forward bound on the instance, Liger's kernel, is lean already and runs as it is)
-            if plan.lean and self._megatrain_lean is not None and torch.is_grad_enabled() and "forward" not in vars(self):
-                return lean_forward(self, x)  # (an autograd Function: no graph when nothing requires grad)
-            return self._megatrain_untiled_forward(x)
-        named = list(self.named_parameters())
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for _, p in named))
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if grad:
-            out = _TiledMLPFunction.apply(self, [n for n, _ in named], rows, x2, *[p for _, p in named])
-        else:
-            out = _TiledMLPFunction.forward(_NoCtx(), self, None, rows, x2)
-        return out.reshape(shape[:-1] + out.shape[1:])
-
-
-class _NoCtx:
-    def save_for_backward(self, *a):
-        pass
-
-
-class _TiledForward:
-    """``forward`` of a tiled module's class: a data descriptor, so it takes precedence over a
-    ``forward`` bound on the instance (Liger-Kernel binds its kernels' forward into the module's
-    ``__dict__``, before ``wrap`` or, through ``Trainer(use_liger_kernel=True)``, after it); that
-    instance forward is then the untiled one (:func:`_untiled_forward`), and tiling stays in force."""
-
-    def __get__(self, obj, cls=None):
-        return _TiledMixin.forward if obj is None else _TiledMixin.forward.__get__(obj, cls)
-
-    def __set__(self, obj, value):
-        obj.__dict__["forward"] = value
-
-    def __delete__(self, obj):
-        obj.__dict__.pop("forward", None)
-
-
-def _untiled_forward(orig):
-    def untiled(self, *args, **kwargs):
-        bound = self.__dict__.get("forward")
-        return bound(*args, **kwargs) if bound is not None else orig(self, *args, **kwargs)
-    return untiled
-
-
-_TILED_CLASSES: dict = {}
-
-
-def _tiled_class(cls: type) -> type:
-    """``Tiled<cls>``: ``forward`` the tiling (:class:`_TiledForward`), ``_megatrain_untiled_forward`` the
-    instance's own forward (one bound on the instance, else ``cls.forward``). One class per ``cls``."""
-    if cls not in _TILED_CLASSES:
-        _TILED_CLASSES[cls] = type(f"Tiled{cls.__name__}", (_TiledMixin, cls),
-                                   {"forward": _TiledForward(), "_megatrain_untiled_forward": _untiled_forward(cls.forward)})
-    return _TILED_CLASSES[cls]
-
-
-def _mlp_of(layer: nn.Module) -> Optional[nn.Module]:
-    """The per-token MLP of a decoder layer (``layer.mlp``), or None (absent, or a mixture of experts)."""
-    mlp = getattr(layer, "mlp", None)
-    if not isinstance(mlp, nn.Module) or not any(True for _ in mlp.parameters()):
-        return None
-    if hasattr(mlp, "experts") or hasattr(mlp, "router") or any(isinstance(m, nn.ModuleList) for m in mlp.modules()):
-        return None  # MoE: routing statistics / auxiliary losses are captured per call
-    return mlp
-
-
-def _norms_of(layer: nn.Module) -> list:
-    """The per-token norms among a decoder layer's direct children (``nn.LayerNorm`` and the models'
-    own ``*RMSNorm`` / ``*LayerNorm`` classes, e.g. Llama's ``input_layernorm`` and
-    ``post_attention_layernorm``), each with parameters."""
-    return [m for _, m in layer.named_children()
-            if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm")))
-            and any(True for _ in m.parameters())]
-
-
-def _has_active_dropout(mod: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in mod.modules())
+from .tiling import has_active_dropout, mlp_of, norms_of, tiled_class
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,16 +96,16 @@ class LongContext:
             self._install_loss()
         if self.tile_mlp is not False or self.lean:
             for u in engine.layers:
-                mlp = _mlp_of(u.module)
+                mlp = mlp_of(u.module)
                 if mlp is None:
                     continue
                 mlp._megatrain_lean = lean_kind(mlp, is_norm=False)
-                mlp.__class__ = _tiled_class(type(mlp))
+                mlp.__class__ = tiled_class(type(mlp))
                 mlp._megatrain_long = self
             for u in engine.layers:  # the norms: per token too; untiled they keep fp32 copies of their input
-                for norm in _norms_of(u.module):
+                for norm in norms_of(u.module):
                     norm._megatrain_lean = lean_kind(norm, is_norm=True)
-                    norm.__class__ = _tiled_class(type(norm))
+                    norm.__class__ = tiled_class(type(norm))
                     norm._megatrain_long = self
                     norm._megatrain_norm = True
         model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
@@ -284,7 +197,7 @@ class LongContext:
     def mlp_tile_rows(self, mlp: nn.Module, x: torch.Tensor) -> Optional[int]:
         """Rows per tile for this MLP call, or None (untiled)."""
         mode = self.tile_mlp
-        if mode is False or (mlp.training and _has_active_dropout(mlp)):
+        if mode is False or (mlp.training and has_active_dropout(mlp)):
             if mode is not False and mode != "auto":
                 raise ValueError("megatrain: tile_mlp: the MLP has active dropout (p > 0, training mode); tiling would "
                                  "change its random masks. Use megatrain.wrap(model, tile_mlp=False) or dropout 0")
@@ -433,7 +346,7 @@ def check(model: nn.Module, layers, chunked_loss, tile_mlp) -> None:
                              f"{why}; use chunked_loss=False")
     if tm is not False and tm != "auto":
         for layer in layers:
-            if _mlp_of(layer) is None:
+            if mlp_of(layer) is None:
                 raise ValueError(f"megatrain.wrap: tile_mlp={tm!r}: decoder layer {type(layer).__name__} has no "
                                  "per-token MLP at .mlp (absent, or a mixture of experts); use tile_mlp=False")
 

@@ -204,17 +204,22 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     if chosen is None:
         _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers)
     if plan.disk_units and plan.disk_total_bytes > plan.free_bytes:
-        need_b = plan.disk_total_bytes
-        msg = (f"{where}: the fp32 state of {len(plan.disk_units)} decoder layers on disk needs {need_b} bytes "
-               f"({_gib(need_b)}) under offload_dir={offload_dir}, but its filesystem has {plan.free_bytes} bytes "
-               f"({_gib(plan.free_bytes)}) free; free space there, point offload_dir at a larger disk, or raise "
-               "host_memory_limit. Nothing was written.")
-        err = _C.DiskSpaceError(msg)
-        err.errno = errno.ENOSPC
-        err.needed_bytes = int(need_b)
-        err.free_bytes = int(plan.free_bytes)
-        raise err
+        _raise_disk_space(plan, offload_dir, where)
     return plan
+
+
+def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:
+    """Raise ``DiskSpaceError`` (errno ENOSPC, ``needed_bytes`` / ``free_bytes``): the disk tier's files do not fit."""
+    need_b = plan.disk_total_bytes
+    msg = (f"{where}: the fp32 state of {len(plan.disk_units)} decoder layers on disk needs {need_b} bytes "
+           f"({_gib(need_b)}) under offload_dir={offload_dir}, but its filesystem has {plan.free_bytes} bytes "
+           f"({_gib(plan.free_bytes)}) free; free space there, point offload_dir at a larger disk, or raise "
+           "host_memory_limit. Nothing was written.")
+    err = _C.DiskSpaceError(msg)
+    err.errno = errno.ENOSPC
+    err.needed_bytes = int(need_b)
+    err.free_bytes = int(plan.free_bytes)
+    raise err
 
 
 def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0):

@@ -89,6 +89,7 @@ def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Opt
                        tile_mlp) -> tuple:
     """``(loss_rows, mlp_rows, norm_rows)`` that ``wrap``'s ``chunked_loss`` / ``tile_mlp`` would use at ``tokens``."""
     from ..activations import long_context as lc
+    from ..activations.tiling import mlp_of, norms_of
 
     if not tokens or config is None:
         return None, None, None
@@ -98,9 +99,9 @@ def _long_context_rows(module, config, layers, tokens: int, elem: int, free: Opt
     vocab = _cfg_int(cfg, "vocab_size", default=0)
     room = float("inf") if free is None else free  # unknown (CUDA not here): as if it all fits
     loss_rows = lc.loss_rows_for(chunked_loss, tokens, vocab, elem, room) if lc.loss_supported(module)[0] else None
-    has_mlp = any(lc._mlp_of(layer) is not None for layer in layers)
+    has_mlp = any(mlp_of(layer) is not None for layer in layers)
     mlp_rows = lc.mlp_rows_for(tile_mlp, tokens, inter, elem, room) if has_mlp else None
-    has_norms = any(lc._norms_of(layer) for layer in layers)
+    has_norms = any(norms_of(layer) for layer in layers)
     norm_rows = lc.norm_rows_for(tile_mlp, tokens, h, room) if has_norms else None
     return loss_rows, mlp_rows, norm_rows
 
