@@ -23,16 +23,22 @@ def git_commit() -> str | None:
         return None
 
 
-def host_peak_rss_gib() -> float | None:
-    """This process's peak resident set size (VmHWM), GiB; None where /proc is missing."""
+def proc_status_bytes(field: str) -> int | None:
+    """A kB field of ``/proc/self/status`` (``"VmHWM"``: peak RSS, ``"VmRSS"``: RSS) in bytes; None where missing."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / GiB
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def host_peak_rss_gib() -> float | None:
+    """This process's peak resident set size (VmHWM), GiB; None where /proc is missing."""
+    peak = proc_status_bytes("VmHWM")
+    return None if peak is None else peak / GiB
 
 
 def report_child(row: dict, run, device: str, tag: str) -> None:

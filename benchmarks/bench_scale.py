@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, proc_status_bytes  # noqa: E402
 
 GiB = 1024 ** 3
 TAG = "BENCH_SCALE_RESULT "
@@ -60,19 +60,11 @@ def _config(m: dict, seq: int):
 
 
 def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmHWM") or 0
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmRSS") or 0
 
 
 def _attn_flops(m, batch, seq):
