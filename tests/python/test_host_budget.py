@@ -65,7 +65,7 @@ def test_wrap_checks_the_budget_once_without_toggling_an_environment_switch(monk
     calls = []
     real = host_memory.check_host_budget
     monkeypatch.setattr(host_memory, "check_host_budget", lambda *a, **k: calls.append(a) or real(*a, **k))
-    from megatrain.runtime.engine.core import core as engine
+    import megatrain.runtime.engine.core as engine
     monkeypatch.setattr(engine, "check_host_budget", host_memory.check_host_budget)
     model = megatrain.wrap(_tiny(), device="cpu")
     assert [k for k in spy.written if k.startswith("MEGATRAIN_")] == []

@@ -155,7 +155,7 @@ def test_missing_tensor_is_refused(sharded):
 
 
 def test_refusal_allocates_no_store(sharded, monkeypatch):
-    from megatrain.runtime.engine.core import core as engine_mod
+    import megatrain.runtime.engine.core as engine_mod
     built = []
     orig = engine_mod.Engine.__init__
     monkeypatch.setattr(engine_mod.Engine, "__init__", lambda self, *a, **k: (built.append(1), orig(self, *a, **k)))
