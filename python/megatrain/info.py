@@ -7,6 +7,8 @@ printing the mismatch) when the extension cannot be loaded.
 
 import sys
 
+from .byte_units import format_bytes
+
 
 def collect() -> dict:
     """Build and runtime facts as a dict (raises ImportError when ``megatrain._C`` cannot load)."""
@@ -26,9 +28,7 @@ def collect() -> dict:
 
 
 def _gib(x):
-    if x is None:
-        return "unlimited"
-    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+    return format_bytes(x, decimals=1, smallest="MiB", none="unlimited")
 
 
 def main(argv=None) -> int:

@@ -151,16 +151,16 @@ def slow_checkpoint_writes(seconds: float) -> None:
     """
     import time
 
-    import megatrain.state.checkpoint as ck
+    import megatrain.state.checkpoint.save as ck
 
-    real = ck._write_safetensors
+    real = ck.write_fp32_safetensors
 
     def slow(*a, **k):
         out = real(*a, **k)
         time.sleep(seconds)
         return out
 
-    ck._write_safetensors = slow
+    ck.write_fp32_safetensors = slow
 
 
 def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:

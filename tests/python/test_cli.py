@@ -247,13 +247,14 @@ def test_saved_model_reloads_with_plain_transformers_to_same_eval_loss(tiny_run)
 
 def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
     import megatrain.state.checkpoint
+    import megatrain.state.export
 
     def broken_export(model, out_dir, dtype=None):
         os.makedirs(out_dir, exist_ok=True)
         (open(os.path.join(out_dir, "model.safetensors"), "w")).write("half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", broken_export)
+    monkeypatch.setattr(megatrain.state.export, "save_pretrained_streamed", broken_export)
     out = tmp_path / "out"
     argv = ["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--set", "eval.batches=1",
             "--device", "cpu", *TINY]  # fmt: skip

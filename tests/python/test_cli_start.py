@@ -167,6 +167,7 @@ def test_disk_full_at_start_leaves_out_as_it_was_and_the_rerun_starts(tmp_path, 
 
 def test_disk_full_in_the_final_save_says_intact_only_when_a_model_is_there(tmp_path, corpus, capsys, monkeypatch):
     import megatrain.state.checkpoint
+    import megatrain.state.export
 
     out = tmp_path / "out"
     args = ["train", "--out", str(out), "--data", str(corpus), *F]
@@ -175,13 +176,13 @@ def test_disk_full_in_the_final_save_says_intact_only_when_a_model_is_there(tmp_
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(d, "model.safetensors"))
 
     with monkeypatch.context() as m:
-        m.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
+        m.setattr(megatrain.state.export, "save_pretrained_streamed", full_save)
         code, _, err = run_cli(args, capsys)
     line = _one_line(code, err, "No space left on device; free disk space or choose another --out")
     assert "intact" not in line and not (out / "model").exists(), line
     assert run_cli(args + ["--set", "log.overwrite=true"], capsys)[0] == 0
     with monkeypatch.context() as m:
-        m.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
+        m.setattr(megatrain.state.export, "save_pretrained_streamed", full_save)
         code, _, err = run_cli(args + ["--set", "log.overwrite=true"], capsys)
     line = _one_line(code, err, "No space left on device")
     assert line.endswith(f"(the model in {out / 'model'} is intact)"), line

@@ -430,7 +430,7 @@ def test_cli_huge_lr_is_one_line_and_the_masters_stay_finite(tmp_path, capsys):
 def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys, monkeypatch):
     import errno
 
-    import megatrain.state.checkpoint
+    import megatrain.state.export
     from megatrain.train import trainer
 
     out = tmp_path / "out"
@@ -451,7 +451,7 @@ def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys
         open(os.path.join(d, "model.safetensors"), "wb").write(b"half")
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(d, "model.safetensors"))
 
-    monkeypatch.setattr(megatrain.state.checkpoint, "save_pretrained_streamed", full_save)
+    monkeypatch.setattr(megatrain.state.export, "save_pretrained_streamed", full_save)
     code, _, err = _cli(args + ["--set", "log.overwrite=true"], capsys)
     _one_line(code, err, "No space left on device")
     assert _snapshot_bytes(out / "model") == first, "the previous model is intact"

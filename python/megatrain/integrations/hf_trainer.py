@@ -43,7 +43,8 @@ from typing import Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..state.checkpoint import load_checkpoint, save_checkpoint, save_pretrained_streamed
+from ..state.checkpoint import load_checkpoint, save_checkpoint
+from ..state.export import save_pretrained_streamed
 from ..optim import CPUAdamW
 
 MEGATRAIN_CKPT_DIR = "megatrain"

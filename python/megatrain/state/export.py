@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 
 import torch
 from torch import nn
+
+from ..errors import CheckpointError
+from ..runtime.engine.state_access import StateAccess
+from ..runtime.model.model_config import write_cache_flags
+from .safetensors_file import DeferredTensor, read_header, write_fp32_safetensors
 
 
 def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict:
@@ -20,25 +26,100 @@ def master_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> d
     Raises:
         ValueError: if ``model`` was not wrapped by ``megatrain.wrap``.
     """
-    eng = getattr(model, "megatrain", None)
-    if eng is None:
-        raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
-    eng.sync_host()  # queued updates done, device-state layers copied to the host store
+    access = StateAccess.of_model(model, "megatrain.export_pretrained")
+    access.sync_before_read()  # queued updates done, device-state layers copied to the host store
     by_id = {}
-    for u in eng.units:
+    for u in access.units:
         for i, e in enumerate(u.entries):
             by_id[id(e.param)] = (u, i)
     sd = {}
-    with eng.state_window(write=False):  # the disk units' masters are read through the tier
+    with access.window(write=False):  # the disk units' masters are read through the tier
         for name, p in model.named_parameters(remove_duplicate=False):
             u, i = by_id[id(p)]
             sec = "compute" if u.entries[i].frozen else "master"  # frozen at wrap: only a compute copy
-            sd[name] = eng.entry_view(u, i, sec).to(dtype=dtype, copy=True)
+            sd[name] = access.view(u, i, sec).to(dtype=dtype, copy=True)
     for mname, mod in model.named_modules():  # persistent buffers only, as model.state_dict()
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set:
                 sd[f"{mname}.{bname}" if mname else bname] = b.detach().to("cpu", copy=True)
     return sd
+
+
+# safetensors metadata "producer" of the weights megatrain exports: how export_pretrained knows a
+# directory is its own earlier output (which it may replace) and not a model someone else saved.
+EXPORT_PRODUCER = "megatrain.export_pretrained"
+
+
+def is_megatrain_export(path: str, ignore=()) -> bool:
+    """Whether directory ``path`` holds only what :func:`save_pretrained_streamed` writes
+    (``config.json``, ``generation_config.json``, ``model.safetensors``) and its weights carry
+    megatrain's producer mark. A model directory saved by anything else is not one (a tokenizer,
+    a README or another tool's weights next to the config make it foreign). Entries named in
+    ``ignore`` (e.g. a run's ``checkpoint-N`` folders) are left out of the comparison."""
+    names = set(os.listdir(path)) - set(ignore)
+    if "config.json" not in names or "model.safetensors" not in names or \
+            not names <= {"config.json", "generation_config.json", "model.safetensors"}:
+        return False
+    try:
+        with open(os.path.join(path, "model.safetensors"), "rb") as f:
+            header, _ = read_header(f, path)
+    except (OSError, CheckpointError):
+        return False
+    return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER
+
+
+def save_pretrained_streamed(model, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Write a standard Hugging Face model directory (config + ``model.safetensors``) from the fp32 masters.
+
+    The weights are written straight from the host store (no copy of the model in memory; bf16
+    converts one tensor at a time) into ``out_dir``, which may already hold other files (they are
+    kept; ``model.safetensors`` / ``config.json`` are replaced). Tied weights are saved once,
+    under the first name that holds them (as ``save_pretrained`` does).
+    :func:`megatrain.export_pretrained` is the atomic (temporary directory + rename) form.
+    """
+    access = StateAccess.of_model(model, "megatrain checkpoint")
+    access.sync_before_read()
+    os.makedirs(out_dir, exist_ok=True)
+    # frozen entries (no master): their compute copy
+    tensors = [(e.name, _entry_tensor(access, u, i, "compute" if e.frozen else "master"))
+               for u in access.units for i, e in enumerate(u.entries)]
+    persistent = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set and b.is_floating_point():
+                persistent.append((f"{mname}.{bname}" if mname else bname, b.detach().to("cpu", torch.float32)
+                                   .contiguous()))
+    tmp = os.path.join(out_dir, ".model.safetensors.tmp")
+    with access.window(write=False):  # the disk units' masters: one unit's buffer at a time
+        write_fp32_safetensors(tmp, tensors + persistent, metadata={"format": "pt", "producer": EXPORT_PRODUCER},
+                               dtype=dtype, hashing=False)
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg.save_pretrained(out_dir)
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        c["use_cache"] = True  # (no user flags recorded: a saved model generates with a cache)
+        write_cache_flags(c, access.user_cache_flags or {})  # the user's, nested configs too
+        c["dtype"] = str(dtype).replace("torch.", "")
+        with open(path, "w") as f:
+            json.dump(c, f, indent=2)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        try:
+            gen.save_pretrained(out_dir)
+        except Exception:  # noqa: BLE001 - an invalid generation config must not lose the weights
+            pass
+    return out_dir
+
+
+def _entry_tensor(access: StateAccess, u, i: int, sec: str):
+    """Entry ``i``'s section view, taken only when its bytes are written for a disk unit's fp32 sections (a
+    file is then written from one unit's buffer at a time instead of from a copy of every disk unit)."""
+    if access.on_disk(u) and sec != "compute":
+        return DeferredTensor(u.entries[i].shape, torch.float32, access.view_later(u, i, sec))
+    return access.view(u, i, sec)
 
 
 def _is_peft(model) -> bool:
@@ -128,8 +209,6 @@ def export_pretrained(model: nn.Module, out_dir: str, dtype: torch.dtype = torch
             is a file or a non-empty directory that is not its own earlier export (it would be deleted).
     """
     from .atomic import atomic_directory, check_replaceable, make_temp_dir
-    from .checkpoint import save_pretrained_streamed
-
     if getattr(model, "megatrain", None) is None:
         raise ValueError("megatrain.export_pretrained: the model is not wrapped by megatrain.wrap")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -177,7 +256,5 @@ def _run_checkpoints(path: str) -> list:
 
 def _own_or_run_dir(path: str) -> bool:
     """An earlier export, or a run directory whose only other content is checkpoint-N/ folders."""
-    from .checkpoint import is_megatrain_export
-
     runs = _run_checkpoints(path)
     return set(os.listdir(path)) <= set(runs) or is_megatrain_export(path, ignore=runs)

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.engine.state_access import StateAccess
+
 
 def _aliases(model: nn.Module) -> Dict[str, List[str]]:
     """first parameter name -> every name that holds the same parameter (tied weights)."""
@@ -148,8 +150,9 @@ class _RecordedInitSource:
             func(view, *a, **kw)
 
     def fill(self, eng) -> None:
+        access = StateAccess(eng)
         where = {}
-        for u in eng.units:
+        for u in access.units:
             for i, e in enumerate(u.entries):
                 where[e.name] = (u, i)
         temps: Dict[int, torch.Tensor] = {}
@@ -169,7 +172,7 @@ class _RecordedInitSource:
                     if owner is not None and k >= self.live_start[key]:
                         first, pg = owner
                         u, i = where[first]
-                        master = eng.entry_view(u, i, "compute" if u.entries[i].frozen else "master")
+                        master = access.view(u, i, "compute" if u.entries[i].frozen else "master")
                         if not cuda and pg[3] == master.dtype and pg[1] == tuple(master.stride()):
                             base = master
                         else:

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.engine.state_access import StateAccess
+
 from .init_replay import _aliases, _InitRecorder, _RecordedInitSource  # noqa: F401 - _aliases: public here too
 from .safetensors_index import CheckpointError, CheckpointIndex, read_safetensors_header  # noqa: F401 - public here
 
@@ -163,11 +165,12 @@ class _CheckpointSource:
             CheckpointError: a tensor holds NaN or inf (names it and its file): training would start
                 from it and every loss would be NaN.
         """
+        access = StateAccess(eng)
         try:
-            for u in eng.units:
+            for u in access.units:
                 for i, e in enumerate(u.entries):
                     key = self.keys[e.name]
-                    dst = eng.entry_view(u, i, "compute" if e.frozen else "master")
+                    dst = access.view(u, i, "compute" if e.frozen else "master")
                     self.index.read_into(key, dst)
                     bad = count_nonfinite(dst)
                     if bad:

@@ -10,15 +10,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .safetensors_file import CODE_DTYPES, FLOAT_CODES
 
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec)
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 _MAX_HEADER_BYTES = 100 << 20
 
 
@@ -55,12 +49,12 @@ def read_safetensors_header(path: str) -> Tuple[dict, int]:
             dtype, shape = info["dtype"], info["shape"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"megatrain: {path}: tensor {name} has a malformed header entry") from None
-        if dtype not in _ST_DTYPES:
+        if dtype not in CODE_DTYPES:
             raise CheckpointError(f"megatrain: {path}: tensor {name} has unsupported dtype {dtype}")
         numel = 1
         for d in shape:
             numel *= d
-        if e - b != numel * _ST_DTYPES[dtype].itemsize or b < 0:
+        if e - b != numel * CODE_DTYPES[dtype].itemsize or b < 0:
             raise CheckpointError(f"megatrain: {path}: tensor {name} ({dtype} {shape}) has a byte range "
                                   f"[{b}, {e}) of the wrong length")
         if start + e > size:
@@ -124,7 +118,7 @@ class CheckpointIndex:
 
     def check(self, key: str, shape: tuple, what: str, float_only: bool = True) -> None:
         fp, info, _ = self.tensors[key]
-        if float_only and info["dtype"] not in _FLOAT_CODES:
+        if float_only and info["dtype"] not in FLOAT_CODES:
             raise CheckpointError(f"megatrain: {fp}: tensor {key} has dtype {info['dtype']}, expected a float "
                                   f"dtype (F32, BF16, F16, F64) for {what}")
         if tuple(info["shape"]) != tuple(shape):
@@ -134,7 +128,7 @@ class CheckpointIndex:
     def read_into(self, key: str, dst: torch.Tensor) -> None:
         """Read tensor ``key`` into ``dst`` (CPU, contiguous, same shape; converted to its dtype)."""
         fp, info, start = self.tensors[key]
-        dtype = _ST_DTYPES[info["dtype"]]
+        dtype = CODE_DTYPES[info["dtype"]]
         f = self._files.get(fp)
         if f is None:
             f = self._files[fp] = open(fp, "rb", buffering=0)

@@ -7,14 +7,9 @@ import json
 import os
 from typing import Optional
 
-import torch
-
+from ..runtime.engine.state_access import StateAccess
 from ..runtime.model.model_config import cache_flags, set_cache_flags
-
-
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+from .safetensors_file import write_safetensors
 
 
 def stream_safetensors(tensors: dict, filename: str, metadata: Optional[dict] = None) -> None:
@@ -29,35 +24,9 @@ def stream_safetensors(tensors: dict, filename: str, metadata: Optional[dict] = 
     Raises:
         ValueError: a dtype safetensors has no code for here (the caller falls back to safetensors).
     """
-    import ctypes
-    import struct
-
-    header = {}
-    off = 0
-    for k, t in tensors.items():
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"unsupported dtype {t.dtype}")
     # safetensors' own order: larger elements first (every tensor stays aligned), then by name
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    for k in names:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        off += n
-    if metadata:
-        header["__metadata__"] = {str(a): str(b) for a, b in metadata.items()}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(filename, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for k in names:
-            t = tensors[k].detach()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.to("cpu").contiguous()
-            n = t.numel() * t.element_size()
-            if n:
-                f.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
+    write_safetensors(filename, [(k, tensors[k]) for k in names], metadata, sync=False, hashing=False)
 
 
 @contextlib.contextmanager
@@ -85,12 +54,12 @@ def _streamed_shards():
 
 def _save_pretrained(self, save_directory, *args, **kwargs):
     """transformers' ``save_pretrained`` over the fp32 master weights (see the module docstring)."""
-    eng = self.megatrain
-    eng.sync_host()
+    access = StateAccess(self.megatrain)
+    access.sync_before_read()
     cfg = getattr(self, "config", None)
     training_flags = cache_flags(cfg)
     # wrap() switched use_cache off (nested configs too) for training; a saved model keeps the user's flags
-    set_cache_flags(cfg, getattr(eng, "user_cache_flags", {path: True for path in training_flags}))
+    set_cache_flags(cfg, access.user_cache_flags if access.user_cache_flags is not None else {path: True for path in training_flags})
     try:
         with _streamed_shards():
             out = type(self).save_pretrained(self, save_directory, *args, **kwargs)

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ..byte_units import format_bytes
+
 H200_BF16_PEAK_FLOPS = 800e12  # measured dense bf16 matmul rate, DESIGN.md section 5
 
 
@@ -297,13 +299,8 @@ def _json_default(value):
 
 
 def fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes for a log line: one decimal, up to TiB (``"1.5 GiB"``), ``"n/a"`` for None."""
+    return format_bytes(n, decimals=1, largest="TiB")
 
 
 def fmt(value, spec: str = ".3g", none: str = "n/a") -> str:

@@ -598,7 +598,9 @@ def is_train_model_dir(path: str) -> bool:
     """Whether ``path`` is a model directory :func:`save_model` wrote: ``megatrain_train.json``
     lists exactly the files there and the weights carry megatrain's producer mark. A model the user
     saved (a README, other weights, no list) is not one, and is never replaced."""
-    from megatrain.state.checkpoint import EXPORT_PRODUCER, CheckpointError, _read_header
+    from megatrain.state.checkpoint import CheckpointError
+    from megatrain.state.export import EXPORT_PRODUCER
+    from megatrain.state.safetensors_file import read_header
 
     try:
         with open(os.path.join(path, TRAIN_MARK)) as f:
@@ -607,7 +609,7 @@ def is_train_model_dir(path: str) -> bool:
         if not isinstance(listed, list) or names != set(listed) | {TRAIN_MARK}:
             return False
         with open(os.path.join(path, "model.safetensors"), "rb") as f:
-            header, _ = _read_header(f, path)
+            header, _ = read_header(f, path)
     except (OSError, ValueError, AttributeError, CheckpointError):
         return False
     return (header.get("__metadata__") or {}).get("producer") == EXPORT_PRODUCER
@@ -639,7 +641,7 @@ def save_model(model, tokenizer, out_dir: str, plan: Plan) -> str:
     import torch
 
     from megatrain.state.atomic import atomic_directory
-    from megatrain.state.checkpoint import save_pretrained_streamed
+    from megatrain.state.export import save_pretrained_streamed
 
     final = check_model_dest(out_dir)
     try:

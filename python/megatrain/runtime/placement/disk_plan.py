@@ -27,6 +27,7 @@ from typing import List, Optional
 
 import torch
 
+from ...byte_units import format_bytes
 from ..._loader import load_extension
 from ...state.atomic import write_probe_error
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
@@ -36,10 +37,7 @@ from .offload_plan import OffloadPlan
 _C = load_extension()
 
 
-def _gib(n: int) -> str:
-    from .memory_estimate import _fmt
-
-    return _fmt(n)
+_gib = format_bytes  # as the estimate's table prints bytes
 
 
 def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:

@@ -5,19 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ...byte_units import format_bytes
+
 
 _SECTION_LABELS = [("compute", "compute copy"), ("master", "master (fp32)"), ("exp_avg", "exp_avg (fp32)"),
                    ("exp_avg_sq", "exp_avg_sq (fp32)"), ("grad_accum", "grad accumulator (fp32)")]
 
 
-def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "n/a"
-    n = float(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+_fmt = format_bytes  # "1.50 GiB": two decimals, up to GiB, "n/a" for None
 
 
 def _count(n: int) -> str:

@@ -1,0 +1,39 @@
+"""megatrain.byte_units.format_bytes: the one byte formatter, and the exact texts its callers print."""
+
+import pytest
+
+
+@pytest.mark.parametrize("n, text", [(None, "n/a"), (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"),
+                                     (2**20 - 1, "1024.00 KiB"), (3 * 2**29, "1.50 GiB"),
+                                     (3 * 2**40, "3072.00 GiB"), (-2**31, "-2.00 GiB")])
+def test_estimate_table_text(n, text):
+    from megatrain.byte_units import format_bytes
+    from megatrain.runtime.placement import disk_plan, estimate
+
+    assert format_bytes(n) == text
+    assert estimate._fmt(n) == text and disk_plan._gib(n) == text
+
+
+@pytest.mark.parametrize("n, text", [(None, "n/a"), (1023.7, "1023 B"), (1536, "1.5 KiB"),
+                                     (5 * 2**40, "5.0 TiB"), (2**52, "4096.0 TiB")])
+def test_log_line_text(n, text):
+    from megatrain.train.metrics import fmt_bytes
+
+    assert fmt_bytes(n) == text
+
+
+@pytest.mark.parametrize("n, text", [(None, "unlimited"), (1000, "0.0 MiB"), (2**30 - 2**19, "1023.5 MiB"),
+                                     (2**30, "1.0 GiB"), (2**42, "4096.0 GiB")])
+def test_info_text(n, text):
+    from megatrain import info
+
+    assert info._gib(n) == text
+
+
+def test_unknown_unit_is_refused():
+    from megatrain.byte_units import format_bytes
+
+    with pytest.raises(ValueError):
+        format_bytes(1, largest="PiB")
+    with pytest.raises(ValueError):
+        format_bytes(1, largest="MiB", smallest="GiB")
