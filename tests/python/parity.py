@@ -153,14 +153,14 @@ def slow_checkpoint_writes(seconds: float) -> None:
 
     import megatrain.state.checkpoint.save as ck
 
-    real = ck.write_fp32_safetensors
+    real = ck.write_state_safetensors
 
     def slow(*a, **k):
         out = real(*a, **k)
         time.sleep(seconds)
         return out
 
-    ck.write_fp32_safetensors = slow
+    ck.write_state_safetensors = slow
 
 
 def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:

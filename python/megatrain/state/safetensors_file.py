@@ -189,3 +189,17 @@ def write_fp32_safetensors(path: str, tensors: Sequence[Tuple[str, object]], met
         if t.dtype != torch.float32:
             raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
     return write_safetensors(path, tensors, metadata, dtype=dtype, sync=sync, hashing=hashing)
+
+
+def write_state_safetensors(path: str, tensors: Sequence[Tuple[str, object]], frozen: Sequence[Tuple[str, object]] = (),
+                            metadata: Optional[dict] = None, sync: bool = True) -> dict:
+    """One checkpoint unit file: ``tensors`` (fp32 state, written as fp32) then ``frozen`` (frozen entries'
+    compute copies, each in its own dtype: fp32 or the bf16 / fp16 compute dtype), in that order.
+
+    Raises:
+        ValueError: a state tensor is not fp32 (before the file is opened).
+    """
+    for key, t in tensors:
+        if t.dtype != torch.float32:
+            raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
+    return write_safetensors(path, list(tensors) + list(frozen), metadata, sync=sync)

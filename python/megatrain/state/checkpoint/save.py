@@ -11,7 +11,7 @@ import torch
 from ...errors import CheckpointError
 from ...runtime.engine.state_access import StateAccess
 from ..atomic import atomic_directory, check_replaceable
-from ..safetensors_file import HashingWriter, file_digest, write_fp32_safetensors
+from ..safetensors_file import HashingWriter, file_digest, write_state_safetensors
 from .manifest import FORMAT, MANIFEST, SCHEDULER, SECTIONS, STATE, VERSION, is_checkpoint_dir, unit_file
 from .rng import jsonable, rng_state
 
@@ -112,11 +112,12 @@ def _write_unit(tmp: str, access: StateAccess, u, files: dict) -> dict:
     tensors = [(f"{sec}.{e.name}", access.view(u, i, sec))
                for sec in SECTIONS for i, e in enumerate(u.entries) if not e.frozen]
     # frozen entries (no fp32 state): their compute copy, exactly what trains against
-    tensors += [(f"compute.{e.name}", access.view(u, i, "compute").contiguous())
-                for i, e in enumerate(u.entries) if e.frozen]
-    # sync=False: atomic_directory fsyncs every file of tmp once, before the swap
-    files[fname] = write_fp32_safetensors(os.path.join(tmp, fname), tensors,
-                                          metadata={"format": "pt", "megatrain_unit": u.index}, sync=False)
+    frozen = [(f"compute.{e.name}", access.view(u, i, "compute").contiguous())
+              for i, e in enumerate(u.entries) if e.frozen]
+    # each in its own dtype: the fp32 state, and a frozen entry's compute copy in the compute dtype (what
+    # load_checkpoint reads back); sync=False: atomic_directory fsyncs every file of tmp once, before the swap
+    files[fname] = write_state_safetensors(os.path.join(tmp, fname), tensors, frozen=frozen,
+                                           metadata={"format": "pt", "megatrain_unit": u.index}, sync=False)
     return {"index": u.index, "kind": u.kind, "file": fname, "entries": [[e.name, list(e.shape)] for e in u.entries]}
 
 
