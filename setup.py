@@ -115,7 +115,8 @@ BUILD_INFO = {
 }
 
 # Same-rounding guarantee between ISA variants: no FMA contraction, no fast-math. No -march:
-# ISA flags are per file (#pragma GCC target in csrc/megatrain/cpu_adam/kernels/adam_<isa>.cpp).
+# ISA flags are per file (MEGATRAIN_ISA_TARGET_BEGIN in csrc/megatrain/cpu_adam/kernels/adam_<isa>.cpp,
+# csrc/megatrain/common/simd/isa_target.h).
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]  # -fopenmp: at::parallel_for is a header template; without it our op runs on one thread
 NVCC_FLAGS = ["-O3", "-gencode", "arch=compute_90,code=sm_90"]
 

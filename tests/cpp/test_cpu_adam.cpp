@@ -344,3 +344,99 @@ INSTANTIATE_TEST_SUITE_P(Alignments, AdamStreamingStores,
                                             ::testing::Values(ca::OutDtype::kBFloat16,
                                                               ca::OutDtype::kFloat32)),
                          nt_case_name);
+
+// --- every ISA variant against every other and the scalar reference, bit for bit ------------
+
+namespace {
+
+// (grad dtype, compute-copy dtype)
+using DtypeCase = std::tuple<ca::GradDtype, ca::OutDtype>;
+
+// Odd lengths: every split into 64-byte-line, vector and scalar-tail parts of both widths.
+const int64_t kOddSizes[] = {1, 3, 7, 9, 15, 17, 31, 33, 47, 63, 65, 97, 4099};
+
+bool cpu_has_avx2_and_avx512() {
+  return megatrain::common::cpu_supports(CpuIsa::kAvx2) && megatrain::common::cpu_supports(CpuIsa::kAvx512);
+}
+
+void expect_same_bytes(const void* a, const void* b, size_t bytes, const char* what, CpuIsa isa) {
+  EXPECT_EQ(0, std::memcmp(a, b, bytes)) << what << " of " << megatrain::common::isa_name(isa)
+                                         << " differs from the scalar reference";
+}
+
+class AdamIsasBitIdentical : public ::testing::TestWithParam<DtypeCase> {};
+
+TEST_P(AdamIsasBitIdentical, Avx2Avx512AndScalarAgreeOnOddLengthsWithAndWithoutStreamingStores) {
+  const auto [gdt, odt] = GetParam();
+  if (!cpu_has_avx2_and_avx512()) GTEST_SKIP() << "this CPU lacks AVX2 or AVX-512";
+  for (int64_t n : kOddSizes) {
+    for (bool nt : {false, true}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + (nt ? " streaming stores" : " ordinary stores"));
+      State ref = make_state(n, 777u + static_cast<uint32_t>(n));
+      State avx2 = ref, avx512 = ref;
+      for (int64_t step = 1; step <= 3; ++step) {
+        ca::AdamHyper h = default_hyper(step);
+        if (step == 3) h.beta1 = 0.3;  // torch.lerp's high-weight formula too
+        const ca::AdamConstants c = ca::make_adam_constants(h);
+        ca::adamw_range(args_of(ref, gdt, odt), c, 0, n, CpuIsa::kScalar);
+        for (auto [isa, s] : {std::pair<CpuIsa, State*>{CpuIsa::kAvx2, &avx2}, {CpuIsa::kAvx512, &avx512}}) {
+          ca::AdamArgs a = args_of(*s, gdt, odt);
+          a.nt_out = nt;
+          a.prefetch_bytes = nt ? 256 : 0;
+          ca::adamw_range(a, c, 0, n, isa);
+        }
+      }
+      const size_t f32_bytes = static_cast<size_t>(n) * sizeof(float);
+      for (auto [isa, s] : {std::pair<CpuIsa, State*>{CpuIsa::kAvx2, &avx2}, {CpuIsa::kAvx512, &avx512}}) {
+        expect_same_bytes(ref.master.data(), s->master.data(), f32_bytes, "master", isa);
+        expect_same_bytes(ref.exp_avg.data(), s->exp_avg.data(), f32_bytes, "exp_avg", isa);
+        expect_same_bytes(ref.exp_avg_sq.data(), s->exp_avg_sq.data(), f32_bytes, "exp_avg_sq", isa);
+        expect_same_bytes(ref.out_f32.data(), s->out_f32.data(), f32_bytes, "fp32 compute copy", isa);
+        expect_same_bytes(ref.out_bf16.data(), s->out_bf16.data(), static_cast<size_t>(n) * 2,
+                          "bf16 compute copy", isa);
+      }
+    }
+  }
+}
+
+std::string dtype_case_name(const ::testing::TestParamInfo<DtypeCase>& info) {
+  const auto [gdt, odt] = info.param;
+  return std::string(gdt == ca::GradDtype::kFloat32 ? "GradFp32" : "GradBf16") +
+         (odt == ca::OutDtype::kFloat32 ? "_OutFp32" : odt == ca::OutDtype::kBFloat16 ? "_OutBf16" : "_OutNone");
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryDtype, AdamIsasBitIdentical,
+                         ::testing::Combine(kGradDtypes, ::testing::Values(ca::OutDtype::kNone, ca::OutDtype::kFloat32,
+                                                                           ca::OutDtype::kBFloat16)),
+                         dtype_case_name);
+
+class GradAccumulateIsasBitIdentical : public ::testing::TestWithParam<ca::GradDtype> {};
+
+TEST_P(GradAccumulateIsasBitIdentical, Avx2Avx512AndScalarAgreeOnOddLengths) {
+  const ca::GradDtype gdt = GetParam();
+  if (!cpu_has_avx2_and_avx512()) GTEST_SKIP() << "this CPU lacks AVX2 or AVX-512";
+  for (int64_t n : kOddSizes) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    State s = make_state(n, 31u + static_cast<uint32_t>(n));
+    const void* g = gdt == ca::GradDtype::kFloat32 ? static_cast<const void*>(s.grad_f32.data())
+                                                   : static_cast<const void*>(s.grad_bf16.data());
+    std::vector<float> ref(n, 0.25f), avx2(n, 0.25f), avx512(n, 0.25f);
+    for (bool overwrite : {false, true, false}) {
+      const double sr = ca::grad_accumulate_range(ref.data(), g, gdt, overwrite, 0, n, CpuIsa::kScalar);
+      const double s2 = ca::grad_accumulate_range(avx2.data(), g, gdt, overwrite, 0, n, CpuIsa::kAvx2);
+      const double s5 = ca::grad_accumulate_range(avx512.data(), g, gdt, overwrite, 0, n, CpuIsa::kAvx512);
+      expect_same_bytes(ref.data(), avx2.data(), static_cast<size_t>(n) * sizeof(float), "accum", CpuIsa::kAvx2);
+      expect_same_bytes(ref.data(), avx512.data(), static_cast<size_t>(n) * sizeof(float), "accum", CpuIsa::kAvx512);
+      // The sums of squares are added in another order per width: equal up to double rounding.
+      EXPECT_NEAR(s2, sr, 1e-13 * sr);
+      EXPECT_NEAR(s5, sr, 1e-13 * sr);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryDtype, GradAccumulateIsasBitIdentical, kGradDtypes,
+                         [](const ::testing::TestParamInfo<ca::GradDtype>& info) {
+                           return std::string(info.param == ca::GradDtype::kFloat32 ? "GradFp32" : "GradBf16");
+                         });
+
+}  // namespace

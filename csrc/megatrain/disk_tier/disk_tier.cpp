@@ -181,7 +181,42 @@ int64_t DiskTier::free_bytes(const std::string& dir) {
 
 DiskTier::DiskTier(std::string dir, std::vector<UnitLayout> units, DiskTierOptions options)
     : dir_(std::move(dir)), units_(std::move(units)), options_(std::move(options)) {
-  // 1. Arguments.
+  // Checks, in the documented order; nothing is created before all of them have passed.
+  validate_options();
+  validate_layout();
+  const bool dir_exists = directory_exists();
+  FdGuard dir_lock;
+  StaleFiles stale;
+  if (dir_exists) {
+    dir_lock.fd = lock_dir(dir_);
+    stale = find_stale_files();
+  }
+  check_free_space(stale.bytes);
+  check_pool_memory();
+
+  // Creation. From here on a failure removes what was made.
+  if (!dir_exists) {
+    create_directory();
+    dir_lock.fd = lock_dir(dir_);
+  }
+  dir_fd_ = dir_lock.release();
+  for (const std::string& path : stale.paths) {
+    if (::unlink(path.c_str()) == 0) ++stale_removed_;
+  }
+  std::random_device rd;
+  for (auto& w : run_id_) w = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  state_.resize(units_.size());
+  try {
+    allocate_buffers();
+    create_unit_files();
+  } catch (...) {
+    remove_files();
+    throw;
+  }
+  for (int64_t t = 0; t < options_.io_threads; ++t) threads_.emplace_back([this] { io_loop(); });
+}
+
+void DiskTier::validate_options() {
   if (dir_.empty()) throw std::invalid_argument("DiskTier: dir must be a directory path, got an empty string");
   if (options_.num_buffers < 1) {
     throw std::invalid_argument("DiskTier: num_buffers must be >= 1, got " + std::to_string(options_.num_buffers));
@@ -193,6 +228,9 @@ DiskTier::DiskTier(std::string dir, std::vector<UnitLayout> units, DiskTierOptio
     throw std::invalid_argument("DiskTier: chunk_bytes must be >= 1, got " + std::to_string(options_.chunk_bytes));
   }
   options_.chunk_bytes = round_up(options_.chunk_bytes, kAlignBytes);
+}
+
+void DiskTier::validate_layout() {
   constexpr int64_t kMaxSectionBytes = int64_t{1} << 50;
   section_offset_.resize(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -216,51 +254,54 @@ DiskTier::DiskTier(std::string dir, std::vector<UnitLayout> units, DiskTierOptio
   if (buffer_bytes_ > std::numeric_limits<int64_t>::max() / options_.num_buffers) {
     throw std::invalid_argument("DiskTier: num_buffers * unit bytes overflows int64");
   }
+}
 
-  // 2. The directory lock and 3. stale files: read-only, nothing created yet.
-  namespace fs = std::filesystem;
+bool DiskTier::directory_exists() const {
   std::error_code ec;
-  const bool dir_exists = fs::exists(dir_, ec);
-  if (dir_exists && !fs::is_directory(dir_, ec)) {
+  const bool exists = std::filesystem::exists(dir_, ec);
+  if (exists && !std::filesystem::is_directory(dir_, ec)) {
     throw std::invalid_argument("DiskTier: " + dir_ + " exists and is not a directory; pass a directory path");
   }
-  FdGuard dir_lock;
-  std::vector<std::string> stale;
-  int64_t stale_bytes = 0;
-  if (dir_exists) {
-    dir_lock.fd = lock_dir(dir_);
-    for (const auto& ent : fs::directory_iterator(dir_, ec)) {
-      const std::string name = ent.path().filename().string();
-      if (!is_tier_file_name(name)) continue;
-      FileHeader h{};
-      bool ours = false;
-      const int fd = ::open(ent.path().c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd >= 0) {
-        ours = ::pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h)) &&
-               std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0;
-        struct stat st;
-        if (ours && ::fstat(fd, &st) == 0) stale_bytes += static_cast<int64_t>(st.st_blocks) * 512;
-        ::close(fd);
-      }
-      if (!ours) {
-        throw DiskTierError("megatrain DiskTier: " + ent.path().string() +
-                                " has a disk-tier file name but is not a disk-tier file; it was left "
-                                "alone. Move it or choose another offload_dir.",
-                            0);
-      }
-      stale.push_back(ent.path().string());
+  return exists;
+}
+
+DiskTier::StaleFiles DiskTier::find_stale_files() const {
+  StaleFiles stale;
+  std::error_code ec;
+  for (const auto& ent : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = ent.path().filename().string();
+    if (!is_tier_file_name(name)) continue;
+    FileHeader h{};
+    bool ours = false;
+    const int fd = ::open(ent.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      ours = ::pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h)) &&
+             std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0;
+      struct stat st;
+      if (ours && ::fstat(fd, &st) == 0) stale.bytes += static_cast<int64_t>(st.st_blocks) * 512;
+      ::close(fd);
     }
-    std::sort(stale.begin(), stale.end());
-    if (!stale.empty() && options_.stale == StalePolicy::kRefuse) {
-      throw DiskTierError("megatrain DiskTier: " + dir_ + " holds " + std::to_string(stale.size()) +
-                              " disk-tier files of an earlier run (" + stale.front() +
-                              ", ...); they are a dead run's working area, not state. Remove them, "
-                              "or open the tier with stale files removed.",
+    if (!ours) {
+      throw DiskTierError("megatrain DiskTier: " + ent.path().string() +
+                              " has a disk-tier file name but is not a disk-tier file; it was left "
+                              "alone. Move it or choose another offload_dir.",
                           0);
     }
+    stale.paths.push_back(ent.path().string());
   }
+  std::sort(stale.paths.begin(), stale.paths.end());
+  if (!stale.paths.empty() && options_.stale == StalePolicy::kRefuse) {
+    throw DiskTierError("megatrain DiskTier: " + dir_ + " holds " + std::to_string(stale.paths.size()) +
+                            " disk-tier files of an earlier run (" + stale.paths.front() +
+                            ", ...); they are a dead run's working area, not state. Remove them, "
+                            "or open the tier with stale files removed.",
+                        0);
+  }
+  return stale;
+}
 
-  // 4. Free space (the stale files count as free: they are removed before anything is written).
+void DiskTier::check_free_space(int64_t stale_bytes) const {
+  // The stale files count as free: they are removed before anything is written.
   const int64_t needed = bytes_required(units_);
   const int64_t free_now = free_bytes(dir_);
   if (needed > free_now + stale_bytes) {
@@ -272,93 +313,95 @@ DiskTier::DiskTier(std::string dir, std::vector<UnitLayout> units, DiskTierOptio
           "in host memory. Nothing was written.";
     throw DiskSpaceError(os.str(), needed, free_now + stale_bytes);
   }
+}
 
-  // 5. The RAM of the buffer pool.
+void DiskTier::check_pool_memory() const {
   const int64_t pool = buffer_bytes_ * options_.num_buffers;
   host_store::check_host_budget(pool, /*will_pin=*/false, options_.memory_limit_bytes, "DiskTier buffer pool");
+}
 
-  // Creation. From here on a failure removes what was made.
-  if (!dir_exists) {
-    fs::create_directories(dir_, ec);
-    if (ec) {
-      throw DiskTierError("megatrain DiskTier: cannot create directory " + dir_ + ": " + ec.message(),
-                          ec.value());
-    }
-    created_dir_ = true;
-    dir_lock.fd = lock_dir(dir_);
+void DiskTier::create_directory() {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) {
+    throw DiskTierError("megatrain DiskTier: cannot create directory " + dir_ + ": " + ec.message(), ec.value());
   }
-  dir_fd_ = dir_lock.release();
-  for (const std::string& path : stale) {
-    if (::unlink(path.c_str()) == 0) ++stale_removed_;
-  }
+  created_dir_ = true;
+}
 
-  std::random_device rd;
-  for (auto& w : run_id_) w = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-
-  state_.resize(units_.size());
-  try {
-    buffers_.reserve(options_.num_buffers);
-    for (int64_t b = 0; b < options_.num_buffers; ++b) {
-      buffers_.push_back(aligned_alloc_or_throw(buffer_bytes_));
-      buffer_owner_.push_back(-1);
-    }
-    AlignedPage page(aligned_alloc_or_throw(kHeaderBytes));
-    direct_io_ = options_.direct_io;
-    if (!options_.direct_io) direct_io_note_ = "O_DIRECT not requested (direct_io=false)";
-    for (size_t u = 0; u < units_.size(); ++u) {
-      const std::string path = unit_path(static_cast<int64_t>(u));
-      const int base_flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
-      int fd = ::open(path.c_str(), base_flags | (direct_io_ ? O_DIRECT : 0), 0600);
-      if (fd < 0 && direct_io_ && errno == EINVAL) {
-        direct_io_ = false;
-        direct_io_note_ = "the filesystem of " + dir_ + " refuses O_DIRECT (open: EINVAL); buffered I/O "
-                          "through the page cache is used, so bandwidth numbers include the cache";
-        fd = ::open(path.c_str(), base_flags, 0600);
-      }
-      if (fd < 0) {
-        const int e = errno;
-        throw DiskTierError("megatrain DiskTier: cannot create " + path + ": " + errno_text(e) +
-                                ". Check that offload_dir is writable and has space.",
-                            e);
-      }
-      state_[u].fd = fd;
-      const int64_t fbytes = file_bytes(units_[u]);
-      if (options_.preallocate) {
-        int rc = ::fallocate(fd, 0, 0, fbytes);
-        if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, fbytes);
-        if (rc != 0) {
-          const int e = errno;
-          throw DiskTierError("megatrain DiskTier: cannot allocate " + std::to_string(fbytes) + " bytes for " +
-                                  path + ": " + errno_text(e) +
-                                  ". Free space under " + dir_ + " or point offload_dir at a larger disk.",
-                              e);
-        }
-      }
-      write_header(page.get(), static_cast<int64_t>(u));
-      ssize_t w = ::pwrite(fd, page.get(), kHeaderBytes, 0);
-      if (w < 0 && errno == EINVAL && direct_io_) {
-        // Some filesystems accept O_DIRECT at open and refuse it at the first transfer.
-        direct_io_ = false;
-        direct_io_note_ = "the filesystem of " + dir_ + " refuses O_DIRECT writes (EINVAL); buffered I/O "
-                          "through the page cache is used, so bandwidth numbers include the cache";
-        for (size_t v = 0; v <= u; ++v) {
-          const int fl = ::fcntl(state_[v].fd, F_GETFL);
-          ::fcntl(state_[v].fd, F_SETFL, fl & ~O_DIRECT);
-        }
-        w = ::pwrite(fd, page.get(), kHeaderBytes, 0);
-      }
-      if (w != kHeaderBytes) {
-        const int e = w < 0 ? errno : ENOSPC;
-        throw DiskTierError("megatrain DiskTier: cannot write the header of " + path + ": " + errno_text(e) +
-                                ". Free space under " + dir_ + " or point offload_dir at a larger disk.",
-                            e);
-      }
-    }
-  } catch (...) {
-    remove_files();
-    throw;
+void DiskTier::allocate_buffers() {
+  buffers_.reserve(options_.num_buffers);
+  for (int64_t b = 0; b < options_.num_buffers; ++b) {
+    buffers_.push_back(aligned_alloc_or_throw(buffer_bytes_));
+    buffer_owner_.push_back(-1);
   }
-  for (int64_t t = 0; t < options_.io_threads; ++t) threads_.emplace_back([this] { io_loop(); });
+}
+
+void DiskTier::create_unit_files() {
+  AlignedPage page(aligned_alloc_or_throw(kHeaderBytes));
+  direct_io_ = options_.direct_io;
+  if (!options_.direct_io) direct_io_note_ = "O_DIRECT not requested (direct_io=false)";
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const std::string path = unit_path(static_cast<int64_t>(u));
+    state_[u].fd = open_unit_file(path);
+    if (options_.preallocate) preallocate_unit_file(static_cast<int64_t>(u), path);
+    write_unit_header(static_cast<int64_t>(u), page.get(), path);
+  }
+}
+
+int DiskTier::open_unit_file(const std::string& path) {
+  const int base_flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
+  int fd = ::open(path.c_str(), base_flags | (direct_io_ ? O_DIRECT : 0), 0600);
+  if (fd < 0 && direct_io_ && errno == EINVAL) {
+    direct_io_ = false;
+    direct_io_note_ = "the filesystem of " + dir_ + " refuses O_DIRECT (open: EINVAL); buffered I/O "
+                      "through the page cache is used, so bandwidth numbers include the cache";
+    fd = ::open(path.c_str(), base_flags, 0600);
+  }
+  if (fd < 0) {
+    const int e = errno;
+    throw DiskTierError("megatrain DiskTier: cannot create " + path + ": " + errno_text(e) +
+                            ". Check that offload_dir is writable and has space.",
+                        e);
+  }
+  return fd;
+}
+
+void DiskTier::preallocate_unit_file(int64_t u, const std::string& path) {
+  const int fd = state_[u].fd;
+  const int64_t fbytes = file_bytes(units_[u]);
+  int rc = ::fallocate(fd, 0, 0, fbytes);
+  if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, fbytes);
+  if (rc != 0) {
+    const int e = errno;
+    throw DiskTierError("megatrain DiskTier: cannot allocate " + std::to_string(fbytes) + " bytes for " + path +
+                            ": " + errno_text(e) + ". Free space under " + dir_ +
+                            " or point offload_dir at a larger disk.",
+                        e);
+  }
+}
+
+void DiskTier::write_unit_header(int64_t u, char* page, const std::string& path) {
+  const int fd = state_[u].fd;
+  write_header(page, u);
+  ssize_t w = ::pwrite(fd, page, kHeaderBytes, 0);
+  if (w < 0 && errno == EINVAL && direct_io_) {
+    // Some filesystems accept O_DIRECT at open and refuse it at the first transfer.
+    direct_io_ = false;
+    direct_io_note_ = "the filesystem of " + dir_ + " refuses O_DIRECT writes (EINVAL); buffered I/O "
+                      "through the page cache is used, so bandwidth numbers include the cache";
+    for (int64_t v = 0; v <= u; ++v) {
+      const int fl = ::fcntl(state_[v].fd, F_GETFL);
+      ::fcntl(state_[v].fd, F_SETFL, fl & ~O_DIRECT);
+    }
+    w = ::pwrite(fd, page, kHeaderBytes, 0);
+  }
+  if (w != kHeaderBytes) {
+    const int e = w < 0 ? errno : ENOSPC;
+    throw DiskTierError("megatrain DiskTier: cannot write the header of " + path + ": " + errno_text(e) +
+                            ". Free space under " + dir_ + " or point offload_dir at a larger disk.",
+                        e);
+  }
 }
 
 DiskTier::~DiskTier() {

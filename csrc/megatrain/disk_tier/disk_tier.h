@@ -232,6 +232,24 @@ class DiskTier {
     int64_t bytes;
   };
 
+  // Constructor steps, in the order it runs them (checks first; each throws as documented there).
+  struct StaleFiles {
+    std::vector<std::string> paths;  ///< tier files of a dead run, sorted
+    int64_t bytes = 0;               ///< their disk blocks
+  };
+  void validate_options();  ///< also rounds chunk_bytes up to kAlignBytes
+  void validate_layout();   ///< fills section_offset_ and buffer_bytes_
+  bool directory_exists() const;  ///< throws if dir_ exists but is not a directory
+  StaleFiles find_stale_files() const;  ///< dir_ exists and is locked; throws under kRefuse
+  void check_free_space(int64_t stale_bytes) const;
+  void check_pool_memory() const;
+  void create_directory();  ///< dir_ and its missing parents; sets created_dir_
+  void allocate_buffers();
+  void create_unit_files();  ///< open, preallocate and write the header of each unit's file
+  int open_unit_file(const std::string& path);  ///< falls back to buffered I/O on EINVAL
+  void preallocate_unit_file(int64_t u, const std::string& path);
+  void write_unit_header(int64_t u, char* page, const std::string& path);  ///< ditto on EINVAL
+
   void check_failed_locked() const;
   void check_unit(int64_t u) const;
   /// A buffer for a new read / zero fill: a free one, else the least recently used cached one

@@ -6,17 +6,12 @@ namespace cpu_adam {
 namespace kernels {
 
 void adamw_scalar(const AdamArgs& a, const AdamConstants& c, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) detail::adamw_one(a, c, i);
+  detail::adamw_elements(a, c, begin, end);
 }
 
 double grad_accumulate_scalar(float* accum, const void* grad, GradDtype grad_dtype, bool overwrite,
                               int64_t begin, int64_t end) {
-  double sumsq = 0.0;
-  for (int64_t i = begin; i < end; ++i) {
-    const double r = detail::accumulate_one(accum, grad, grad_dtype, overwrite, i);
-    sumsq += r * r;
-  }
-  return sumsq;
+  return detail::accumulate_elements(accum, grad, grad_dtype, overwrite, begin, end, 0.0);
 }
 
 }  // namespace kernels

@@ -1,4 +1,4 @@
-// Scalar per-element AdamW math, shared by the scalar kernel and the vector kernels' tails.
+// Scalar per-element AdamW math, shared by the scalar kernel and the vector kernels' heads and tails.
 // Compiled with -ffp-contract=off everywhere so no FMA changes the rounding between variants.
 #pragma once
 
@@ -66,6 +66,21 @@ inline float accumulate_one(float* accum, const void* grad, GradDtype dt, bool o
   const float r = overwrite ? g : accum[i] + g;
   accum[i] = r;
   return r;
+}
+
+// Elements [begin, end) one at a time: the scalar kernel, and the vector kernels' remainders.
+inline void adamw_elements(const AdamArgs& a, const AdamConstants& c, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) adamw_one(a, c, i);
+}
+
+// accumulate_one over [begin, end); returns sumsq plus the squares of the results, added in order.
+inline double accumulate_elements(float* accum, const void* grad, GradDtype dt, bool overwrite,
+                                  int64_t begin, int64_t end, double sumsq) {
+  for (int64_t i = begin; i < end; ++i) {
+    const double r = accumulate_one(accum, grad, dt, overwrite, i);
+    sumsq += r * r;
+  }
+  return sumsq;
 }
 
 }  // namespace detail
