@@ -158,7 +158,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> list:
-    from megatrain.train.config import UsageError, parse_override
+    from megatrain.train.config import UsageError
+    from megatrain.train.config_build import parse_override
 
     out = []
     if args.model is not None:
@@ -203,7 +204,8 @@ def _sigterm_as_interrupt():
 
 def cmd_train(args) -> int:
     from megatrain.runtime.data_parallel import DataParallelError
-    from megatrain.train.config import UsageError, build_config, to_yaml
+    from megatrain.train.config import UsageError
+    from megatrain.train.config_build import build_config, to_yaml
     from megatrain.train.distributed import Ranks
 
     stopped_by: list = []

@@ -19,7 +19,7 @@ megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compile
 from megatrain.cli import main  # noqa: E402
 from parity import run_cli  # noqa: E402
 from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 from megatrain.train.data import load_text_data  # noqa: E402
 
 # A tiny variant of the default recipe (Llama on the stdlib sources, byte tokenizer), small enough

@@ -20,7 +20,7 @@ megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compile
 from megatrain.cli import main  # noqa: E402
 from parity import run_cli  # noqa: E402
 from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.num_heads=2",
         "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=192", "--set", "data.max_documents=200",

@@ -243,7 +243,7 @@ def test_sigint_just_after_the_final_model_swap_completes_the_run(tmp_path, corp
 
 # ---------------------------------------------------------------------------- model.extra keys
 def test_a_model_extra_key_the_config_consumes_is_not_warned_as_unread(capsys):
-    from megatrain.train.config import build_config
+    from megatrain.train.config_build import build_config
 
     cfg = build_config(overrides=[("model", "extra", {"rope_theta": 500000.0, "hiden_act": "gelu"})])
     config = trainer.load_model_config(cfg, 257, 256)

@@ -17,7 +17,7 @@ if _PY not in sys.path:
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from parity import run_cli  # noqa: E402
 from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 
 TEXT = ["the cat sat on the mat", "a dog ran in the park", "the bird sang a song", "def f(x): return x + 1"]
 FAST = ["--steps", "1", "--seq-len", "16", "--micro-batch-size", "2", "--eval-every", "1", "--log-every", "1",

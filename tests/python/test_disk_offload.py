@@ -434,7 +434,7 @@ def test_cli_run_with_the_tier_saves_the_model_of_the_run_without(tmp_path, caps
     from safetensors.torch import load_file
 
     from megatrain.train import trainer
-    from megatrain.train.config import build_config
+    from megatrain.train.config_build import build_config
     from parity import run_cli
 
     argv = ["--set", "model.hidden_size=32", "--set", "model.num_layers=4", "--set", "model.num_heads=2",

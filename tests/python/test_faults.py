@@ -554,7 +554,7 @@ def test_cli_more_bad_sizes_are_one_line(tmp_path, capsys, argv, fragment):
 
 def test_unknown_model_extra_key_warns(tmp_path, capsys):
     from megatrain.train import trainer
-    from megatrain.train.config import build_config
+    from megatrain.train.config_build import build_config
 
     cfg = build_config(overrides=[("model", "extra", {"hiden_act": "gelu"})])
     trainer.load_model_config(cfg, 257, 256)

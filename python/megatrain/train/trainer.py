@@ -30,8 +30,8 @@ from typing import Optional
 
 from megatrain.checkpoint import existing_ancestor
 from megatrain.runtime.estimate import has_weight_files
-from megatrain.train.config import (Config, UsageError, to_yaml, wrap_auto_switch, wrap_device_state_layers,
-                                    wrap_rows_mode)
+from megatrain.train.config import Config, UsageError, wrap_auto_switch, wrap_device_state_layers, wrap_rows_mode
+from megatrain.train.config_build import to_yaml
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
