@@ -265,7 +265,7 @@ def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
 
 def test_trains_a_local_model_directory_and_its_tokenizer(tmp_path, tiny_model_dir, capsys):
     """--model DIR (from_pretrained) with --tokenizer DIR: the saved model starts from those weights."""
-    from megatrain.train.data import ByteTokenizer
+    from megatrain.train.text_tokenizer import ByteTokenizer
 
     tok_dir = tmp_path / "tok"
     ByteTokenizer().save(str(tok_dir))

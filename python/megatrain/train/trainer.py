@@ -33,6 +33,8 @@ from megatrain.runtime.estimate import has_weight_files
 from megatrain.train.config import Config, UsageError, wrap_auto_switch, wrap_device_state_layers, wrap_rows_mode
 from megatrain.train.config_build import to_yaml
 from megatrain.train import data as data_mod
+from megatrain.train.messages import warn
+from megatrain.train.text_tokenizer import load_tokenizer
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
 
@@ -168,7 +170,7 @@ def load_model_config(cfg: Config, vocab_size: int, eos_token_id: int, tokenizer
         stored = config.to_dict()
         unknown = sorted(k for k in m.extra if k not in known and k in stored)
         if unknown:
-            data_mod.warn(f"model.extra key(s) {', '.join(map(repr, unknown))} are not attributes of "
+            warn(f"model.extra key(s) {', '.join(map(repr, unknown))} are not attributes of "
                           f"{type(config).__name__} (a typo?); they are stored in config.json but no layer reads them")
     from transformers import AutoModelForCausalLM
 
@@ -342,7 +344,7 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     check_writable(ancestor, out_dir)
     if cfg.log.save_model:
         check_model_dest(out_dir)
-    tokenizer = data_mod.load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     # The model config is cheap to check and catches a bad model before reading a big corpus.
     model_config = load_model_config(cfg, tokenizer.vocab_size, tokenizer.eos_token_id, weights=not dry_run,
                                      tokenizer=f"the tokenizer {tokenizer.source!r}")
@@ -373,9 +375,9 @@ def prepare(cfg: Config, resume: Optional["ResumePoint"] = None, dry_run: bool =
     estimate = estimate_run(cfg, model_config, device, compute_dtype)
     if ranks is None or ranks.main:  # once the input is good: a refusal stays one line
         if getattr(tokenizer, "note", None):
-            data_mod.warn(tokenizer.note)
+            warn(tokenizer.note)
         if cfg.model.path is not None and cfg.data.path == "stdlib":
-            data_mod.warn(f"no --data given: fine-tuning {cfg.model.path!r} on the built-in corpus (the Python standard "
+            warn(f"no --data given: fine-tuning {cfg.model.path!r} on the built-in corpus (the Python standard "
                           "library's own sources); pass --data PATH for your text")
     return Plan(
         cfg=cfg,
@@ -409,7 +411,7 @@ def check_loading_info(path: str, info: dict) -> None:
                          "train from a random initialisation: use a complete checkpoint (its config.json must match)")
     if unexpected:
         shown = ", ".join(unexpected[:3]) + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
-        data_mod.warn(f"model directory {path!r} holds {len(unexpected)} tensor(s) the model does not use (ignored): "
+        warn(f"model directory {path!r} holds {len(unexpected)} tensor(s) the model does not use (ignored): "
                       f"{shown}")
 
 
@@ -438,7 +440,7 @@ def build_wrapped_model(plan: Plan):
         kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
-        data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
+        warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
                       "transformers (4 B/param more while loading); save_pretrained writes safetensors")
         return megatrain.wrap(build_model(plan), **kw)
     if cfg.model.path is not None:
@@ -1182,7 +1184,7 @@ def write_loss_curve(metrics_path: str, out_dir: str) -> Optional[str]:
     try:
         return metrics_mod.plot_loss_curve(metrics_path, path, title=f"megatrain train: {out_dir}")
     except Exception as exc:  # noqa: BLE001 - matplotlib missing / broken, a full disk
-        data_mod.warn(f"the loss curve {path!r} was not written ({_first_line(exc)}); metrics.jsonl holds the losses")
+        warn(f"the loss curve {path!r} was not written ({_first_line(exc)}); metrics.jsonl holds the losses")
         return None
 
 
