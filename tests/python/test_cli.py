@@ -18,7 +18,7 @@ if _PY not in sys.path:
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.cli import main  # noqa: E402
 from parity import run_cli  # noqa: E402
-from megatrain.train import trainer  # noqa: E402
+from megatrain.train import step_loop  # noqa: E402
 from megatrain.train.config_build import build_config  # noqa: E402
 from megatrain.train.data import load_text_data  # noqa: E402
 
@@ -236,7 +236,7 @@ def test_saved_model_reloads_with_plain_transformers_to_same_eval_loss(tiny_run)
     data = load_text_data(cfg.data, cfg.train.seed)
     batches = data.eval_batches(summary["eval_batch_size"], summary["eval_batches"])
     model = AutoModelForCausalLM.from_pretrained(str(tiny_run / "model"), dtype=torch.float32)
-    loss = trainer.evaluate(model, batches, torch.device("cpu"))
+    loss = step_loop.evaluate(model, batches, torch.device("cpu"))
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-4)
     assert not (tiny_run / ".model.partial").exists()
     tok = AutoTokenizer.from_pretrained(str(tiny_run / "model"))

@@ -190,7 +190,7 @@ def test_cli_liger_kernel_switch(text, want):
 
 def test_cli_run_passes_the_defaults_and_the_cap_to_wrap(monkeypatch, tmp_path):
     """``megatrain train`` builds the model with no activation_policy (wrap's default) and its cap / switch."""
-    from megatrain.train import config_build, trainer
+    from megatrain.train import config_build, model_build, run_plan
 
     seen = {}
 
@@ -201,8 +201,8 @@ def test_cli_run_passes_the_defaults_and_the_cap_to_wrap(monkeypatch, tmp_path):
     monkeypatch.setattr(megatrain, "from_config", from_config)
     cfg = config_build.build_config(overrides=[("runtime", "gpu_memory_limit", "0.75"), ("runtime", "liger_kernel", "false"),
                                          ("log", "out", str(tmp_path / "run"))])
-    plan = trainer.prepare(cfg)
+    plan = run_plan.prepare(cfg)
     with pytest.raises(_Built):
-        trainer.build_wrapped_model(plan)
+        model_build.build_wrapped_model(plan)
     assert seen["activation_policy"] is None and seen["device_state_layers"] is None
     assert seen["gpu_memory_limit"] == 0.75 and seen["liger_kernel"] is False

@@ -3,8 +3,8 @@
 A configuration is a YAML mapping with six sections (``model``, ``data``, ``train``, ``runtime``,
 ``eval``, ``log``). Every key has a default (presets: :mod:`megatrain.train.presets`), so an empty file
 — or no file — is the built-in default run. Unknown sections or keys are errors, and values are
-converted and checked at the boundary (:mod:`megatrain.train.config_checks`), so that a bad value is reported as one line naming the
-key, the rule, and what was found ("train.lr must be a number, got 'abc'") before anything is loaded
+converted and checked at the boundary (:mod:`megatrain.train.config_checks`), so that a bad value
+is reported as one line naming the key, the rule, and what was found ("train.lr must be a number, got 'abc'") before anything is loaded
 or written.
 
 This module is the schema: the sections, their keys and defaults, and the types of the values.
