@@ -158,7 +158,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> list:
-    from megatrain.train.config import UsageError, parse_override
+    from megatrain.train.config import UsageError
+    from megatrain.train.config_build import parse_override
 
     out = []
     if args.model is not None:
@@ -203,7 +204,8 @@ def _sigterm_as_interrupt():
 
 def cmd_train(args) -> int:
     from megatrain.runtime.data_parallel import DataParallelError
-    from megatrain.train.config import UsageError, build_config, to_yaml
+    from megatrain.train.config import UsageError
+    from megatrain.train.config_build import build_config, to_yaml
     from megatrain.train.distributed import Ranks
 
     stopped_by: list = []
@@ -215,9 +217,9 @@ def cmd_train(args) -> int:
             if args.preset != "default":
                 raise UsageError("--preset and --resume exclude each other: a resumed run starts from its checkpoint's "
                                  "configuration")
-            from megatrain.train import trainer
+            from megatrain.train.checkpoints import find_resume_point
 
-            resume = trainer.find_resume_point(args.resume)
+            resume = find_resume_point(args.resume)
             base = resume.state["config"]
             if resume.run_dir is not None:  # continue in the run's own directory unless told otherwise
                 base = {**base, "log": {**base.get("log", {}), "out": resume.run_dir}}
@@ -226,15 +228,16 @@ def cmd_train(args) -> int:
             sys.stdout.write(to_yaml(cfg))
             return 0
         from megatrain.train import trainer
+        from megatrain.train.run_plan import prepare, resolve_device
 
         if args.dry_run:
             return _dry_run(cfg, resume)
         if ranks.world > 1 and cfg.runtime.offload_dir is not None:
             raise UsageError("runtime.offload_dir (the disk tier) is not supported with data parallel yet; run "
                              "without torchrun, or without --offload-dir")
-        ranks.init(ranks.device_for(trainer.resolve_device(cfg.runtime.device)))
+        ranks.init(ranks.device_for(resolve_device(cfg.runtime.device)))
         out_dir = cfg.log.out
-        plan = ranks.agree(lambda: trainer.prepare(cfg, resume=resume, ranks=ranks))  # before any rank writes
+        plan = ranks.agree(lambda: prepare(cfg, resume=resume, ranks=ranks))  # before any rank writes
         out_dir = plan.out_dir
         with _sigterm_as_interrupt() as stopped_by:
             summary = trainer.run(cfg, plan)
@@ -266,9 +269,10 @@ def cmd_train(args) -> int:
     finally:
         ranks.close()
     from megatrain.train.metrics import summary_table
+    from megatrain.train.run_summary import summary_rows
 
     if ranks.main:
-        print(summary_table(trainer.summary_rows(summary)))
+        print(summary_table(summary_rows(summary)))
     return 0
 
 
@@ -277,10 +281,10 @@ def _what_is_kept(exc: BaseException, out_dir: Optional[str]) -> str:
     one), or that ``--out`` is as it was (a run that failed before its first step takes back its files)."""
     if not out_dir:
         return ""
-    from megatrain.train import trainer
+    from megatrain.train.final_model import is_train_model_dir
 
     model = os.path.join(out_dir, "model")
-    if trainer.is_train_model_dir(model):
+    if is_train_model_dir(model):
         return f" (the model in {model} is intact)"
     if getattr(exc, "out_left_as_found", False):
         return f" ({out_dir} is left as it was)"
@@ -290,11 +294,11 @@ def _what_is_kept(exc: BaseException, out_dir: Optional[str]) -> str:
 def _dry_run(cfg, resume) -> int:
     """``--dry-run``: every check of a real run, the memory estimate printed; no model, nothing written."""
     from megatrain.runtime.placement.estimate import has_weight_files
-    from megatrain.train import trainer
+    from megatrain.train.run_plan import DoesNotFit, prepare
 
     try:
-        plan = trainer.prepare(cfg, resume=resume, dry_run=True)
-    except trainer.DoesNotFit as exc:
+        plan = prepare(cfg, resume=resume, dry_run=True)
+    except DoesNotFit as exc:
         print(exc.estimate)
         sys.stdout.flush()
         raise

@@ -18,8 +18,8 @@ if _PY not in sys.path:
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.cli import main  # noqa: E402
 from parity import run_cli  # noqa: E402
-from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train import step_loop  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 from megatrain.train.data import load_text_data  # noqa: E402
 
 # A tiny variant of the default recipe (Llama on the stdlib sources, byte tokenizer), small enough
@@ -236,7 +236,7 @@ def test_saved_model_reloads_with_plain_transformers_to_same_eval_loss(tiny_run)
     data = load_text_data(cfg.data, cfg.train.seed)
     batches = data.eval_batches(summary["eval_batch_size"], summary["eval_batches"])
     model = AutoModelForCausalLM.from_pretrained(str(tiny_run / "model"), dtype=torch.float32)
-    loss = trainer.evaluate(model, batches, torch.device("cpu"))
+    loss = step_loop.evaluate(model, batches, torch.device("cpu"))
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-4)
     assert not (tiny_run / ".model.partial").exists()
     tok = AutoTokenizer.from_pretrained(str(tiny_run / "model"))
@@ -266,7 +266,7 @@ def test_failed_export_leaves_no_model_dir(tmp_path, monkeypatch, capsys):
 
 def test_trains_a_local_model_directory_and_its_tokenizer(tmp_path, tiny_model_dir, capsys):
     """--model DIR (from_pretrained) with --tokenizer DIR: the saved model starts from those weights."""
-    from megatrain.train.data import ByteTokenizer
+    from megatrain.train.text_tokenizer import ByteTokenizer
 
     tok_dir = tmp_path / "tok"
     ByteTokenizer().save(str(tok_dir))

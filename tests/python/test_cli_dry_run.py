@@ -19,8 +19,8 @@ if _PY not in sys.path:
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.cli import main  # noqa: E402
 from parity import run_cli  # noqa: E402
-from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train import model_build, run_plan  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.num_heads=2",
         "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=192", "--set", "data.max_documents=200",
@@ -71,9 +71,9 @@ def test_dry_run_estimate_equals_the_store_the_run_builds(tmp_path, corpus, mode
     if source == "model_dir":
         overrides.append(("model", "path", str(model_dir)))
     cfg = build_config(overrides=overrides)
-    plan = trainer.prepare(cfg, dry_run=True)
+    plan = run_plan.prepare(cfg, dry_run=True)
     est = plan.estimate
-    model = trainer.build_wrapped_model(plan)
+    model = model_build.build_wrapped_model(plan)
     megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=gas)
     eng = model.megatrain
     assert est.host_sections == dict(eng.store.section_bytes)
@@ -128,7 +128,7 @@ def _losses(out):
 
 def _in_memory_then_wrap(plan):
     """How the CLI built models before the streamed path: the whole model in memory, then wrap."""
-    return megatrain.wrap(trainer.build_model(plan), device=plan.device, compute_dtype=plan.compute_dtype,
+    return megatrain.wrap(model_build.build_model(plan), device=plan.device, compute_dtype=plan.compute_dtype,
                           activation_policy=plan.cfg.runtime.activation_policy)
 
 
@@ -142,7 +142,7 @@ def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path
     streamed = tmp_path / "streamed"
     assert main(["train", "--out", str(streamed), *argv]) == 0
     with monkeypatch.context() as m:
-        m.setattr(trainer, "build_wrapped_model", _in_memory_then_wrap)
+        m.setattr(model_build, "build_wrapped_model", _in_memory_then_wrap)
         before = tmp_path / "in_memory"
         assert main(["train", "--out", str(before), *argv]) == 0
     capsys.readouterr()

@@ -20,7 +20,7 @@ if _PY not in sys.path:
 
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from megatrain.runtime.placement import host_memory
-from megatrain.train import trainer  # noqa: E402
+from megatrain.train import final_model, model_build, run_files  # noqa: E402
 from parity import run_cli  # noqa: E402
 
 MARGIN = 1 << 30  # megatrain.runtime.placement.estimate.RUN_HOST_MARGIN_BYTES, as docs/cli.md states it
@@ -152,7 +152,7 @@ def test_disk_full_at_start_leaves_out_as_it_was_and_the_rerun_starts(tmp_path, 
         return _FullDisk(f) if "w" in mode and os.path.basename(path).startswith("config.yaml") else f
 
     with monkeypatch.context() as m:
-        m.setattr(trainer, "open", full_open, raising=False)
+        m.setattr(run_files, "open", full_open, raising=False)
         code, _, err = run_cli(args, capsys)
     line = _one_line(code, err, f"cannot write '{out / 'config.yaml'}': No space left on device; free disk space or "
                                 "choose another --out")
@@ -186,7 +186,7 @@ def test_disk_full_in_the_final_save_says_intact_only_when_a_model_is_there(tmp_
         code, _, err = run_cli(args + ["--set", "log.overwrite=true"], capsys)
     line = _one_line(code, err, "No space left on device")
     assert line.endswith(f"(the model in {out / 'model'} is intact)"), line
-    assert trainer.is_train_model_dir(str(out / "model"))
+    assert final_model.is_train_model_dir(str(out / "model"))
 
 
 # ---------------------------------------------------------------------------- a non-finite weight
@@ -238,16 +238,16 @@ def test_sigint_just_after_the_final_model_swap_completes_the_run(tmp_path, corp
     assert "no model was saved" not in err
     summary = json.load(open(out / "summary.json"))
     assert summary["status"] == "completed" and summary["model_dir"] == str(out / "model")
-    assert trainer.is_train_model_dir(str(out / "model"))
+    assert final_model.is_train_model_dir(str(out / "model"))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ---------------------------------------------------------------------------- model.extra keys
 def test_a_model_extra_key_the_config_consumes_is_not_warned_as_unread(capsys):
-    from megatrain.train.config import build_config
+    from megatrain.train.config_build import build_config
 
     cfg = build_config(overrides=[("model", "extra", {"rope_theta": 500000.0, "hiden_act": "gelu"})])
-    config = trainer.load_model_config(cfg, 257, 256)
+    config = model_build.load_model_config(cfg, 257, 256)
     err = capsys.readouterr().err
     assert "rope_theta" not in err, err
     assert "'hiden_act' are not attributes of LlamaConfig" in err, err  # a typo still is

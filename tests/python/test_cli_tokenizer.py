@@ -16,8 +16,8 @@ if _PY not in sys.path:
 
 megatrain = pytest.importorskip("megatrain", reason="megatrain (with its compiled extension) is not importable")
 from parity import run_cli  # noqa: E402
-from megatrain.train import trainer  # noqa: E402
-from megatrain.train.config import build_config  # noqa: E402
+from megatrain.train import run_plan  # noqa: E402
+from megatrain.train.config_build import build_config  # noqa: E402
 
 TEXT = ["the cat sat on the mat", "a dog ran in the park", "the bird sang a song", "def f(x): return x + 1"]
 FAST = ["--steps", "1", "--seq-len", "16", "--micro-batch-size", "2", "--eval-every", "1", "--log-every", "1",
@@ -118,7 +118,7 @@ def _prepare(argv):
     from megatrain.cli import _build_parser, _overrides
 
     args = _build_parser().parse_args(["train", *argv])
-    return trainer.prepare(build_config(None, overrides=_overrides(args)), dry_run=True)
+    return run_plan.prepare(build_config(None, overrides=_overrides(args)), dry_run=True)
 
 
 def test_explicit_byte_tokenizer_wins_over_the_model_dirs(tmp_path, corpus, dir_with_tokenizer, capsys):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import megatrain.train.data as data
+import megatrain.train.text_tokenizer as text_tokenizer
 from megatrain.train.config import DataConfig, UsageError  # noqa: E402
 
-EOS = data.ByteTokenizer.eos_token_id
+EOS = text_tokenizer.ByteTokenizer.eos_token_id
 
 
 def _corpus(tmp_path, n_docs=40, doc_len=50):
@@ -32,7 +33,7 @@ def test_pack_puts_eos_after_every_document_and_drops_the_tail():
 
 
 def test_byte_tokenizer_round_trip_and_hf_equivalent(tmp_path):
-    tok = data.ByteTokenizer()
+    tok = text_tokenizer.ByteTokenizer()
     # A literal "<|endoftext|>" in the text is bytes, not EOS, for both tokenizers.
     text = "héllo\n\tw\u00f6rld \x00 😀 <|endoftext|>"
     ids = tok.encode(text)
@@ -93,7 +94,7 @@ def test_single_document_holds_out_its_tail(tmp_path):
 def test_train_batches_visit_every_row_once_per_epoch_and_resume():
     n = 53  # not a multiple of the batch size: batches straddle epochs
     train = np.arange(n * 8, dtype=np.int32).reshape(n, 8)  # distinct rows
-    d = data.TextData(train=train, eval=train[:2], tokenizer=data.ByteTokenizer(), num_files=1, num_documents=1,
+    d = data.TextData(train=train, eval=train[:2], tokenizer=text_tokenizer.ByteTokenizer(), num_files=1, num_documents=1,
                       num_eval_documents=0)
     it = d.train_batches(batch_size=5, seed=3)
     first_epoch = torch.cat([next(it) for _ in range(n // 5)])
@@ -143,12 +144,12 @@ def test_stdlib_corpus_excludes_site_packages():
 def test_local_hf_tokenizer_directory_gives_the_same_rows_as_byte_tokenizer(tmp_path):
     # The byte tokenizer saved as HF files is a local tokenizer directory like any other.
     tok_dir = tmp_path / "tok"
-    data.ByteTokenizer().save(str(tok_dir))
+    text_tokenizer.ByteTokenizer().save(str(tok_dir))
     root = _corpus(tmp_path)
     via_bytes = data.load_text_data(DataConfig(path=str(root), seq_len=16), seed=0)
     via_hf = data.load_text_data(DataConfig(path=str(root), seq_len=16, tokenizer=str(tok_dir)), seed=0)
-    assert isinstance(via_hf.tokenizer, data.HFTokenizer) and via_hf.tokenizer.eos_token_id == EOS
+    assert isinstance(via_hf.tokenizer, text_tokenizer.HFTokenizer) and via_hf.tokenizer.eos_token_id == EOS
     np.testing.assert_array_equal(via_bytes.train, via_hf.train)
     np.testing.assert_array_equal(via_bytes.eval, via_hf.eval)
     with pytest.raises(UsageError, match="not a directory"):
-        data.load_tokenizer(str(tmp_path / "nope"))
+        text_tokenizer.load_tokenizer(str(tmp_path / "nope"))

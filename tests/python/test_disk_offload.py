@@ -433,8 +433,8 @@ def test_cli_run_with_the_tier_saves_the_model_of_the_run_without(tmp_path, caps
     """``megatrain train --offload-dir DIR --host-memory-limit BYTES``: some layers' state on disk, the same model."""
     from safetensors.torch import load_file
 
-    from megatrain.train import trainer
-    from megatrain.train.config import build_config
+    from megatrain.train import run_plan
+    from megatrain.train.config_build import build_config
     from parity import run_cli
 
     argv = ["--set", "model.hidden_size=32", "--set", "model.num_layers=4", "--set", "model.num_heads=2",
@@ -447,7 +447,7 @@ def test_cli_run_with_the_tier_saves_the_model_of_the_run_without(tmp_path, caps
                                   ("data", "max_documents", 20), ("data", "seq_len", 32),
                                   ("train", "micro_batch_size", 2), ("train", "gradient_accumulation_steps", 2),
                                   ("log", "out", str(tmp_path / "probe"))])
-    host = trainer.prepare(cfg).estimate.host_bytes  # the run's host bytes without a disk tier
+    host = run_plan.prepare(cfg).estimate.host_bytes  # the run's host bytes without a disk tier
     code, out, err = run_cli(["train", "--out", str(tmp_path / "plain")] + argv, capsys)
     assert code == 0, err
     code, out, err = run_cli(["train", "--out", str(tmp_path / "disk"), "--offload-dir", str(tmp_path / "tier"),

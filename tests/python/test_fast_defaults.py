@@ -161,36 +161,36 @@ def test_the_cap_reaches_the_planner_through_free_device_bytes(monkeypatch):
 @pytest.mark.parametrize("text, want", [("40GiB", 40 * GiB), ("0.5", 0.5), ("1.0", 1.0), (0.25, 0.25),
                                         (2 * GiB, 2 * GiB), ("none", None)])
 def test_cli_gpu_memory_limit_takes_bytes_or_a_fraction(text, want):
-    from megatrain.train import config
+    from megatrain.train import config_build
 
-    got = config.build_config(overrides=[("runtime", "gpu_memory_limit", text)]).runtime.gpu_memory_limit
+    got = config_build.build_config(overrides=[("runtime", "gpu_memory_limit", text)]).runtime.gpu_memory_limit
     assert got == want and type(got) is type(want)
 
 
 @pytest.mark.parametrize("bad", ["1", "0", "-0.5", "1.5", "lots", "0.5KiB", True])
 def test_cli_bad_gpu_memory_limit_is_one_line(bad):
-    from megatrain.train import config
+    from megatrain.train import config_build
     from megatrain.train.config import UsageError
 
     with pytest.raises(UsageError) as info:
-        config.build_config(overrides=[("runtime", "gpu_memory_limit", bad)])
+        config_build.build_config(overrides=[("runtime", "gpu_memory_limit", bad)])
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("runtime.gpu_memory_limit must be GPU bytes")
 
 
 @pytest.mark.parametrize("text, want", [("auto", None), ("true", True), ("false", False), (False, False)])
 def test_cli_liger_kernel_switch(text, want):
-    from megatrain.train import config
+    from megatrain.train import config, config_build
 
-    value = config.build_config(overrides=[("runtime", "liger_kernel", text)]).runtime.liger_kernel
+    value = config_build.build_config(overrides=[("runtime", "liger_kernel", text)]).runtime.liger_kernel
     assert config.wrap_auto_switch(value) is want
     with pytest.raises(config.UsageError, match="runtime.liger_kernel must be auto, true or false, got 'maybe'"):
-        config.build_config(overrides=[("runtime", "liger_kernel", "maybe")])
+        config_build.build_config(overrides=[("runtime", "liger_kernel", "maybe")])
 
 
 def test_cli_run_passes_the_defaults_and_the_cap_to_wrap(monkeypatch, tmp_path):
     """``megatrain train`` builds the model with no activation_policy (wrap's default) and its cap / switch."""
-    from megatrain.train import config, trainer
+    from megatrain.train import config_build, model_build, run_plan
 
     seen = {}
 
@@ -199,10 +199,10 @@ def test_cli_run_passes_the_defaults_and_the_cap_to_wrap(monkeypatch, tmp_path):
         raise _Built
 
     monkeypatch.setattr(megatrain, "from_config", from_config)
-    cfg = config.build_config(overrides=[("runtime", "gpu_memory_limit", "0.75"), ("runtime", "liger_kernel", "false"),
+    cfg = config_build.build_config(overrides=[("runtime", "gpu_memory_limit", "0.75"), ("runtime", "liger_kernel", "false"),
                                          ("log", "out", str(tmp_path / "run"))])
-    plan = trainer.prepare(cfg)
+    plan = run_plan.prepare(cfg)
     with pytest.raises(_Built):
-        trainer.build_wrapped_model(plan)
+        model_build.build_wrapped_model(plan)
     assert seen["activation_policy"] is None and seen["device_state_layers"] is None
     assert seen["gpu_memory_limit"] == 0.75 and seen["liger_kernel"] is False

@@ -61,21 +61,21 @@ def _worker(argv):
         megatrain.state.checkpoint.save_checkpoint(argv[1], model, opt, extra={"who": "slow"})
         print("SAVED", flush=True)
     elif mode == "killed_model_save":  # the CLI's final save of a second run, killed mid-way
-        from megatrain.train import data as data_mod
-        from megatrain.train import trainer
+        from megatrain.train import text_tokenizer
+        from megatrain.train import final_model
 
         out = argv[1]
         model, _ = _wrapped()
-        trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
-        real_save = data_mod.ByteTokenizer.save
+        final_model.save_model(model, text_tokenizer.ByteTokenizer(), out, _plan())
+        real_save = text_tokenizer.ByteTokenizer.save
 
         def slow_save(self, d):
             real_save(self, d)
             print("WRITING", flush=True)
             time.sleep(60)
 
-        data_mod.ByteTokenizer.save = slow_save
-        trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+        text_tokenizer.ByteTokenizer.save = slow_save
+        final_model.save_model(model, text_tokenizer.ByteTokenizer(), out, _plan())
         print("SAVED (should have been killed)", flush=True)
     else:
         raise SystemExit(f"unknown mode {mode}")
@@ -227,13 +227,13 @@ def _snapshot_bytes(path):
 
 # ---------------------------------------------------------------------------- 2. killed during the final save
 def test_cli_final_save_leaves_a_complete_model_at_every_moment(tmp_path, monkeypatch):
-    from megatrain.train import data as data_mod
-    from megatrain.train import trainer
+    from megatrain.train import text_tokenizer
+    from megatrain.train import final_model
 
     model, _ = _wrapped()
     out = str(tmp_path / "out")
     os.makedirs(out)
-    trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+    final_model.save_model(model, text_tokenizer.ByteTokenizer(), out, _plan())
     final = os.path.join(out, "model")
     first = _snapshot_bytes(final)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_cli_final_save_leaves_a_complete_model_at_every_moment(tmp_path, monkey
             bad.append(sorted(names))
 
     _watch_every_step(monkeypatch, check)
-    trainer.save_model(model, data_mod.ByteTokenizer(), out, _plan())
+    final_model.save_model(model, text_tokenizer.ByteTokenizer(), out, _plan())
     monkeypatch.undo()
     assert not bad, f"a kill at some moment would have left out/model as {bad[0]}"
     assert _snapshot_bytes(final)["model.safetensors"] != first["model.safetensors"]
@@ -254,8 +254,8 @@ def test_cli_final_save_leaves_a_complete_model_at_every_moment(tmp_path, monkey
 
 
 def test_cli_final_save_killed_keeps_the_previous_model_and_the_next_save_cleans_up(tmp_path):
-    from megatrain.train import data as data_mod
-    from megatrain.train import trainer
+    from megatrain.train import text_tokenizer
+    from megatrain.train import final_model
 
     out = tmp_path / "out"
     out.mkdir()
@@ -269,7 +269,7 @@ def test_cli_final_save_killed_keeps_the_previous_model_and_the_next_save_cleans
     assert p.returncode == -signal.SIGKILL
     assert _snapshot_bytes(out / "model") == first
     model, _ = _wrapped()
-    trainer.save_model(model, data_mod.ByteTokenizer(), str(out), _plan())
+    final_model.save_model(model, text_tokenizer.ByteTokenizer(), str(out), _plan())
     assert sorted(os.listdir(out)) == ["model"], "the killed save's temporary is cleaned up"
 
 
@@ -431,7 +431,7 @@ def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys
     import errno
 
     import megatrain.state.export
-    from megatrain.train import trainer
+    from megatrain.train import run_files
 
     out = tmp_path / "out"
     args = ["train", "--out", str(out), "--data", str(_corpus(tmp_path)), *F]
@@ -440,7 +440,7 @@ def test_cli_disk_full_at_start_and_during_the_save_is_one_line(tmp_path, capsys
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "config.yaml"))
 
     with monkeypatch.context() as m:
-        m.setattr(trainer, "to_yaml", full)
+        m.setattr(run_files, "to_yaml", full)
         code, _, err = _cli(args, capsys)
     _one_line(code, err, "No space left on device; free disk space or choose another --out")
     code, _, err = _cli(args + ["--set", "log.overwrite=true"], capsys)
@@ -494,11 +494,12 @@ def test_binary_files_are_skipped_with_a_warning_naming_them(tmp_path, capsys):
 
 def test_latin1_text_keeps_every_byte_with_the_byte_tokenizer(tmp_path):
     from megatrain.train import data as data_mod
+    from megatrain.train import text_tokenizer
 
     raw = "caf\u00e9 na\u00efve \u00fcber ".encode("latin-1") * 50
     (tmp_path / "a.txt").write_bytes(raw)
     docs = data_mod.read_documents([str(tmp_path / "a.txt")], keep_bytes=True)
-    ids = data_mod.ByteTokenizer().encode(docs[0])
+    ids = text_tokenizer.ByteTokenizer().encode(docs[0])
     assert bytes(ids.astype("uint8").tolist()) == raw
 
 
@@ -553,11 +554,11 @@ def test_cli_more_bad_sizes_are_one_line(tmp_path, capsys, argv, fragment):
 
 
 def test_unknown_model_extra_key_warns(tmp_path, capsys):
-    from megatrain.train import trainer
-    from megatrain.train.config import build_config
+    from megatrain.train import model_build
+    from megatrain.train.config_build import build_config
 
     cfg = build_config(overrides=[("model", "extra", {"hiden_act": "gelu"})])
-    trainer.load_model_config(cfg, 257, 256)
+    model_build.load_model_config(cfg, 257, 256)
     assert "'hiden_act' are not attributes of LlamaConfig" in capsys.readouterr().err
 
 

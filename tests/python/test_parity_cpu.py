@@ -214,7 +214,7 @@ def test_parity_auto_policy_spaces_checkpoints_when_inputs_do_not_fit(monkeypatc
     (d,) = wrapped.megatrain.auto_decisions.values()
     assert (d["store"], d["store_layers"], d["block_k"]) == (False, 0, 2)
     assert d["bytes_per_input"] == 2 * 16 * 32 * 4  # batch x seq x hidden x fp32
-    from megatrain.train.trainer import _auto_decisions  # what the CLI writes to summary.json
+    from megatrain.train.run_summary import _auto_decisions  # what the CLI writes to summary.json
     (summary,) = _auto_decisions(wrapped.megatrain)
     assert (summary["policy"], summary["block_k"], summary["input_shapes"]) == ("block:2", 2, [[2, 16, 32]])
     calls = _count_layer_forwards(monkeypatch, wrapped)

@@ -6,11 +6,12 @@ import os
 import pytest
 
 import megatrain.train.config as config
+import megatrain.train.config_build as config_build
 UsageError = config.UsageError
 
 
 def test_default_config_is_the_documented_default():
-    cfg = config.build_config()
+    cfg = config_build.build_config()
     assert cfg.data.path == "stdlib" and cfg.data.tokenizer is None
     assert cfg.model.arch == "llama" and cfg.model.path is None
     assert cfg.runtime.compute_dtype == "auto" and cfg.runtime.activation_policy is None
@@ -21,16 +22,16 @@ def test_yaml_file_then_overrides_take_precedence(tmp_path):
     path = tmp_path / "c.yaml"
     # YAML 1.1 reads 3e-4 (no dot) as a string; the trainer must still take it as a number.
     path.write_text("train:\n  lr: 3e-4\n  steps: 7\nmodel:\n  num_layers: 3\n")
-    cfg = config.build_config(str(path), overrides=[("train", "steps", "11")])
+    cfg = config_build.build_config(str(path), overrides=[("train", "steps", "11")])
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.steps == 11
     assert cfg.model.num_layers == 3
 
 
 def test_gpu_preset_differs_from_default():
-    assert config.build_config(preset="gpu").model.num_layers > config.build_config().model.num_layers
+    assert config_build.build_config(preset="gpu").model.num_layers > config_build.build_config().model.num_layers
     with pytest.raises(UsageError, match="unknown preset"):
-        config.build_config(preset="huge")
+        config_build.build_config(preset="huge")
 
 
 @pytest.mark.parametrize(
@@ -58,38 +59,38 @@ def test_bad_config_file_is_one_line_usage_error(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml_text)
     with pytest.raises(UsageError) as info:
-        config.build_config(str(path))
+        config_build.build_config(str(path))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
 
 def test_set_override_accepts_dotted_and_unambiguous_bare_keys():
-    section, key, value = config.parse_override("train.lr=1e-3")
+    section, key, value = config_build.parse_override("train.lr=1e-3")
     assert (section, key) == ("train", "lr")
-    assert config.build_config(overrides=[(section, key, value)]).train.lr == 1e-3
-    assert config.parse_override("warmup_steps=5") == ("train", "warmup_steps", 5)
-    assert config.parse_override("data.max_documents=null") == ("data", "max_documents", None)
+    assert config_build.build_config(overrides=[(section, key, value)]).train.lr == 1e-3
+    assert config_build.parse_override("warmup_steps=5") == ("train", "warmup_steps", 5)
+    assert config_build.parse_override("data.max_documents=null") == ("data", "max_documents", None)
     with pytest.raises(UsageError, match="ambiguous"):
-        config.parse_override("every=5")  # eval.every and log.every
+        config_build.parse_override("every=5")  # eval.every and log.every
     with pytest.raises(UsageError, match="unknown config key 'train.nope'"):
-        config.parse_override("train.nope=1")
+        config_build.parse_override("train.nope=1")
     with pytest.raises(UsageError, match="key=value"):
-        config.parse_override("train.lr")
+        config_build.parse_override("train.lr")
 
 
 def test_missing_config_file_is_usage_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        config.build_config(str(tmp_path / "nope.yaml"))
+        config_build.build_config(str(tmp_path / "nope.yaml"))
 
 
 def test_config_path_that_is_a_directory_says_so(tmp_path):
     with pytest.raises(UsageError) as info:
-        config.build_config(str(tmp_path))
+        config_build.build_config(str(tmp_path))
     assert str(info.value) == f"config path {str(tmp_path)!r} is a directory; --config expects a YAML file"
     # a run's output directory: point at the resolved config it holds
     (tmp_path / "config.yaml").write_text("train:\n  steps: 3\n")
     with pytest.raises(UsageError, match="is a directory; --config expects a YAML file, such as .*config.yaml"):
-        config.build_config(str(tmp_path))
+        config_build.build_config(str(tmp_path))
 
 
 def _tiny_llama():
@@ -109,7 +110,7 @@ def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
     import megatrain
 
     if policy == "":
-        assert config.build_config(overrides=[("runtime", "activation_policy", "")]).runtime.activation_policy is None
+        assert config_build.build_config(overrides=[("runtime", "activation_policy", "")]).runtime.activation_policy is None
         return
 
     try:
@@ -118,10 +119,10 @@ def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
     except ValueError as exc:
         wrap_error = str(exc)
     if wrap_error is None:
-        assert config.build_config(overrides=[("runtime", "activation_policy", policy)]).runtime.activation_policy == policy
+        assert config_build.build_config(overrides=[("runtime", "activation_policy", policy)]).runtime.activation_policy == policy
     else:
         with pytest.raises(UsageError) as info:
-            config.build_config(overrides=[("runtime", "activation_policy", policy)])
+            config_build.build_config(overrides=[("runtime", "activation_policy", policy)])
         assert str(info.value) == wrap_error.replace("megatrain.wrap: activation_policy", "runtime.activation_policy")
     assert (wrap_error is None) == (policy in ("recompute", "store", "auto", "offload", "block:1", "block:3"))
 
@@ -129,7 +130,7 @@ def test_activation_policy_accepted_exactly_when_wrap_accepts_it(policy):
 def test_lr_schedule_warms_up_linearly_then_decays_to_min_ratio():
     from megatrain.train.trainer import lr_lambda
 
-    cfg = config.build_config(
+    cfg = config_build.build_config(
         overrides=[("train", "steps", 100), ("train", "warmup_steps", 10), ("train", "min_lr_ratio", 0.1)]
     )
     f = lr_lambda(cfg)
@@ -145,10 +146,10 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_min_ratio():
 
 
 def test_print_config_round_trips_through_yaml(tmp_path):
-    cfg = config.build_config(overrides=[("model", "num_layers", 3), ("train", "lr", "2e-3")])
+    cfg = config_build.build_config(overrides=[("model", "num_layers", 3), ("train", "lr", "2e-3")])
     path = tmp_path / "resolved.yaml"
-    path.write_text(config.to_yaml(cfg))
-    assert config.build_config(str(path)) == cfg
+    path.write_text(config_build.to_yaml(cfg))
+    assert config_build.build_config(str(path)) == cfg
 
 
 def test_example_configs_parse_and_default_yaml_is_the_default():
@@ -156,8 +157,8 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     names = sorted(n for n in os.listdir(root) if n.endswith(".yaml"))
     assert "default.yaml" in names
     for name in names:
-        config.build_config(os.path.join(root, name))
-    assert config.build_config(os.path.join(root, "default.yaml")) == config.build_config()
+        config_build.build_config(os.path.join(root, name))
+    assert config_build.build_config(os.path.join(root, "default.yaml")) == config_build.build_config()
     import dataclasses
 
     import yaml
@@ -165,13 +166,13 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     with open(os.path.join(root, "default.yaml")) as f:
         listed = yaml.safe_load(f)
     for f in dataclasses.fields(config.Config):  # docs/cli.md: default.yaml lists every key
-        want = {g.name for g in dataclasses.fields(getattr(config.build_config(), f.name))}
+        want = {g.name for g in dataclasses.fields(getattr(config_build.build_config(), f.name))}
         assert set(listed[f.name]) == want, (f.name, want ^ set(listed[f.name]))
-    gpu = config.build_config(os.path.join(root, "gpu_llama_76m.yaml"))
-    preset = config.build_config(preset="gpu")
+    gpu = config_build.build_config(os.path.join(root, "gpu_llama_76m.yaml"))
+    preset = config_build.build_config(preset="gpu")
     assert (gpu.model, gpu.data, gpu.train) == (preset.model, preset.data, preset.train)
-    one_b = config.build_config(os.path.join(root, "h200_1b.yaml"))
-    preset = config.build_config(preset="1b")
+    one_b = config_build.build_config(os.path.join(root, "h200_1b.yaml"))
+    preset = config_build.build_config(preset="1b")
     assert (one_b.model, one_b.data, one_b.train, one_b.runtime, one_b.eval) == (
         preset.model, preset.data, preset.train, preset.runtime, preset.eval)
 
@@ -182,18 +183,18 @@ def test_example_configs_parse_and_default_yaml_is_the_default():
     (" false ", "false", False), (64, "64", 64), ("1_024", "1024", 1024), ("1", "1", 1),
 ])
 def test_chunked_loss_and_tile_mlp_keys(key, value, stored, for_wrap):
-    cfg = config.build_config(overrides=[("runtime", key, value)])
+    cfg = config_build.build_config(overrides=[("runtime", key, value)])
     assert getattr(cfg.runtime, key) == stored and type(getattr(cfg.runtime, key)) is str  # safe_dump-able
     got = config.wrap_rows_mode(getattr(cfg.runtime, key))
     assert got == for_wrap and type(got) is type(for_wrap)
-    assert f"{key}: " in config.to_yaml(cfg)
+    assert f"{key}: " in config_build.to_yaml(cfg)
 
 
 @pytest.mark.parametrize("key", ["chunked_loss", "tile_mlp"])
 @pytest.mark.parametrize("value", [0, -3, 2.5, "sometimes", "", None, [4]])
 def test_bad_chunked_loss_and_tile_mlp_values_are_one_line(key, value):
     with pytest.raises(UsageError) as info:
-        config.build_config(overrides=[("runtime", key, value)])
+        config_build.build_config(overrides=[("runtime", key, value)])
     assert str(info.value).startswith(f"runtime.{key} must be auto, true, false or a positive number of rows, got ")
 
 
@@ -201,5 +202,5 @@ def test_chunked_loss_and_tile_mlp_default_to_auto_and_read_from_yaml(tmp_path):
     assert (config.RuntimeConfig().chunked_loss, config.RuntimeConfig().tile_mlp) == ("auto", "auto")
     path = tmp_path / "c.yaml"
     path.write_text("runtime:\n  chunked_loss: true\n  tile_mlp: 4096\n")
-    cfg = config.build_config(config_path=str(path))
+    cfg = config_build.build_config(config_path=str(path))
     assert (cfg.runtime.chunked_loss, cfg.runtime.tile_mlp) == ("true", "4096")

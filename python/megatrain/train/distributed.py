@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node N -m megatrain train ...`` runs N ranks (one GPU each: ``cuda:LOCAL_RANK``;
 on the CPU N processes with gloo) of one run:
 
-* every rank checks the input (:func:`megatrain.train.trainer.prepare`) and the ranks agree before
+* every rank checks the input (:func:`megatrain.train.run_plan.prepare`) and the ranks agree before
   anything is written (:meth:`Ranks.agree`: one rank's error is every rank's);
 * the model is megatrain data parallel (one shared host store per node, docs/data_parallel.md);
 * every global micro-batch has ``N x train.micro_batch_size`` rows of the run's one data order and
