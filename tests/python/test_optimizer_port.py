@@ -50,7 +50,8 @@ def test_the_optimizer_reaches_the_engine_only_through_its_port():
     forbidden = (engine_members | ledger_members) - allowed
     found = [f"{p.name}:{line}: {value}.{attr}" for p in sorted((PACKAGE / "optim").glob("*.py"))
              for line, value, attr in _attributes(p) if attr in forbidden and not value.startswith("self._port")]
-    assert not found, "megatrain.optim reads the engine (or a unit's state) outside its OptimizerPort:\n" + "\n".join(found)
+    assert not found, ("megatrain.optim reads the engine (or a unit's state) outside its OptimizerPort:\n"
+                       + "\n".join(found))
     imports = set()
     for p in (PACKAGE / "optim").glob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):

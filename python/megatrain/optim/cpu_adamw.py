@@ -234,7 +234,8 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_held_moments()
-        self._port.take_state_dict_writes()  # device-state units: writes into model.state_dict() tensors, before the update
+        # device-state units: writes into model.state_dict() tensors, before the update
+        self._port.take_state_dict_writes()
         early = self._start_device_updates()  # (no clipping) enqueued before the wait below
         views, got = self._wait_for_gradients()
         pending = self._pending(views, early)

@@ -25,8 +25,9 @@ REFUSED_OPTIONS = {
 
 
 def check_options(where: str, opts: dict) -> None:
-    """ValueError (one line) for a refused option (``amsgrad`` / ``maximize`` / ``differentiable``) switched on
-    in ``opts``; ``where``: the method after ``megatrain.optim.CPUAdamW`` in the message (``""`` for the constructor)."""
+    """ValueError (one line) for a refused option (``amsgrad`` / ``maximize`` / ``differentiable``) switched
+    on in ``opts``; ``where``: the method after ``megatrain.optim.CPUAdamW`` in the message (``""``: the
+    constructor)."""
     for k, msg in REFUSED_OPTIONS.items():
         if opts.get(k):
             raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
