@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import List, Optional, Protocol, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,7 @@ from .. import data_parallel
 from .grad_copies import GradCopies
 from ..placement.disk_plan import DiskOffload, check_offload_args, plan_offload
 from .memory import EngineMemory
+from .optimizer_port import EngineOptimizer
 from .waits import EngineWaits
 from .grads import GradLedger
 from ..placement.host_memory import check_host_budget
@@ -64,43 +65,6 @@ from .updates import UpdateQueue
 from .worker import _Worker
 
 _C = load_extension()
-
-
-
-class EngineOptimizer(Protocol):
-    """What the engine reads and calls on the optimizer attached to it (:meth:`Engine.attach_optimizer`).
-
-    :class:`megatrain.optim.CPUAdamW` implements it. The engine calls these on the thread running
-    backward (``plan_eager``, ``raise_extra_backward``) or at its sync points, for an update the
-    worker skipped (``skip_unit_update``).
-
-    Attributes:
-        gradient_accumulation_steps: backward passes per ``step()`` (1: a layer's first gradient
-            goes straight into the compute section, see ``submit_grads``).
-        max_grad_norm: the clip norm, or None (no clipping: updates may start during backward).
-        nonfinite: what a non-finite gradient does (None: nothing is checked; squared norms are
-            computed for the check otherwise).
-        steps_called: ``step()`` calls that returned (the update being queued belongs to number + 1).
-    """
-
-    gradient_accumulation_steps: int
-    max_grad_norm: Optional[float]
-    nonfinite: Optional[str]
-    steps_called: int
-
-    def plan_eager(self, unit: Unit, present: List[bool]) -> Optional[Tuple[list, float]]:
-        """``(items, scale)`` when the update of ``unit``'s entries with ``present[i]`` may start now, else None.
-
-        ``items``: ``(entry_index, lr, beta1, beta2, eps, weight_decay, step)`` per entry (the fused AdamW's
-        arguments, see ``_C.Worker.submit_adam``).
-        """
-
-    def raise_extra_backward(self, same_backward: bool = False) -> None:
-        """Raise the error for a gradient that arrives after its unit's update was already queued."""
-
-    def skip_unit_update(self, unit: Unit, items: list, step_number: int) -> None:
-        """``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number`` (called
-        on the main thread at the engine's next sync point after the worker skipped it)."""
 
 
 _STEP_GUARD = None  # the handle of the global torch.optim step pre-hook (installed once, by the first engine)
