@@ -30,8 +30,8 @@ from typing import Optional
 
 from megatrain.state.checkpoint import existing_ancestor
 from megatrain.runtime.placement.estimate import has_weight_files
-from megatrain.train.config import (Config, UsageError, to_yaml, wrap_auto_switch, wrap_device_state_layers,
-                                    wrap_rows_mode)
+from megatrain.train.config import Config, UsageError, to_yaml
+from megatrain.train.wrap_args import estimate_kwargs, wrap_options
 from megatrain.train import data as data_mod
 from megatrain.train import metrics as metrics_mod
 from megatrain.train.distributed import Ranks
@@ -275,15 +275,11 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
 
     t = cfg.train
     try:
-        est = megatrain.estimate(model_config, device=device, compute_dtype=compute_dtype,
-                                 host_margin_bytes=RUN_HOST_MARGIN_BYTES,
-                                 activation_policy=cfg.runtime.activation_policy,
+        est = megatrain.estimate(model_config, host_margin_bytes=RUN_HOST_MARGIN_BYTES,
                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
-                                 seq_len=cfg.data.seq_len, chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-                                 tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-                                 host_memory_limit=cfg.runtime.host_memory_limit,
-                                 gpu_memory_limit=cfg.runtime.gpu_memory_limit)
+                                 seq_len=cfg.data.seq_len,
+                                 **estimate_kwargs(wrap_options(cfg, device, compute_dtype)))
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(_first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001
@@ -428,14 +424,7 @@ def build_wrapped_model(plan: Plan):
     import megatrain
 
     cfg = plan.cfg
-    kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy,
-              chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-              tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-              host_memory_limit=cfg.runtime.host_memory_limit,
-              device_state_layers=wrap_device_state_layers(cfg.runtime.device_state_layers),
-              gpu_memory_limit=cfg.runtime.gpu_memory_limit, liger_kernel=wrap_auto_switch(cfg.runtime.liger_kernel))
-    if cfg.runtime.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
-        kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
+    kw = wrap_options(cfg, plan.device, plan.compute_dtype).as_kwargs()  # megatrain.wrap's keywords
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
         data_mod.warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "
