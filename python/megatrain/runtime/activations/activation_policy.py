@@ -65,8 +65,9 @@ class ActivationPolicy:
 
     @classmethod
     def default(cls, device) -> "ActivationPolicy":
-        """The policy when none is given: ``auto`` on a CUDA device (the placement planner), ``recompute``
-        on the CPU backend (see :func:`.policies.default_activation_policy`)."""
+        """The policy when none is given (``wrap``, ``from_pretrained``, ``from_config``, ``estimate``,
+        ``megatrain train``): ``auto`` on a CUDA device (the placement planner, docs/placement.md),
+        ``recompute`` on the CPU backend (:func:`.policies.default_activation_policy` gives its string)."""
         return cls("auto" if torch.device(device).type == "cuda" else "recompute")
 
     @classmethod
