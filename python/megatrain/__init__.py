@@ -19,6 +19,8 @@ from .errors import CheckpointError  # noqa: E402
 from .runtime.model.thread_guard import ModelInUseError  # noqa: E402
 from .state.loading import from_config, from_pretrained  # noqa: E402
 from .runtime.placement.estimate import MemoryEstimate, estimate  # noqa: E402
+from .runtime.wrap_options import WrapOptions  # noqa: E402
+from .runtime.activations.activation_policy import ActivationPolicy  # noqa: E402
 from .state.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
@@ -38,5 +40,5 @@ def cuda_status() -> str:
     return "ok"
 
 
-__all__ = ["wrap", "from_pretrained", "from_config", "estimate", "MemoryEstimate", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
+__all__ = ["wrap", "WrapOptions", "ActivationPolicy", "from_pretrained", "from_config", "estimate", "MemoryEstimate", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
            "cuda_status", "UnsupportedModelError", "ModelInUseError", "__version__"]

@@ -20,14 +20,14 @@ file read through ``mmap`` would add 16 GB to the peak.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..runtime.engine.state_access import StateAccess
-
+from ..runtime.wrap_options import WrapOptions
 from .init_replay import _aliases, _InitRecorder, _RecordedInitSource  # noqa: F401 - _aliases: public here too
 from .safetensors_index import CheckpointError, CheckpointIndex, read_safetensors_header  # noqa: F401 - public here
 
@@ -183,31 +183,17 @@ class _CheckpointSource:
 
 
 # ---------------------------------------------------------------------------------------------- init replay
-def _split_kwargs(kwargs: dict) -> Tuple[dict, dict]:
-    wrap_keys = {"device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                 "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "reuse_attention",
-                 "lean_activations", "gpu_memory_limit", "liger_kernel"}
-    return {k: v for k, v in kwargs.items() if k in wrap_keys}, {k: v for k, v in kwargs.items() if k not in wrap_keys}
-
-
-def _check_offload(wrap_kwargs: dict, where: str) -> None:
+def _check_offload(options, where: str) -> None:
     """``offload_dir`` / ``host_memory_limit`` checked first, as ``wrap`` checks them (ValueError)."""
     from ..runtime.placement.disk_plan import check_offload_args
 
-    check_offload_args(wrap_kwargs.get("offload_dir"), wrap_kwargs.get("host_memory_limit"), where)
+    check_offload_args(options.offload_dir, options.host_memory_limit, where)
 
 
-def _wrap_with(model, source, wrap_kwargs):
+def _wrap_with(model, source, options):
     from ..runtime.model.wrap import _wrap
 
-    kw = dict(device=None, compute_dtype=None, activation_policy=None, num_slots=2, grad_accumulator=None)
-    kw.update(wrap_kwargs)
-    return _wrap(model, kw["device"], kw["compute_dtype"], kw["activation_policy"], kw["num_slots"],
-                 kw["grad_accumulator"], source=source, chunked_loss=kw.get("chunked_loss", "auto"),
-                 tile_mlp=kw.get("tile_mlp", "auto"), device_state_layers=kw.get("device_state_layers"),
-                 offload_dir=kw.get("offload_dir"), host_memory_limit=kw.get("host_memory_limit"),
-                 reuse_attention=kw.get("reuse_attention", True), lean_activations=kw.get("lean_activations", False),
-                 gpu_memory_limit=kw.get("gpu_memory_limit"), liger_kernel=kw.get("liger_kernel"))
+    return _wrap(model, options, source=source)
 
 
 def from_pretrained(path: str, **kwargs) -> nn.Module:
@@ -242,15 +228,15 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
         raise CheckpointError(f"megatrain.from_pretrained: {path} is not a local directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"megatrain.from_pretrained: {path} has no config.json")
-    wrap_kwargs, model_kwargs = _split_kwargs(kwargs)
-    _check_offload(wrap_kwargs, "megatrain.from_pretrained")
+    options, model_kwargs = WrapOptions.split(kwargs)
+    _check_offload(options, "megatrain.from_pretrained")
     index = CheckpointIndex(path)
     config = _load_config(path)
     model = meta_model(config, **model_kwargs)
     source = _CheckpointSource(model, index)  # validates every parameter before anything is allocated
     init_buffers(model, index)
     model.eval()  # as AutoModelForCausalLM.from_pretrained returns it
-    return _wrap_with(model, source, wrap_kwargs)
+    return _wrap_with(model, source, options)
 
 
 def from_config(config, seed: Optional[int] = None, init_device="cpu", transform=None, **kwargs) -> nn.Module:
@@ -279,8 +265,8 @@ def from_config(config, seed: Optional[int] = None, init_device="cpu", transform
             computed during construction, or creates parameters on an explicit device).
         ValueError, HostMemoryError: as :func:`megatrain.wrap`.
     """
-    wrap_kwargs, model_kwargs = _split_kwargs(kwargs)
-    _check_offload(wrap_kwargs, "megatrain.from_config")  # before the RNG is seeded or anything is built
+    options, model_kwargs = WrapOptions.split(kwargs)
+    _check_offload(options, "megatrain.from_config")  # before the RNG is seeded or anything is built
     config = _load_config(config)
     if seed is not None:
         torch.manual_seed(seed)
@@ -295,5 +281,5 @@ def from_config(config, seed: Optional[int] = None, init_device="cpu", transform
             model = transform(model)
     source = _RecordedInitSource(model, rec, state, init_device)
     init_buffers(model)
-    return _wrap_with(model, source, wrap_kwargs)
+    return _wrap_with(model, source, options)
 

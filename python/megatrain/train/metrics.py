@@ -68,14 +68,18 @@ def _decoder_layers(model):
     return None
 
 
-def flops_per_token(model_config, params: dict, seq_len: int, activation_policy: str) -> FlopCounts:
-    """FLOPs per token of one training step (forward + backward), see the module docstring."""
+def flops_per_token(model_config, params: dict, seq_len: int, activation_policy) -> FlopCounts:
+    """FLOPs per token of one training step (forward + backward), see the module docstring.
+    ``activation_policy``: the run's (a string or an ``ActivationPolicy``); recompute is counted when it re-runs
+    every layer's forward in backward (``recompute``, ``offload``, ``block:K``)."""
+    from megatrain.runtime.activations.activation_policy import ActivationPolicy
+
     num_layers = int(getattr(model_config, "num_hidden_layers"))
     num_heads = int(getattr(model_config, "num_attention_heads"))
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
     attn_fwd = 2.0 * num_layers * num_heads * head_dim * seq_len  # causal: half of 4*L*H*D*S
     recompute = 0.0
-    if activation_policy in ("recompute", "offload") or activation_policy.startswith("block:"):
+    if ActivationPolicy.parse(activation_policy).recomputes:
         recompute = 2.0 * params["layers"] + attn_fwd
     return FlopCounts(
         dense=6.0 * params["dense"],

@@ -11,7 +11,8 @@ import math
 import os
 
 from megatrain.runtime.placement.estimate import has_weight_files
-from megatrain.train.config import Config, UsageError, wrap_auto_switch, wrap_device_state_layers, wrap_rows_mode
+from megatrain.train.config import Config, UsageError
+from megatrain.train.wrap_args import wrap_options
 from megatrain.train.messages import first_line, warn
 
 
@@ -224,14 +225,7 @@ def build_wrapped_model(plan):
     import megatrain
 
     cfg = plan.cfg
-    kw = dict(device=plan.device, compute_dtype=plan.compute_dtype, activation_policy=cfg.runtime.activation_policy,
-              chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-              tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-              host_memory_limit=cfg.runtime.host_memory_limit,
-              device_state_layers=wrap_device_state_layers(cfg.runtime.device_state_layers),
-              gpu_memory_limit=cfg.runtime.gpu_memory_limit, liger_kernel=wrap_auto_switch(cfg.runtime.liger_kernel))
-    if cfg.runtime.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
-        kw["grad_accumulator"] = True  # planned at wrap, as the estimate counted it: the disk layers leave room
+    kw = wrap_options(cfg, plan.device, plan.compute_dtype).as_kwargs()  # megatrain.wrap's keywords
     torch.manual_seed(cfg.train.seed)
     if cfg.model.path is not None and not has_safetensors(cfg.model.path):
         warn(f"model directory {cfg.model.path!r} has no safetensors weights: it is loaded whole with "

@@ -14,7 +14,8 @@ from typing import Optional
 
 from megatrain.state.checkpoint import existing_ancestor
 from megatrain.train.checkpoints import ResumePoint, list_checkpoints
-from megatrain.train.config import Config, UsageError, wrap_rows_mode
+from megatrain.train.config import Config, UsageError
+from megatrain.train.wrap_args import estimate_kwargs, wrap_options
 from megatrain.train.data import TextData, load_text_data
 from megatrain.train.distributed import Ranks
 from megatrain.train.final_model import check_model_dest
@@ -101,15 +102,11 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
 
     t = cfg.train
     try:
-        est = megatrain.estimate(model_config, device=device, compute_dtype=compute_dtype,
-                                 host_margin_bytes=RUN_HOST_MARGIN_BYTES,
-                                 activation_policy=cfg.runtime.activation_policy,
+        est = megatrain.estimate(model_config, host_margin_bytes=RUN_HOST_MARGIN_BYTES,
                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
                                  max_grad_norm=t.max_grad_norm or None, micro_batch_size=t.micro_batch_size,
-                                 seq_len=cfg.data.seq_len, chunked_loss=wrap_rows_mode(cfg.runtime.chunked_loss),
-                                 tile_mlp=wrap_rows_mode(cfg.runtime.tile_mlp), offload_dir=cfg.runtime.offload_dir,
-                                 host_memory_limit=cfg.runtime.host_memory_limit,
-                                 gpu_memory_limit=cfg.runtime.gpu_memory_limit)
+                                 seq_len=cfg.data.seq_len,
+                                 **estimate_kwargs(wrap_options(cfg, device, compute_dtype)))
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(first_line(exc, 300)) from None
     except Exception as exc:  # noqa: BLE001

@@ -49,8 +49,8 @@ from torch import nn
 
 from .lean_ops import lean_kind
 from .long_context_ops import (  # noqa: F401 - _rows_for, chunked_causal_lm_loss, checkpoint_spacing: public here too
-    EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode, _local,
-    _rows_for, _TiledMLPFunction, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
+    EAGER_FRACTION, MASK_FRACTION, GiB, _causal_lm_loss_reference, _check_mode,
+    _rows_for, checkpoint_spacing, chunked_causal_lm_loss, loss_rows_for, mlp_rows_for,
     norm_rows_for)
 from ..model.model_config import config_value
 from .tiling import has_active_dropout, mlp_of, norms_of, tiled_class

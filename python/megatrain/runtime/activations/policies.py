@@ -9,15 +9,12 @@ mixed into :class:`~..model.wrapped_engine.WrappedEngine`.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch.utils._pytree import tree_flatten
 
 from . import long_context
+from .activation_policy import ActivationPolicy  # noqa: F401 - public here
 from ..model.layer_call import _auto_inputs, _Block, _LayerCall, _shape_key, _WeightRef
-
-_POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
 
 # ``auto``: keep activations (``store``) when all layers' measured activation bytes fit in this
 # fraction of the device memory still free; the rest is left for logits, gradients, fragmentation.
@@ -28,28 +25,26 @@ def default_activation_policy(device: torch.device) -> str:
     """``activation_policy`` when none is given (``megatrain.wrap``, ``from_pretrained``, ``from_config``,
     ``estimate``, ``megatrain train``): ``"auto"`` on a CUDA device (the placement planner: the fastest
     exact schedule that fits the free GPU memory, docs/placement.md), ``"recompute"`` on the CPU
-    backend (the streamed engine, as before ``auto`` became the default; the CPU results are unchanged)."""
-    return "auto" if torch.device(device).type == "cuda" else "recompute"
+    backend (the streamed engine, as before ``auto`` became the default; the CPU results are unchanged).
+    :meth:`ActivationPolicy.default` gives it typed."""
+    return str(ActivationPolicy.default(device))
 
 
 def check_activation_policy(policy, what: str = "megatrain.wrap: activation_policy") -> int:
     """Check an activation policy string (the rule of :func:`wrap`; the CLI checks its config with it too).
 
     Args:
-        policy: ``"recompute"``, ``"store"``, ``"auto"``, ``"offload"`` or ``"block:K"`` with K >= 1.
+        policy: ``"recompute"``, ``"store"``, ``"auto"``, ``"offload"`` or ``"block:K"`` with K >= 1
+            (or an :class:`ActivationPolicy`).
         what: how the error message names the value (``runtime.activation_policy`` in the CLI).
 
     Returns:
-        K of ``block:K``; 1 for the other policies.
+        K of ``block:K``; 1 for the other policies (:meth:`ActivationPolicy.parse` gives the whole value).
 
     Raises:
         ValueError: ``policy`` is anything else; the message names the accepted values and ``policy``.
     """
-    m = _POLICY_RE.fullmatch(policy) if isinstance(policy, str) else None
-    if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
-        raise ValueError(f"{what} must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got {policy!r}")
-    return int(m.group(1)) if m.group(1) else 1
-
+    return ActivationPolicy.parse(policy, what).block_k
 
 
 def auto_store_layers(n: int, layer_bytes: int, input_bytes: int, free: int) -> tuple:

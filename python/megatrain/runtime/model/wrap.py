@@ -24,9 +24,7 @@ from torch import nn
 
 from ..activations import long_context
 from ..compat.clip_grad import install_accelerate_clip
-from ..placement.device_state_plan import check_device_state_layers, resolve_device_state_layers, resolve_gpu_memory_limit
-from .fused_kernels import apply_liger_kernel, check_liger_kernel, resolve_liger_kernel
-from ..placement.disk_plan import check_offload_args
+from .fused_kernels import apply_liger_kernel
 from .decoder_layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .model_config import cache_flags, router_logits_asked, set_cache_flags
 from .module_api import install as _install_module_api
@@ -34,6 +32,7 @@ from .module_guards import check_layers_unhooked
 from ..activations.policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from ..activations.attention_reuse import AttentionReuse
 from ..compat.torch_patches import install_torch_patches
+from ..wrap_options import WrapOptions
 from .wrapped_engine import WrappedEngine
 
 
@@ -168,77 +167,37 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         DiskSpaceError: ``offload_dir``'s filesystem has less free space than the disk tier's files
             need (an ``OSError``, ``errno.ENOSPC``; nothing is written).
     """
-    return _wrap(model, device, compute_dtype, activation_policy, num_slots, grad_accumulator,
-                 chunked_loss=chunked_loss, tile_mlp=tile_mlp, device_state_layers=device_state_layers,
-                 offload_dir=offload_dir, host_memory_limit=host_memory_limit, reuse_attention=reuse_attention,
-                 lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit, liger_kernel=liger_kernel)
+    return _wrap(model, WrapOptions(
+        device=device, compute_dtype=compute_dtype, activation_policy=activation_policy, num_slots=num_slots,
+        grad_accumulator=grad_accumulator, chunked_loss=chunked_loss, tile_mlp=tile_mlp,
+        device_state_layers=device_state_layers, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
+        reuse_attention=reuse_attention, lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit,
+        liger_kernel=liger_kernel))
 
 
-def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots, grad_accumulator, source=None,
-          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None, host_memory_limit=None,
-          reuse_attention=True, lean_activations=False, gpu_memory_limit=None, liger_kernel=None):
-    """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
-    writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
+def _wrap(model: nn.Module, options: WrapOptions, source=None):
+    """``wrap`` with its options checked once in ``options``; with ``source``, the model's parameters are on
+    the meta device and ``source.fill(engine)`` writes every fp32 master (``megatrain.from_pretrained`` /
+    ``megatrain.from_config``)."""
     install_accelerate_clip()  # accelerate's own clip_grad_norm_ no longer reaches torch's (see there)
     if not isinstance(model, nn.Module):
         raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
                         f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")
     if getattr(model, "megatrain", None) is not None:
         raise ValueError("megatrain.wrap: this model is already wrapped")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
-                         f"the next layer), got {num_slots!r}")
-    if not isinstance(reuse_attention, bool):
-        raise ValueError(f"megatrain.wrap: reuse_attention must be True or False, got {reuse_attention!r}")
-    if not isinstance(lean_activations, bool):
-        raise ValueError(f"megatrain.wrap: lean_activations must be True or False, got {lean_activations!r}")
-    if not isinstance(grad_accumulator, (bool, type(None))):
-        raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
-                         f"or False, got {grad_accumulator!r}")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"megatrain.wrap: device must be a CUDA device or 'cpu', got {str(device)!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but CUDA is not available (torch "
-                         f"{torch.__version__}, built with CUDA {torch.version.cuda}): use device='cpu', or install "
-                         "a CUDA build of torch on a machine with a GPU")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda" and device.index >= torch.cuda.device_count():
-        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but only {torch.cuda.device_count()} "
-                         "CUDA device(s) are visible")
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if compute_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"megatrain.wrap: compute_dtype must be torch.bfloat16 or torch.float32, got {compute_dtype}")
+    opts = options.resolve()  # every option checked (one line each), the machine's defaults filled in
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
-    if activation_policy is None:
-        activation_policy = default_activation_policy(device)
-    check_activation_policy(activation_policy)
-    check_device_state_layers(device_state_layers)
-    check_liger_kernel(liger_kernel)
-    gpu_memory_limit = resolve_gpu_memory_limit(gpu_memory_limit, device)
-    use_liger = resolve_liger_kernel(liger_kernel, device)
-    offload_dir = check_offload_args(offload_dir, host_memory_limit)
-    device_state_layers = resolve_device_state_layers(device_state_layers, activation_policy, device)
     for name, p in model.named_parameters():
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
     model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
     check_layers_unhooked(layers_name, layers)
-    if isinstance(device_state_layers, int) and device_state_layers > len(layers):
-        raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
+    if isinstance(opts.device_state_layers, int) and opts.device_state_layers > len(layers):
+        raise ValueError(f"megatrain.wrap: device_state_layers={opts.device_state_layers}, but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)} (or 'auto')")
     cfg = getattr(model, "config", None)
     if router_logits_asked(cfg):
@@ -247,9 +206,9 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
         raise UnsupportedModelError(
             f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
-    long_context.check(model, layers, chunked_loss, tile_mlp)
+    long_context.check(model, layers, opts.chunked_loss, opts.tile_mlp)
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.model.fused_kernels)
-    liger = apply_liger_kernel(model, layers, required=liger_kernel is True) if use_liger else None
+    liger = apply_liger_kernel(model, layers, required=options.liger_kernel is True) if opts.liger_kernel else None
     # A KV cache updated inside a recomputed layer would be updated twice. A multimodal wrapper's text
     # model reads its own text_config.use_cache: every nested config's flag goes off; the user's values
     # are what save_pretrained / export_pretrained write.
@@ -259,15 +218,15 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     # cyclic collector runs: collect it now so that its host store is freed before this one is allocated.
     gc.collect()
     install_torch_patches()  # the first wrap: torch's clip_grad_norm_, autograd.grad, ... rerouted (see there)
-    engine = WrappedEngine(model, layers_name, layers, device, compute_dtype, activation_policy, num_slots,
-                           grad_accumulator=None if grad_accumulator is None else bool(grad_accumulator),
-                           source=source, device_state_layers=device_state_layers, offload_dir=offload_dir,
-                           host_memory_limit=host_memory_limit, gpu_memory_limit=gpu_memory_limit)
+    engine = WrappedEngine(model, layers_name, layers, opts.device, opts.compute_dtype, opts.activation_policy,
+                           opts.num_slots, grad_accumulator=opts.grad_accumulator, source=source,
+                           device_state_layers=opts.device_state_layers, offload_dir=opts.offload_dir,
+                           host_memory_limit=opts.host_memory_limit, gpu_memory_limit=opts.gpu_memory_limit)
     engine.liger_kernel = liger
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags
-    engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp, lean_activations)
-    engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None
+    engine.long_context = long_context.install(model, engine, opts.chunked_loss, opts.tile_mlp, opts.lean_activations)
+    engine.attention_reuse = AttentionReuse(engine) if opts.reuse_attention else None
     _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
     return model
 

@@ -24,7 +24,7 @@ from .decoder_layers import UnsupportedModelError, _move_buffers, model_units
 from .model_config import cache_asked, router_logits_asked
 from .module_api import EngineModuleApi
 from ..placement.replan import PlacementReplan
-from ..activations.policies import ActivationPolicies, check_activation_policy
+from ..activations.policies import ActivationPolicies, ActivationPolicy
 from .thread_guard import ModelActivity
 from ..engine.units import Unit
 
@@ -47,21 +47,22 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
     """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
-                 compute_dtype: torch.dtype, activation_policy: str, num_slots: int,
+                 compute_dtype: torch.dtype, activation_policy, num_slots: int,
                  grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
                  offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None,
                  gpu_memory_limit: Optional[int] = None):
-        self.block_k = check_activation_policy(activation_policy)
+        self.policy = ActivationPolicy.parse(activation_policy)  # a string or the value wrap parsed
+        self.block_k = self.policy.block_k
         self.gpu_memory_limit_bytes = gpu_memory_limit  # bytes (wrap resolved a fraction); read by free_device_bytes
-        self.store_activations = activation_policy == "store"
-        self.auto_policy = activation_policy == "auto"
+        self.store_activations = self.policy.stores
+        self.auto_policy = self.policy.is_auto
         self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)
         self.attention_reuse = None  # block:K: runtime.attention_reuse.AttentionReuse (set by wrap)
         # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
         self.auto_decisions: dict = {}
         self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
         self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
-        self.activation_policy = activation_policy
+        self.activation_policy = str(self.policy)  # the user's string, as placement() and messages show it
         self.model = model
         units = model_units(model, layers_name, layers)
         self.resident = units[-1] if units and units[-1].kind == "resident" else None
@@ -159,7 +160,7 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         self.note_resident_params()
         self._pending_block: Optional[_Block] = None
         self._last_call: Optional[_LayerCall] = None
-        if activation_policy == "offload":
+        if self.policy.offloads:
             from ..activations.host_offload import InputOffload
 
             self.offload = InputOffload(self)

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ..activations.activation_policy import ActivationPolicy
+
 # device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
 # memory free when the model is wrapped; the rest is left for activations (activation_policy
 # "auto" measures what is left), logits and fragmentation.
@@ -31,15 +33,16 @@ AUTO_DEVICE_STATE_FRACTION = 0.5
 BOUNDARY_DEVICE_STATE_FRACTION = 0.125
 
 
-def resolve_device_state_layers(value, activation_policy: str, device: torch.device):
+def resolve_device_state_layers(value, activation_policy, device: torch.device):
     """``device_state_layers`` as given, or its default (``None``): on CUDA ``"auto"`` under
     ``activation_policy="auto"`` (the placement planner) and ``"boundary"`` under the other policies;
     on the CPU backend 0 (every layer's state in the host store, which already is the compute
-    device's memory)."""
+    device's memory). ``activation_policy``: an :class:`~..activations.activation_policy.ActivationPolicy`
+    or its string."""
     if value is None:
         if device.type != "cuda":
             return 0
-        return "auto" if activation_policy == "auto" else "boundary"
+        return "auto" if ActivationPolicy.parse(activation_policy).is_auto else "boundary"
     return value
 
 

@@ -1,0 +1,117 @@
+"""What ``megatrain.estimate`` reads of a model: the model to plan and the sizes of its config.
+
+:func:`model_to_plan` turns an ``nn.Module``, a ``transformers`` config or a local model directory
+into the module whose units are planned (a meta model for a config or a directory: only
+``config.json`` and the safetensors headers are read); :class:`ModelShape` holds the config sizes
+the rough activation and logits estimates use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..model.model_config import config_value
+
+# Weight files of a Hugging Face model directory (any of them: not "config.json alone").
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def has_weight_files(path: str) -> bool:
+    """Whether model directory ``path`` holds weight files (:data:`WEIGHT_FILES`); without, it is
+    estimated from its ``config.json`` alone (before the weights are downloaded)."""
+    import glob
+
+    return any(glob.glob(os.path.join(glob.escape(path), p)) for p in WEIGHT_FILES)
+
+
+def _cfg_int(cfg, *names, default=None):
+    for n in names:
+        v = config_value(cfg, n, None)  # a per-layer attribute (heterogeneous config): its largest value
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return default
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a causal LM's (text) config that the activation and logits estimates use.
+
+    Attributes:
+        hidden: hidden size (``hidden_size`` / ``n_embd`` / ``d_model``; 0 when none).
+        intermediate: MLP width (``intermediate_size`` / ``n_inner`` / ``ffn_dim``; default 4 x hidden).
+        heads, kv_heads, head_dim: attention heads, key/value heads (default: heads), head width.
+        vocab: vocabulary size (0 when none).
+    """
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> Optional["ModelShape"]:
+        """The shape of ``config`` (its text config for a multimodal one); None for no config."""
+        if config is None:
+            return None
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        h = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=0)
+        heads = _cfg_int(cfg, "num_attention_heads", "n_head", default=1) or 1
+        return cls(hidden=h,
+                   intermediate=_cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h,
+                   heads=heads, kv_heads=_cfg_int(cfg, "num_key_value_heads", default=heads) or heads,
+                   head_dim=_cfg_int(cfg, "head_dim", default=h // heads if heads else h) or 1,
+                   vocab=_cfg_int(cfg, "vocab_size", default=0))
+
+
+def model_to_plan(model, model_kwargs: dict, transform):
+    """``(module, config, in_memory)``: the model to plan (meta for a config / directory), its config, and
+    whether its weights are in memory (an ``nn.Module``: their bytes are freed while the store is filled).
+
+    Raises:
+        ValueError: an already wrapped module, or ``transform`` with a module.
+        CheckpointError: a path that is not a local directory, without ``config.json``, or whose
+            safetensors lack a parameter of the model.
+        TypeError: anything else than a module, a config or a path.
+    """
+    from ...state.loading import CheckpointError, CheckpointIndex, _CheckpointSource, _load_config, meta_model
+
+    if isinstance(model, nn.Module):
+        if getattr(model, "megatrain", None) is not None:
+            raise ValueError("megatrain.estimate: this model is already wrapped; its store is "
+                             "model.megatrain.store.section_bytes (model.megatrain.memory_stats())")
+        if transform is not None:
+            raise ValueError("megatrain.estimate: transform= applies to a config or a model directory; transform "
+                             "the module before estimating it")
+        return model, getattr(model, "config", None), True
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"megatrain.estimate: {path} is not a local directory (give a model directory, a "
+                                  "transformers config or an nn.Module)")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"megatrain.estimate: {path} has no config.json")
+        weights = has_weight_files(path)
+        index = CheckpointIndex(path) if weights else None  # headers only
+        config = _load_config(path)
+        meta = meta_model(config, **model_kwargs)
+        if index is not None:
+            _CheckpointSource(meta, index)  # every parameter present with its shape (headers only)
+    else:
+        from transformers import PretrainedConfig
+
+        if not isinstance(model, PretrainedConfig):
+            raise TypeError(f"megatrain.estimate: expected an nn.Module, a transformers config or a local model "
+                            f"directory, got {type(model).__name__}")
+        config = model
+        meta = meta_model(config, **model_kwargs)
+    if transform is not None:
+        with torch.device("meta"):
+            meta = transform(meta)
+    return meta, config, False

@@ -1,0 +1,149 @@
+"""``WrapOptions`` (wrap's options in one checked value) and ``ActivationPolicy`` (the policy string, typed)."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import megatrain
+from parity import tiny_llama_config
+from megatrain.runtime.activations.activation_policy import ActivationPolicy
+from megatrain.runtime.placement.estimate import EstimateRun
+from megatrain.runtime.wrap_options import ESTIMATE_OPTIONS, WrapOptions
+
+
+def _tiny():
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM(tiny_llama_config())
+
+
+def _keyword_defaults(fn, skip=()):
+    return {n: p.default for n, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty and n not in skip}
+
+
+def test_options_are_wraps_keywords_with_wraps_defaults_in_its_order():
+    wrap_defaults = _keyword_defaults(megatrain.wrap)
+    opts = WrapOptions()
+    assert WrapOptions.names() == tuple(wrap_defaults)
+    assert {n: getattr(opts, n) for n in WrapOptions.names()} == wrap_defaults
+
+
+def test_estimate_takes_the_options_it_names_with_the_same_defaults():
+    est = _keyword_defaults(megatrain.estimate)
+    assert {n: est[n] for n in ESTIMATE_OPTIONS} == WrapOptions().as_kwargs(ESTIMATE_OPTIONS)
+    run_fields = {f.name for f in dataclasses.fields(EstimateRun)} - {"model_kwargs"}
+    assert {n: est[n] for n in run_fields} == {n: getattr(EstimateRun(), n) for n in run_fields}
+    assert set(est) == set(ESTIMATE_OPTIONS) | run_fields
+
+
+def test_options_are_frozen():
+    opts = WrapOptions(num_slots=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.num_slots = 4
+    assert dataclasses.replace(opts, num_slots=4).num_slots == 4 and opts.num_slots == 3
+
+
+def test_split_separates_model_keywords():
+    opts, rest = WrapOptions.split({"num_slots": 3, "attn_implementation": "eager", "liger_kernel": False})
+    assert opts == WrapOptions(num_slots=3, liger_kernel=False) and rest == {"attn_implementation": "eager"}
+
+
+BAD = [
+    (dict(num_slots=0), "megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
+                        "the next layer), got 0"),
+    (dict(num_slots=True), "megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
+                           "the next layer), got True"),
+    (dict(reuse_attention=1), "megatrain.wrap: reuse_attention must be True or False, got 1"),
+    (dict(lean_activations="yes"), "megatrain.wrap: lean_activations must be True or False, got 'yes'"),
+    (dict(grad_accumulator=1), "megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), "
+                               "True or False, got 1"),
+    (dict(device=3), "megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 3"),
+    (dict(device="gpu"), "megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 'gpu'"),
+    (dict(device="meta"), "megatrain.wrap: device must be a CUDA device or 'cpu', got 'meta'"),
+    (dict(compute_dtype=torch.float16), "megatrain.wrap: compute_dtype must be torch.bfloat16 or torch.float32, got "
+                                        "torch.float16"),
+    (dict(activation_policy="block:0"), "megatrain.wrap: activation_policy must be 'recompute', 'store', 'auto', "
+                                        "'offload' or 'block:K' (K >= 1), got 'block:0'"),
+    (dict(device_state_layers=-1), "megatrain.wrap: device_state_layers must be an int >= 0 (layers 0..K-1 keep their "
+                                   "whole training state on the device), 'auto' or 'boundary', got -1"),
+    (dict(liger_kernel="on"), "megatrain.wrap: liger_kernel must be None (on when liger-kernel is installed and the "
+                              "device is CUDA), True (required) or False (off), got 'on'"),
+    (dict(gpu_memory_limit=1.5), "megatrain.wrap: gpu_memory_limit must be a number of bytes (an int >= 1048576) or a "
+                                 "fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
+    (dict(offload_dir=""), "megatrain.wrap: offload_dir must be a directory path, got ''"),
+    (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int) or None, "
+                                "got 0"),
+    (dict(chunked_loss="x"), "megatrain.wrap: chunked_loss must be False, True, 'auto' or a positive number of rows, "
+                             "got 'x'"),
+    (dict(tile_mlp=0), "megatrain.wrap: tile_mlp must be False, True, 'auto' or a positive number of rows, got 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=[next(iter(kw)) + "=" + repr(next(iter(kw.values()))) for kw, _ in BAD])
+def test_each_bad_option_gives_wraps_one_line_message(kw, message):
+    with pytest.raises(ValueError) as info:
+        WrapOptions(**kw).check()
+    assert str(info.value) == message
+    model = _tiny()
+    with pytest.raises(ValueError) as info:  # wrap says exactly the same, before the model is touched
+        megatrain.wrap(model, **{"device": "cpu", **kw})
+    assert str(info.value) == message and getattr(model, "megatrain", None) is None
+
+
+def test_where_names_the_caller():
+    with pytest.raises(ValueError, match=r"^megatrain\.estimate: activation_policy must be"):
+        WrapOptions(activation_policy="x").check("megatrain.estimate")
+
+
+def test_resolve_fills_wraps_defaults_on_the_cpu():
+    opts = WrapOptions(device="cpu", chunked_loss=None, tile_mlp=256).resolve()
+    assert opts.device == torch.device("cpu") and opts.compute_dtype == torch.float32
+    assert opts.activation_policy == ActivationPolicy("recompute") and opts.device_state_layers == 0
+    assert opts.chunked_loss is False and opts.tile_mlp == 256
+    assert opts.gpu_memory_limit is None and opts.liger_kernel is False  # no cap, no Liger off CUDA
+
+
+def test_resolve_refuses_cuda_where_there_is_none():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match=r"^megatrain\.wrap: device 'cuda' requested, but CUDA is not available"):
+        WrapOptions(device="cuda").resolve()
+    plan = WrapOptions(device="cuda").with_defaults("megatrain.estimate", need_device=False)  # estimate plans for it
+    assert plan.device == torch.device("cuda") and plan.compute_dtype == torch.bfloat16 and plan.activation_policy.is_auto
+
+
+@pytest.mark.parametrize("text,kind,k", [("recompute", "recompute", 1), ("store", "store", 1), ("auto", "auto", 1),
+                                         ("offload", "offload", 1), ("block:4", "block", 4), ("block:1", "block", 1),
+                                         ("block:04", "block", 4)])
+def test_policy_parses_each_form_and_keeps_the_string(text, kind, k):
+    p = ActivationPolicy.parse(text)
+    assert (p.kind, p.block_k) == (kind, k)
+    assert str(p) == text  # the user's string, as metrics and summary.json show it
+    assert ActivationPolicy.parse(p) is p
+
+
+def test_policy_questions():
+    rec, store, auto, off, blk = (ActivationPolicy.parse(t) for t in ("recompute", "store", "auto", "offload", "block:2"))
+    assert [p.recomputes for p in (rec, store, auto, off, blk)] == [True, False, False, True, True]
+    assert store.stores and not blk.stores and auto.is_auto and off.offloads and blk.is_block
+    assert ActivationPolicy.block(3) == ActivationPolicy.parse("block:3") and str(ActivationPolicy.block(3)) == "block:3"
+    assert ActivationPolicy.default("cpu") == rec and ActivationPolicy.default(torch.device("cuda", 0)) == auto
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.kind = "store"
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "block:0", "store\n", "block:", "Block:2", None, 2])
+def test_policy_parse_refuses_with_todays_message(bad):
+    with pytest.raises(ValueError) as info:
+        ActivationPolicy.parse(bad, "runtime.activation_policy")
+    assert str(info.value) == ("runtime.activation_policy must be 'recompute', 'store', 'auto', 'offload' or 'block:K' "
+                               f"(K >= 1), got {bad!r}")
+
+
+def test_engine_keeps_the_policy_string():
+    model = megatrain.wrap(_tiny(), device="cpu", activation_policy="block:02")
+    eng = model.megatrain
+    assert eng.activation_policy == "block:02" and eng.block_k == 2 and eng.placement()["activation_policy"] == "block:02"
