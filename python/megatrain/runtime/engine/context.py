@@ -1,0 +1,36 @@
+""":class:`EngineContext`: what the parts of an engine share and none of them changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ..options import Options
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """The settings every part of an :class:`~megatrain.runtime.engine.core.Engine` reads, built once by it.
+
+    Attributes:
+        device: the compute device (``cuda:N`` or ``cpu``); cuda: ``device.type == "cuda"``.
+        device_index: the CUDA device index (-1 on the CPU).
+        compute_dtype: dtype of the compute copy and of the device slots.
+        units: the units in forward order (layers first, resident unit last); layers: the layer units.
+        options: the run's :class:`~megatrain.runtime.options.Options` (read once, by the engine).
+        store: the ``_C.HostStore``; disk: the disk tier (``DiskOffload``) or None.
+        sharding: the strategy of the run (:class:`~.sharding.SingleProcess` or data parallel).
+    """
+
+    device: torch.device
+    cuda: bool
+    device_index: int
+    compute_dtype: torch.dtype
+    units: List
+    layers: List
+    options: Options
+    store: object
+    disk: Optional[object]
+    sharding: object
