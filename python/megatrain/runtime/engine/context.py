@@ -1,7 +1,9 @@
-""":class:`EngineContext`: what the parts of an engine share and none of them changes."""
+""":class:`EngineContext`: what the parts of an engine share and none of them changes; :func:`forward_to` and
+:func:`part_attribute`, the engine's one-line delegations to its parts."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -34,3 +36,21 @@ class EngineContext:
     store: object
     disk: Optional[object]
     sharding: object
+
+
+def forward_to(part: str, method, name: Optional[str] = None):
+    """An engine method that calls ``method`` of its part ``part`` (the part's signature and
+    docstring; looked up on the part at each call). ``name``: the engine's name, if another."""
+    target = method.__name__
+
+    @functools.wraps(method)
+    def forward(self, *args, **kwargs):
+        return getattr(getattr(self, part), target)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name or target
+    return forward
+
+
+def part_attribute(part: str, name: str, doc: str) -> property:
+    """A read-only engine property: attribute ``name`` of its part ``part``."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)

@@ -49,14 +49,13 @@ The engine's own methods: host-store state (``sync_host`` / ``host_written``,
 ``take_state_dict_writes`` / ``refresh_state_dict_views``), the attached optimizer
 (``attach_optimizer``, ``register_param``, :func:`locate`: :mod:`.optimizer_link`),
 ``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations to the parts
-(:func:`_forward`). The units and entries it streams are :mod:`.units`'s.
+(:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
 
 Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sections 2-4.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import List, Optional
 
 import torch
@@ -66,7 +65,7 @@ from .. import data_parallel
 from ..placement.disk_plan import DiskOffload, check_offload_args, plan_offload
 from ..placement.host_memory import check_host_budget
 from ..options import Options, options
-from .context import EngineContext
+from .context import EngineContext, forward_to, part_attribute
 from .grad_copies import GradCopies
 from .grads import GradLedger
 from .memory import Accumulator, DeviceStateLayers, free_device_bytes
@@ -82,24 +81,6 @@ from .waits import Waits
 from .worker import _Worker
 
 _C = load_extension()
-
-
-def _forward(part: str, method, name: Optional[str] = None):
-    """An :class:`Engine` method that calls ``method`` of its part ``part`` (the part's signature and
-    docstring; looked up on the part at each call). ``name``: the engine's name, if another."""
-    target = method.__name__
-
-    @functools.wraps(method)
-    def forward(self, *args, **kwargs):
-        return getattr(getattr(self, part), target)(*args, **kwargs)
-
-    forward.__name__ = forward.__qualname__ = name or target
-    return forward
-
-
-def _attribute(part: str, name: str, doc: str) -> property:
-    """A read-only :class:`Engine` property: attribute ``name`` of its part ``part``."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
 class Engine:
@@ -307,52 +288,52 @@ class Engine:
             self.device_state.masters_to_host(on_device)
 
     # ------------------------------------------------------------------ the parts' interface
-    acquire = _forward("slot_pool", SlotPool.acquire)
-    prefetch = _forward("slot_pool", SlotPool.prefetch)
-    release = _forward("slot_pool", SlotPool.release)
-    copy_h2d = _forward("slot_pool", SlotPool.copy_h2d)
-    bind = _forward("slot_pool", SlotPool.bind)
-    unbind = _forward("slot_pool", SlotPool.unbind)
-    add_slots = _forward("slot_pool", SlotPool.add_slots)
-    drop_slots = _forward("slot_pool", SlotPool.drop_slots)
-    invalidate = _forward("slot_pool", SlotPool.invalidate)
-    compute_stream = _forward("slot_pool", SlotPool.compute_stream)
-    slots = _attribute("slot_pool", "slots", "Layer template -> its device slots.")
-    h2d_stream = _attribute("slot_pool", "h2d_stream", "The H2D copy stream (CUDA only).")
-    cpp_slots = _attribute("slot_pool", "cpp_slots", "Whether the slots and copies are the C++ scheduler's.")
-    flush = _forward("waits", Waits.flush)
-    wait_grads = _forward("waits", Waits.wait_grads)
-    wait_update = _forward("waits", Waits.wait_update)
-    wait_task = _forward("waits", Waits.wait_task)
-    wait_event = _forward("waits", Waits.wait_event)
-    submit_grads = _forward("grads", GradLedger.submit_grads)
-    submit_grad_task = _forward("grads", GradLedger.submit_grad_task)
-    settle = _forward("grads", GradLedger.settle)
-    ledger = _attribute("grads", "ledger", "The ``_C.Ledger`` of every entry's gradient and update state.")
-    copy_grads_d2h = _forward("copies", GradCopies.copy_grads_d2h)
-    d2h_done_torch = _forward("copies", GradCopies.d2h_done_torch)
-    d2h_stream = _attribute("copies", "d2h_stream", "The D2H copy stream (CUDA only).")
-    submit_update = _forward("updates", UpdateQueue.submit_update)
-    ensure_weights = _forward("updates", UpdateQueue.ensure_weights)
-    zero_grad = _forward("updates", UpdateQueue.zero_grad)
-    section = _forward("views", StoreViews.section)
-    entry_view = _forward("views", StoreViews.entry_view)
-    task_view = _forward("views", StoreViews.task_view)
-    state_window = _forward("views", StoreViews.state_window)
-    _host_buffer = _forward("views", StoreViews.host_buffer, "_host_buffer")
-    enable_accumulator = _forward("accumulator", Accumulator.enable, "enable_accumulator")
-    accumulator_bytes = _forward("accumulator", Accumulator.nbytes, "accumulator_bytes")
-    accumulator_mode = _attribute("accumulator", "mode", "``grad_accumulator`` as wrapped (True / None auto / False).")
-    has_accumulator = _attribute("accumulator", "has_accumulator", "A second gradient before ``step()`` can be summed.")
-    accumulator_allocated = _attribute("accumulator", "allocated", "The fp32 accumulator exists.")
-    init_device_state = _forward("device_layers", DeviceStateLayers.init, "init_device_state")
-    resize_device_state = _forward("device_layers", DeviceStateLayers.resize, "resize_device_state")
-    device_state = _attribute("device_layers", "device_state", "The ``DeviceState`` of the device-state layers, or None.")
-    worker_timeline = _forward("timeline", WorkerTimeline.events, "worker_timeline")
-    set_worker_timeline = _forward("timeline", WorkerTimeline.set_on, "set_worker_timeline")
-    timeline_step_end = _forward("timeline", WorkerTimeline.step_end, "timeline_step_end")
-    _timeline_step_begin = _forward("timeline", WorkerTimeline.step_begin, "_timeline_step_begin")
-    _timeline_backward = _forward("timeline", WorkerTimeline.backward, "_timeline_backward")
+    acquire = forward_to("slot_pool", SlotPool.acquire)
+    prefetch = forward_to("slot_pool", SlotPool.prefetch)
+    release = forward_to("slot_pool", SlotPool.release)
+    copy_h2d = forward_to("slot_pool", SlotPool.copy_h2d)
+    bind = forward_to("slot_pool", SlotPool.bind)
+    unbind = forward_to("slot_pool", SlotPool.unbind)
+    add_slots = forward_to("slot_pool", SlotPool.add_slots)
+    drop_slots = forward_to("slot_pool", SlotPool.drop_slots)
+    invalidate = forward_to("slot_pool", SlotPool.invalidate)
+    compute_stream = forward_to("slot_pool", SlotPool.compute_stream)
+    slots = part_attribute("slot_pool", "slots", "Layer template -> its device slots.")
+    h2d_stream = part_attribute("slot_pool", "h2d_stream", "The H2D copy stream (CUDA only).")
+    cpp_slots = part_attribute("slot_pool", "cpp_slots", "Whether the slots and copies are the C++ scheduler's.")
+    flush = forward_to("waits", Waits.flush)
+    wait_grads = forward_to("waits", Waits.wait_grads)
+    wait_update = forward_to("waits", Waits.wait_update)
+    wait_task = forward_to("waits", Waits.wait_task)
+    wait_event = forward_to("waits", Waits.wait_event)
+    submit_grads = forward_to("grads", GradLedger.submit_grads)
+    submit_grad_task = forward_to("grads", GradLedger.submit_grad_task)
+    settle = forward_to("grads", GradLedger.settle)
+    ledger = part_attribute("grads", "ledger", "The ``_C.Ledger`` of every entry's gradient and update state.")
+    copy_grads_d2h = forward_to("copies", GradCopies.copy_grads_d2h)
+    d2h_done_torch = forward_to("copies", GradCopies.d2h_done_torch)
+    d2h_stream = part_attribute("copies", "d2h_stream", "The D2H copy stream (CUDA only).")
+    submit_update = forward_to("updates", UpdateQueue.submit_update)
+    ensure_weights = forward_to("updates", UpdateQueue.ensure_weights)
+    zero_grad = forward_to("updates", UpdateQueue.zero_grad)
+    section = forward_to("views", StoreViews.section)
+    entry_view = forward_to("views", StoreViews.entry_view)
+    task_view = forward_to("views", StoreViews.task_view)
+    state_window = forward_to("views", StoreViews.state_window)
+    _host_buffer = forward_to("views", StoreViews.host_buffer, "_host_buffer")
+    enable_accumulator = forward_to("accumulator", Accumulator.enable, "enable_accumulator")
+    accumulator_bytes = forward_to("accumulator", Accumulator.nbytes, "accumulator_bytes")
+    accumulator_mode = part_attribute("accumulator", "mode", "``grad_accumulator`` as wrapped (True / None auto / False).")
+    has_accumulator = part_attribute("accumulator", "has_accumulator", "A second gradient before ``step()`` can be summed.")
+    accumulator_allocated = part_attribute("accumulator", "allocated", "The fp32 accumulator exists.")
+    init_device_state = forward_to("device_layers", DeviceStateLayers.init, "init_device_state")
+    resize_device_state = forward_to("device_layers", DeviceStateLayers.resize, "resize_device_state")
+    device_state = part_attribute("device_layers", "device_state", "The ``DeviceState`` of the device-state layers, or None.")
+    worker_timeline = forward_to("timeline", WorkerTimeline.events, "worker_timeline")
+    set_worker_timeline = forward_to("timeline", WorkerTimeline.set_on, "set_worker_timeline")
+    timeline_step_end = forward_to("timeline", WorkerTimeline.step_end, "timeline_step_end")
+    _timeline_step_begin = forward_to("timeline", WorkerTimeline.step_begin, "_timeline_step_begin")
+    _timeline_backward = forward_to("timeline", WorkerTimeline.backward, "_timeline_backward")
 
     def stats(self) -> dict:
         """Cumulative counters since the engine was built (:func:`~.stats.engine_stats`)."""
