@@ -120,7 +120,7 @@ def test_each_step_reads_and_writes_the_disk_state_once(tmp_path, ga, max_grad_n
     batches = make_batches(VOCAB, 6, ga, 2, 8, seed=4)
 
     def counters():
-        eng._worker.drain()
+        eng.worker.drain()
         eng.disk.flush()  # the writes behind of this step done
         return [{k: t.stats()[k] for k in ("bytes_read", "bytes_written", "unit_reads", "unit_writes", "cache_hits")}
                 for t in (eng.disk.tier, eng.disk.accum) if t is not None]

@@ -676,7 +676,7 @@ def test_optimizer_state_read_right_after_step_shows_the_new_moments():
     model(input_ids=x, labels=x).loss.backward()
     # an update task that runs before the ones step() queues (smallest key): they are still queued
     # when the state is read below
-    model.megatrain._worker.submit(lambda: time.sleep(0.05), _Worker.UPDATE, -1)
+    model.megatrain.worker.submit(lambda: time.sleep(0.05), _Worker.UPDATE, -1)
     opt.step()
     p_ref = ref.model.layers[1].mlp.down_proj.weight
     p = model.model.layers[1].mlp.down_proj.weight

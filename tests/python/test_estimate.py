@@ -21,7 +21,7 @@ def _real_bytes(model):
     eng = model.megatrain
     elem = torch.tensor([], dtype=eng.compute_dtype).element_size()
     # the staging pool is allocated on first use: its bound (what the budget check counts)
-    staging = eng._staging_max * eng._staging_numel * elem
+    staging = eng.grads.staging_max * eng.grads.staging_numel * elem
     if eng.resident is not None:
         staging += eng.resident_staging().numel() * eng.resident_staging().element_size()
     slots = sum(s.buf.numel() * s.buf.element_size() for ss in eng.slots.values() for s in ss)

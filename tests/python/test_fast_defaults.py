@@ -17,7 +17,7 @@ import torch
 
 import megatrain
 from megatrain.runtime.placement import device_state_plan as dsp
-from megatrain.runtime.engine.memory import EngineMemory
+from megatrain.runtime.engine.memory import free_device_bytes
 from megatrain.runtime.activations.policies import default_activation_policy
 
 GiB = 1 << 30
@@ -136,19 +136,14 @@ def test_capped_free_bytes_is_the_cap_less_what_the_process_holds():
     assert dsp.capped_free_bytes(100 * GiB, 50 * GiB, 40 * GiB) == 0  # already over it
 
 
-def _fake_engine(limit):
-    eng = types.SimpleNamespace(cuda=True, device=torch.device("cuda", 0), gpu_memory_limit_bytes=limit)
-    return eng
-
-
 def test_the_cap_reaches_the_planner_through_free_device_bytes(monkeypatch):
     """The engine's one free-memory reader (device-state layers, kept graphs, replan, chunked loss and
     tiling all read it) returns the capped figure; the device-state planner then places fewer layers."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 * GiB, 141 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 3 * GiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 2 * GiB)
-    free = EngineMemory.free_device_bytes(_fake_engine(None))
-    capped = EngineMemory.free_device_bytes(_fake_engine(12 * GiB))
+    free = free_device_bytes(torch.device("cuda", 0), None)
+    capped = free_device_bytes(torch.device("cuda", 0), 12 * GiB)
     assert free == 101 * GiB and capped == 10 * GiB
     # ten layers of 1 GiB of device state each (bf16 copy 0.5 + fp32 sections 0.5): half of the free
     # memory holds all ten uncapped, five under the cap

@@ -593,7 +593,7 @@ def test_extra_backward_without_clipping_raises_and_leaks_nothing():
     model = megatrain.wrap(tiny("llama"), device="cpu")
     opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)  # no clipping: eager updates
     eng = model.megatrain
-    pool = eng._staging_max
+    pool = eng.grads.staging_max
     x = torch.randint(0, 96, (2, 8))
     for _ in range(pool + 1):  # more errors than staging buffers: a leak per error would deadlock
         model(input_ids=x, labels=x).loss.backward()
@@ -602,7 +602,7 @@ def test_extra_backward_without_clipping_raises_and_leaks_nothing():
         opt.step()
         opt.zero_grad()
     opt.wait()
-    assert eng._staging.qsize() == eng._staging_made <= pool  # every buffer taken from the pool came back
+    assert eng.grads.staging_free() == eng.grads.staging_made <= pool  # every buffer taken from the pool came back
 
 
 def test_staging_pool_is_allocated_only_when_gradients_are_summed():
@@ -617,14 +617,14 @@ def test_staging_pool_is_allocated_only_when_gradients_are_summed():
         opt.step()
         opt.zero_grad()
     opt.wait()
-    assert eng._staging_made == 0 and eng._resident_staging is None
+    assert eng.grads.staging_made == 0 and eng._resident_staging is None
     acc = megatrain.wrap(tiny("llama"), device="cpu")
     opt = megatrain.optim.CPUAdamW(acc.parameters(), lr=1e-3, gradient_accumulation_steps=2)
     for _ in range(2):
         acc(input_ids=x, labels=x).loss.backward()
     opt.step()
     opt.wait()
-    assert acc.megatrain._staging_made >= 1 and acc.megatrain._resident_staging is not None
+    assert acc.megatrain.grads.staging_made >= 1 and acc.megatrain._resident_staging is not None
 
 
 def _corrupt_step_count(opt, param) -> None:
@@ -643,7 +643,7 @@ def test_cpu_worker_failure_surfaces_instead_of_hanging():
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-    assert model.megatrain._worker.failed
+    assert model.megatrain.worker.failed
     with pytest.raises(RuntimeError, match="CPU worker failed.*AdamW step must be >= 1"):
         model.megatrain.flush()  # sticky
 

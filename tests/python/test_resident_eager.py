@@ -26,7 +26,7 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever():
 
     def wait_for_the_failure(p):  # runs after megatrain's hook on the LM head queued its update
         t0 = time.monotonic()
-        while not eng._worker.failed and time.monotonic() - t0 < 30:
+        while not eng.worker.failed and time.monotonic() - t0 < 30:
             time.sleep(0.001)
 
     model.lm_head.weight.register_post_accumulate_grad_hook(wait_for_the_failure)
@@ -34,9 +34,9 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever():
     with pytest.raises(RuntimeError, match="CPU worker failed.*AdamW step must be >= 1"):
         model(input_ids=x, labels=x).loss.backward()
     t0 = time.monotonic()  # the tasks queued behind the failure are skipped: wait until all are
-    while eng._worker.unfinished and time.monotonic() - t0 < 30:
+    while eng.worker.unfinished and time.monotonic() - t0 < 30:
         time.sleep(0.001)
-    assert eng._worker.unfinished == 0
+    assert eng.worker.unfinished == 0
     stuck = [u.index for u in eng.units if not u.update_settled]
     assert not stuck, f"units {stuck} wait for an update that was never queued"
     outcome = []

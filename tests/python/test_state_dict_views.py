@@ -173,7 +173,7 @@ def test_held_state_dict_tensors_of_host_layers_read_the_step_when_it_returns(mo
     while the next forward starts. A held state_dict tensor reads the store directly, so ``step()``
     waits for the updates of the units with such a tensor alive (only those) before it returns, and
     each read right after ``step()`` is torch's parameter after its step."""
-    slots = importlib.import_module("megatrain.runtime.engine.slots").SlotPool
+    slots = importlib.import_module("megatrain.runtime.engine.waits").Waits
     waited = []
     wait_update = slots.wait_update
 

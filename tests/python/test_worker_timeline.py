@@ -86,7 +86,7 @@ def test_timeline_off_is_empty_and_changes_no_bits(base_model, clip):
     on, timelines_on, m_on = _train(base_model, True, clip)
     off, timelines_off, m_off = _train(base_model, False, clip)
     assert all(timelines_on) and timelines_off == [[]] * STEPS
-    assert m_off.megatrain._tl_steps == {}
+    assert m_off.megatrain.timeline.open_steps == []
     assert on.keys() == off.keys()
     for k in on:
         assert torch.equal(on[k], off[k]), k
@@ -120,7 +120,7 @@ def test_next_forward_waits_belong_to_the_step_whose_updates_they_wait_for(base_
     model(input_ids=x, labels=x).loss.backward()
     eng.wait_grads()  # the gradient tasks ran: the worker is free for the holding task
     release = threading.Event()
-    eng._worker.submit(release.wait, _Worker.UPDATE, -1)
+    eng.worker.submit(release.wait, _Worker.UPDATE, -1)
     opt.step()
     opt.zero_grad()
     threading.Timer(0.05, release.set).start()

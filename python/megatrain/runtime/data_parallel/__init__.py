@@ -33,8 +33,8 @@ Modules: :mod:`.group` (:class:`DataParallel`: ranks, pieces, collectives, one r
 all), :mod:`.node` (the node's shared memory: the store's arena, the control block, the wait for
 the peers' updates), :mod:`.buffers` (this rank's accumulator pieces and pinned staging),
 :mod:`.calls` (the collective calls: ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``
-on every rank at the same point, and the posted errors), :mod:`.engine` (:class:`DataParallelEngine`,
-the engine's data parallel methods).
+on every rank at the same point, and the posted errors), :mod:`.engine` (:class:`DataParallelStrategy`,
+the engine's sharding strategy: the hooks its parts call in a data parallel run).
 """
 
 from __future__ import annotations
@@ -44,12 +44,11 @@ from typing import Optional
 import torch
 
 from ..options import options
-from .engine import DataParallelEngine, DataParallelUnit, attach, engine_class, unit_class
+from .engine import DataParallelStrategy
 from .errors import ENV_TIMEOUT, DataParallelError
 from .group import DataParallel
 
-__all__ = ["DataParallel", "DataParallelEngine", "DataParallelError", "DataParallelUnit", "ENV_TIMEOUT", "active",
-           "attach", "detect", "engine_class", "unit_class"]
+__all__ = ["DataParallel", "DataParallelError", "DataParallelStrategy", "ENV_TIMEOUT", "active", "detect"]
 
 
 def active() -> bool:

@@ -39,8 +39,18 @@ class PieceBuffers:
         off = self._acc_off[(unit.index, i)]
         return self._acc[unit.index][off:off + self.piece(unit.entries[i].numel)[1]]
 
+    @property
+    def accumulator_allocated(self) -> bool:
+        """This rank's accumulator pieces exist (allocated at the first gradient summed)."""
+        return self._acc is not None
+
     def accumulator_bytes(self) -> int:
+        """Host bytes of this rank's accumulator pieces."""
         return 0 if self._acc is None else sum(4 * t.numel() for t in self._acc.values())
+
+    def hold_staging(self, handle, buf: torch.Tensor) -> None:
+        """``buf`` (a pinned staging buffer) is read by the gradient task ``handle``: back to the pool after it ran."""
+        self._in_flight.append((handle, buf))
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with self._pinned_lock:

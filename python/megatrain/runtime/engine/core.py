@@ -18,100 +18,73 @@ memory) and moves bytes between it and the compute device:
 On a machine without a GPU the same engine runs with device slots in host memory and synchronous
 copies (the "CPU backend"), so every path is exercised by CPU tests.
 
-:class:`Engine` is the one interface the other parts of megatrain use. Its methods come from:
+:class:`Engine` is the one interface the other parts of megatrain use. It builds the store (budget
+check, disk tier) and owns these parts, each with its own state, built and connected in
+``Engine._build_parts`` (the settings they share: :class:`~.context.EngineContext`); they call each
+other's public methods only:
 
-* this module: construction (budget check, store), host-store views, ``sync_host`` /
-  ``host_written``, ``take_state_dict_writes`` / ``refresh_state_dict_views`` (the optimizer's
-  step and the held ``model.state_dict()`` tensors), the attached optimizer and ``locate``;
-* :mod:`.memory` (:class:`~.memory.EngineMemory`): the fp32 accumulator
-  (``enable_accumulator``), ``finish_fill``, device-state layers (``init_device_state``,
-  ``resize_device_state``), ``free_device_bytes``;
-* :mod:`.waits` (:class:`~.waits.EngineWaits`): waiting for the worker (``flush``,
-  ``wait_grads``, ``wait_task``, ``wait_event``);
-* :mod:`.slots` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): ``acquire`` /
-  ``prefetch`` / ``release``, ``copy_h2d``, ``wait_update``, ``bind`` / ``unbind``, ``drop_slots``;
-* :mod:`.grads` (:class:`~.grads.GradLedger`): ``submit_grads`` (hand-over + accumulation), ``settle``;
-* :mod:`.grad_copies` (:class:`~.grad_copies.GradCopies`): ``copy_grads_d2h`` (the gradient D2H);
-* :mod:`.updates` (:class:`~.updates.UpdateQueue`): ``submit_update``, ``ensure_weights``, ``zero_grad``;
-* :mod:`.stats` (:class:`~.stats.EngineStats`): ``stats()``; :mod:`.timeline`: ``worker_timeline()``.
+* ``counters`` (:class:`~.stats.EngineCounters`): bytes and seconds of the copies, the CPU Adam and
+  the waits; ``stats()`` / ``placement()`` report them (:func:`~.stats.engine_stats`);
+* ``timeline`` (:class:`~.timeline.WorkerTimeline`): the per-step timeline of the worker's tasks
+  (``worker_timeline()``, ``set_worker_timeline``, ``timeline_step_end``);
+* ``accumulator`` (:class:`~.memory.Accumulator`): the fp32 accumulator outside the store
+  (``enable_accumulator``, ``accumulator_bytes``, ``has_accumulator``);
+* ``views`` (:class:`~.views.StoreViews`): ``section``, ``entry_view``, ``task_view``, ``state_window``;
+* ``slot_pool`` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): the device slots and the
+  H2D stream: ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``, ``bind`` / ``unbind``,
+  ``add_slots`` / ``drop_slots``, ``invalidate``, ``compute_stream`` (``slots``, ``h2d_stream``);
+* ``grads`` (:class:`~.grads.GradLedger`): the ledger, the optimizer attached, the staging pool:
+  ``submit_grads`` (hand-over + accumulation), ``settle``, ``submit_grad_task``;
+* ``copies`` (:class:`~.grad_copies.GradCopies`): the gradient D2H and the D2H stream (``copy_grads_d2h``);
+* ``updates`` (:class:`~.updates.UpdateQueue`): ``submit_update``, ``ensure_weights``, ``zero_grad``;
+* ``waits`` (:class:`~.waits.Waits`): ``flush``, ``wait_grads``, ``wait_update``, ``wait_task``, ``wait_event``;
+* ``device_layers`` (:class:`~.memory.DeviceStateLayers`): ``init_device_state``,
+  ``resize_device_state`` (``device_state``);
+* ``worker`` (:class:`~.worker._Worker`): the CPU thread;
+* ``sharding`` (:class:`~.sharding.SingleProcess`, or data parallel's
+  :class:`~megatrain.runtime.data_parallel.engine.DataParallelStrategy`): the strategy whose hooks the
+  parts call where ranks share the work (``dp``: its ``DataParallel`` group, or None).
 
-The units and entries it streams are :mod:`.units`'s; the CPU thread is :mod:`.worker`'s.
+The engine's own methods: host-store state (``sync_host`` / ``host_written``,
+``take_state_dict_writes`` / ``refresh_state_dict_views``), the attached optimizer
+(``attach_optimizer``, ``register_param``, :func:`locate`: :mod:`.optimizer_link`),
+``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations to the parts
+(:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
 
 Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sections 2-4.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from ..._loader import load_extension
 from .. import data_parallel
-from .grad_copies import GradCopies
 from ..placement.disk_plan import DiskOffload, check_offload_args, plan_offload
-from .memory import EngineMemory
-from .optimizer_port import EngineOptimizer
-from .waits import EngineWaits
-from .grads import GradLedger
 from ..placement.host_memory import check_host_budget
 from ..options import Options, options
+from .context import EngineContext, forward_to, part_attribute
+from .grad_copies import GradCopies
+from .grads import GradLedger
+from .memory import Accumulator, DeviceStateLayers, free_device_bytes
+from .optimizer_link import install_step_guard, locate  # noqa: F401 - locate: public here too
+from .optimizer_port import EngineOptimizer
+from .sharding import SingleProcess
 from .slots import SlotPool
-from .stats import EngineStats
+from .stats import EngineCounters, engine_stats, placement_report
+from .timeline import WorkerTimeline
 from .units import Unit, unit_tables
 from .updates import UpdateQueue
+from .views import StoreViews
+from .waits import Waits
 from .worker import _Worker
 
 _C = load_extension()
 
 
-_STEP_GUARD = None  # the handle of the global torch.optim step pre-hook (installed once, by the first engine)
-_STEP_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> group sizes checked
-
-
-def _refuse_foreign_step(optimizer, args, kwargs) -> None:
-    """torch.optim step pre-hook: an optimizer other than megatrain's over a wrapped model's parameters raises.
-
-    Such an optimizer would see only placeholders (meta layers, or resident copies that the host
-    store overwrites) and train nothing while the model's gradients go to its CPUAdamW. Each
-    optimizer's parameters are checked once per change of its param groups (a ``_megatrain``
-    attribute lookup per parameter).
-    """
-    if getattr(optimizer, "megatrain_optimizer", False):
-        return
-    key = tuple(len(g["params"]) for g in optimizer.param_groups)
-    if _STEP_CHECKED.get(optimizer) == key:
-        return
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if locate(p) is not None:
-                raise RuntimeError(
-                    f"megatrain: {type(optimizer).__module__}.{type(optimizer).__qualname__}.step() over a wrapped "
-                    "model's parameters would train nothing (megatrain keeps them in its host store); use "
-                    "megatrain.optim.CPUAdamW(model.parameters(), ...) instead")
-    _STEP_CHECKED[optimizer] = key
-
-
-def _install_step_guard() -> None:
-    global _STEP_GUARD
-    if _STEP_GUARD is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_GUARD = register_optimizer_step_pre_hook(_refuse_foreign_step)
-
-
-def locate(param: torch.Tensor) -> Optional[Tuple["Engine", Unit, int]]:
-    """``(engine, unit, entry_index)`` of a parameter of a wrapped model, or None for any other tensor.
-
-    The one lookup from a user-visible parameter (``model.parameters()``) to where megatrain keeps
-    it; :meth:`Engine.register_param` records it.
-    """
-    return getattr(param, "_megatrain", None)
-
-
-class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, UpdateQueue, EngineStats):
+class Engine:
     """Streams units between a ``HostStore`` and a compute device (see module docstring).
 
     Args:
@@ -160,15 +133,14 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
         tables, frozen = unit_tables(units)
-        self.accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
-        in_store = self.accumulator_mode is True
-        self._accum: Optional[dict] = None  # auto mode: unit index -> flat fp32 accumulator (trainable entries)
+        self._accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
+        in_store = self._accumulator_mode is True
         self.options: Options = options()  # read once, here (see megatrain.runtime.options)
         self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
         # Which layers' fp32 state goes to disk (none without offload_dir), and the host part without it.
         self.offload_plan = plan_offload(
-            units, compute_dtype, self.accumulator_mode, staging_buffers, offload_dir=offload_dir,
+            units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
             keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers,
             check=offload_dir is not None or host_memory_limit is not None)
@@ -179,6 +151,7 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
                           "host store", reclaimable_bytes=credit)
         # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
         self.dp = data_parallel.detect(device)
+        self.sharding = SingleProcess() if self.dp is None else data_parallel.DataParallelStrategy(self.dp)
         # checked above, with the credit of the model's own weights: the store's own check is skipped
         if self.dp is not None:
             self.store = self.dp.create_store(tables, compute_dtype, in_store,
@@ -199,29 +172,43 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         if self.offload_plan.disk_units:
             self.disk = DiskOffload(self, self.offload_plan, io_threads=self.options.disk_io_threads,
                                     fault=self.options.disk_fault)
-            if self.accumulator_mode is True:
+            if self._accumulator_mode is True:
                 self.disk.enable_accumulator()
         self.debug = self.options.debug_races
         self.overlap = self.options.overlap
         self.d2h_overlap = self.options.d2h_overlap
-        self.eager_updates = self.options.eager_updates
+        self.eager_updates = self.options.eager_updates and self.sharding.allows_eager_updates
         self.fused_grad_norms = self.options.fused_grad_norms
-        self._init_slots(num_slots)
-        self._init_grads(staging_buffers)
-        self._worker = _Worker(adam_threads=self.options.adam_threads)
-        if self.dp is not None:  # this rank's pieces of the shared store (runtime/data_parallel/)
-            data_parallel.attach(self)
-        self._init_stats()
-        self._optimizer: Optional[EngineOptimizer] = None
-        self.device_state = None  # DeviceState of the device-state layers (init_device_state)
+        self._build_parts(num_slots, staging_buffers)
 
-    def state_window(self, write: bool = False):
-        """Context in which ``entry_view`` / ``section`` reach the disk units' fp32 state (one unit at a
-        time: see :meth:`~..placement.disk_plan.DiskOffload.window`); a no-op context without a disk tier.
-        ``write``: the units viewed are written back (dirty). Drains the CPU worker first."""
-        if self.disk is None:
-            return contextlib.nullcontext()
-        return self.disk.window(write)
+    def _build_parts(self, num_slots: int, staging_buffers: int) -> None:
+        """Build the parts (see the module docstring) and connect them: the one place that does."""
+        device_index = self.device.index if self.cuda and self.device.index is not None else (
+            torch.cuda.current_device() if self.cuda else -1)
+        ctx = EngineContext(device=self.device, cuda=self.cuda, device_index=device_index,
+                            compute_dtype=self.compute_dtype, units=self.units, layers=self.layers,
+                            options=self.options, store=self.store, disk=self.disk, sharding=self.sharding)
+        self.counters = EngineCounters(self.cuda, device_index)
+        self.timeline = WorkerTimeline(getattr(self.options, "worker_timeline", False))
+        self.accumulator = Accumulator(self._accumulator_mode, self.units, self.store, self.disk, self.offload_plan,
+                                       self.sharding)
+        self.views = StoreViews(ctx, self.accumulator)
+        self.slot_pool = SlotPool(ctx, num_slots, self.debug, self.counters, self.views)
+        self.grads = GradLedger(ctx, staging_buffers, self.eager_updates, self.fused_grad_norms)
+        self.waits = Waits(self.units, self.overlap, self.sharding, self.disk)
+        self.copies = GradCopies(ctx, self.debug, self.d2h_overlap, self.counters, self.slot_pool, self.waits)
+        self.updates = UpdateQueue(ctx, self.overlap)
+        self.device_layers = DeviceStateLayers(self, self.slot_pool, self.waits, self.sharding)
+        # the CPU thread (data parallel: counting each unit's update tasks for the peers)
+        self.worker = self.sharding.wrap_worker(_Worker(adam_threads=self.options.adam_threads))
+        self.timeline.connect(self.grads)
+        self.slot_pool.connect(self.waits)
+        self.waits.connect(self.worker, self.counters, self.timeline, self.grads)
+        self.grads.connect(self.worker, self.counters, self.timeline, self.views, self.accumulator, self.copies,
+                           self.updates, self.waits, self.slot_pool, self.device_layers)
+        self.updates.connect(self.worker, self.grads, self.views, self.accumulator, self.waits, self.slot_pool,
+                             self.device_layers)
+        self.sharding.bind(self)  # data parallel: this rank's pieces of the shared store (runtime/data_parallel/)
 
     def sync_host(self, units: Optional[List[Unit]] = None, for_write: bool = False) -> None:
         """Make the host store current before reading it (checkpoint, state_dict, export, optimizer state).
@@ -301,51 +288,91 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         if on_device:
             self.device_state.masters_to_host(on_device)
 
-    def _host_buffer(self, numel: int) -> torch.Tensor:
-        if self.cuda:
-            # bounded staging, counted in the store's budget check
-            return _C.pinned_empty(numel, self.compute_dtype, check_budget=False)
-        return torch.empty(numel, dtype=self.compute_dtype)
+    # ------------------------------------------------------------------ the parts' interface
+    acquire = forward_to("slot_pool", SlotPool.acquire)
+    prefetch = forward_to("slot_pool", SlotPool.prefetch)
+    release = forward_to("slot_pool", SlotPool.release)
+    copy_h2d = forward_to("slot_pool", SlotPool.copy_h2d)
+    bind = forward_to("slot_pool", SlotPool.bind)
+    unbind = forward_to("slot_pool", SlotPool.unbind)
+    add_slots = forward_to("slot_pool", SlotPool.add_slots)
+    drop_slots = forward_to("slot_pool", SlotPool.drop_slots)
+    invalidate = forward_to("slot_pool", SlotPool.invalidate)
+    compute_stream = forward_to("slot_pool", SlotPool.compute_stream)
+    slots = part_attribute("slot_pool", "slots", "Layer template -> its device slots.")
+    h2d_stream = part_attribute("slot_pool", "h2d_stream", "The H2D copy stream (CUDA only).")
+    cpp_slots = part_attribute("slot_pool", "cpp_slots", "Whether the slots and copies are the C++ scheduler's.")
+    flush = forward_to("waits", Waits.flush)
+    wait_grads = forward_to("waits", Waits.wait_grads)
+    wait_update = forward_to("waits", Waits.wait_update)
+    wait_task = forward_to("waits", Waits.wait_task)
+    wait_event = forward_to("waits", Waits.wait_event)
+    submit_grads = forward_to("grads", GradLedger.submit_grads)
+    submit_grad_task = forward_to("grads", GradLedger.submit_grad_task)
+    settle = forward_to("grads", GradLedger.settle)
+    ledger = part_attribute("grads", "ledger", "The ``_C.Ledger`` of every entry's gradient and update state.")
+    copy_grads_d2h = forward_to("copies", GradCopies.copy_grads_d2h)
+    d2h_done_torch = forward_to("copies", GradCopies.d2h_done_torch)
+    d2h_stream = part_attribute("copies", "d2h_stream", "The D2H copy stream (CUDA only).")
+    submit_update = forward_to("updates", UpdateQueue.submit_update)
+    ensure_weights = forward_to("updates", UpdateQueue.ensure_weights)
+    zero_grad = forward_to("updates", UpdateQueue.zero_grad)
+    section = forward_to("views", StoreViews.section)
+    entry_view = forward_to("views", StoreViews.entry_view)
+    task_view = forward_to("views", StoreViews.task_view)
+    state_window = forward_to("views", StoreViews.state_window)
+    _host_buffer = forward_to("views", StoreViews.host_buffer, "_host_buffer")
+    enable_accumulator = forward_to("accumulator", Accumulator.enable, "enable_accumulator")
+    accumulator_bytes = forward_to("accumulator", Accumulator.nbytes, "accumulator_bytes")
+    accumulator_mode = part_attribute("accumulator", "mode", "``grad_accumulator`` as wrapped (True / None auto / False).")
+    has_accumulator = part_attribute("accumulator", "has_accumulator", "A second gradient before ``step()`` can be summed.")
+    accumulator_allocated = part_attribute("accumulator", "allocated", "The fp32 accumulator exists.")
+    init_device_state = forward_to("device_layers", DeviceStateLayers.init, "init_device_state")
+    resize_device_state = forward_to("device_layers", DeviceStateLayers.resize, "resize_device_state")
+    device_state = part_attribute("device_layers", "device_state", "The ``DeviceState`` of the device-state layers, or None.")
+    worker_timeline = forward_to("timeline", WorkerTimeline.events, "worker_timeline")
+    set_worker_timeline = forward_to("timeline", WorkerTimeline.set_on, "set_worker_timeline")
+    timeline_step_end = forward_to("timeline", WorkerTimeline.step_end, "timeline_step_end")
+    _timeline_step_begin = forward_to("timeline", WorkerTimeline.step_begin, "_timeline_step_begin")
+    _timeline_backward = forward_to("timeline", WorkerTimeline.backward, "_timeline_backward")
 
-    def section(self, unit: Unit, name: str) -> torch.Tensor:
-        """Flat zero-copy view of one store section of ``unit`` (CPU, pinned when on CUDA).
+    def stats(self) -> dict:
+        """Cumulative counters since the engine was built (:func:`~.stats.engine_stats`)."""
+        return engine_stats(self)
 
-        A disk unit's fp32 sections: a view of the tier's buffer, inside ``disk.window`` only.
-        """
-        if unit.disk is not None and name != "compute":
-            return self.disk.section(unit, name)
-        return self.store.section(unit.index, name)
+    def placement(self) -> dict:
+        """Where the layers' training state and activations live (:func:`~.stats.placement_report`)."""
+        return placement_report(self)
 
-    def entry_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
-        """Shaped zero-copy view of entry ``i`` of ``unit`` in store section ``name``.
+    def finish_fill(self) -> None:
+        """The store is filled: page-lock it now (pin-after-fill, the default on CUDA)."""
+        if self.cuda and self.pin_after_fill and not self.store.is_pinned:
+            self.store.pin()
 
-        A disk unit's master / exp_avg / exp_avg_sq: a view of the tier's buffer, valid inside a
-        ``disk.window`` until another disk unit is viewed (see :class:`~..placement.disk_plan.DiskOffload`).
+    # wrap(gpu_memory_limit=): the cap in bytes (None: the whole device); see free_device_bytes
+    gpu_memory_limit_bytes: Optional[int] = None
 
-        Raises:
-            ValueError: a frozen entry has no fp32 sections (only ``compute``); a disk unit's
-                accumulator is reached through the worker's tasks only.
-            RuntimeError: a disk unit's fp32 state outside a window.
-        """
-        if unit.disk is not None and name != "compute":
-            if name == "grad_accum":
-                raise ValueError(f"megatrain: the gradient accumulator of unit {unit.index} is in the disk tier; "
-                                 "only the CPU worker's tasks read it")
-            return self.disk.view(unit, i, name)
-        if name == "grad_accum" and self.accumulator_mode is not True:
-            if self._accum is None:
-                self.enable_accumulator()
-            e = unit.entries[i]
-            if e.state_offset < 0:
-                raise ValueError(f"megatrain: entry {e.name} is frozen: it has no gradient accumulator")
-            return self._accum[unit.index][e.state_offset:e.state_offset + e.numel].view(e.shape)
-        return self.store.view(unit.index, i, name)
+    def free_device_bytes(self) -> int:
+        """Device bytes free for new tensors, at most ``gpu_memory_limit_bytes`` (:func:`~.memory.free_device_bytes`)."""
+        return free_device_bytes(self.device, self.gpu_memory_limit_bytes)
+
+    # ------------------------------------------------------------------ hooks of the model side
+    def check_resident_params(self, where: str, overwritten=()) -> None:
+        """Raise if a parameter outside the store's control was written in place (:class:`~..model.wrapped_engine.WrappedEngine`)."""
+
+    def note_resident_params(self) -> None:
+        """Record the state :meth:`check_resident_params` compares against (:class:`~..model.wrapped_engine.WrappedEngine`)."""
+
+    def device_state_resident(self) -> Optional[Unit]:
+        """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
+        (its compute copy must already be a device buffer: :class:`~..model.wrapped_engine.WrappedEngine`), or None."""
+        return None
 
     # ------------------------------------------------------------------ the other parts
     @property
     def optimizer(self) -> Optional[EngineOptimizer]:
         """The optimizer gradients are routed to (the last one attached), or None."""
-        return self._optimizer
+        return self.grads.optimizer
 
     def attach_optimizer(self, optimizer: EngineOptimizer) -> None:
         """Route every gradient of the model to ``optimizer`` (replacing the one attached before).
@@ -354,27 +381,26 @@ class Engine(EngineMemory, EngineWaits, SlotPool, GradLedger, GradCopies, Update
         gradient is handed over (``submit_grads``: whether its update may start now), and when a
         queued update is skipped.
         """
-        self._optimizer = optimizer
+        self.grads.attach_optimizer(optimizer)
 
     def register_param(self, param: torch.Tensor, unit: Unit, i: int) -> None:
         """Record that ``param`` (user-visible) is entry ``i`` of ``unit``: :func:`locate` finds it."""
         param._megatrain = (self, unit, i)
-        _install_step_guard()
+        install_step_guard()
 
     def check_failed(self) -> None:
         """Raise the sticky error of the CPU worker (``RuntimeError``) or of the disk tier (``DiskTierError``)
         if one failed: the host state may be partly updated (restart from the last checkpoint)."""
-        self._worker.check()
+        self.worker.check()
         if self.disk is not None:
             self.disk.check()
 
     def close(self) -> None:
         """Run what the CPU worker has queued and stop it; drop the disk tier (its working files are removed)."""
-        self._worker.close()
+        self.worker.close()
         if self.disk is not None:
             self.disk.close()
 
     def disk_stats(self) -> Optional[dict]:
         """The disk tier's counters (``DiskOffload.stats``), or None without one."""
         return None if self.disk is None else self.disk.stats()
-

@@ -1,8 +1,9 @@
 """The D2H copies of a layer's weight gradients (and of their squared-norm inputs) into the host store.
 
-:class:`GradCopies` (mixed into :class:`~megatrain.runtime.engine.core.Engine`) enqueues them on the
-D2H stream once the compute stream's work so far (the layer's backward) is done, and returns
-the event the CPU worker's gradient task waits for. With ``Options.cpp_slots`` (the default) the
+:class:`GradCopies` (the engine's ``copies`` part: it owns the D2H stream and the pinned rows the
+squared norms are read back into) enqueues them on the D2H stream once the compute stream's work so
+far (the layer's backward) is done, and returns the event the CPU worker's gradient task waits for.
+Its interface: ``copy_grads_d2h``, ``d2h_done_torch`` and the attribute ``d2h_stream``. With ``Options.cpp_slots`` (the default) the
 stream ordering, the copies and the events are the C++ scheduler's (``_C.copy_to_host``,
 ``csrc/megatrain/scheduler/streams.h``); otherwise torch's streams and events. On the CPU the
 copies are synchronous.
@@ -23,7 +24,33 @@ _C = load_extension()
 
 
 class GradCopies:
-    """Gradient D2H of an :class:`~megatrain.runtime.engine.core.Engine` (see the module docstring)."""
+    """Gradient D2H of an engine (see the module docstring).
+
+    Args:
+        ctx: the engine's :class:`~.context.EngineContext` (device, units, options).
+        debug: ``Options.debug_races``; d2h_overlap: ``Options.d2h_overlap``.
+        counters: :class:`~.stats.EngineCounters`; slots: :class:`~.slots.SlotPool` (``compute_stream``,
+            ``debug_delay``); waits: :class:`~.waits.Waits` (``wait_task``).
+    """
+
+    def __init__(self, ctx, debug: bool, d2h_overlap: bool, counters, slots, waits):
+        self.cuda = ctx.cuda
+        self.cpp_slots = ctx.options.cpp_slots
+        self.debug = debug
+        self.d2h_overlap = d2h_overlap
+        self._device_index = ctx.device_index
+        self.counters = counters
+        self.slots = slots
+        self.waits = waits
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream(ctx.device)
+        # Squared-norm readback of direct gradients: one pinned row per unit, allocated once (the
+        # unit's previous gradient task, which reads its row, is waited for before it is rewritten).
+        n_units = len(ctx.units)
+        max_entries = max((len(u.entries) for u in ctx.units), default=0)
+        self._norm_rows = None
+        if self.cuda:
+            self._norm_rows = _C.pinned_empty(n_units * max_entries, torch.float64).view(n_units, max_entries)
 
     def copy_grads_d2h(self, unit: Unit, grads: List[Optional[torch.Tensor]], direct: List[bool],
                        compute: Optional[torch.Tensor], staging: Optional[torch.Tensor], norm_idx: List[int],
@@ -43,17 +70,17 @@ class GradCopies:
             when done (``_C.CudaEvent`` or ``torch.cuda.Event``; None on the CPU).
         """
         if not self.cuda:
-            self._stats["d2h_bytes"] += self._host_copies(unit, grads, direct, compute, staging)
+            self.counters.add("d2h_bytes", self._host_copies(unit, grads, direct, compute, staging))
             return dev_norms, None
         norms = None
         if dev_norms is not None:
-            self.wait_task(unit.grad_task)  # it read this row; almost always long done
+            self.waits.wait_task(unit.grad_task)  # it read this row; almost always long done
             norms = self._norm_rows[unit.index, :len(norm_idx)]
         if self.cpp_slots:
             ev, nbytes = self._d2h_native(unit, grads, direct, compute, staging, norms, dev_norms)
         else:
             ev, nbytes = self._d2h_torch(unit, grads, direct, compute, staging, norms, dev_norms)
-        self._stats["d2h_bytes"] += nbytes
+        self.counters.add("d2h_bytes", nbytes)
         return norms, ev
 
     def _host_copies(self, unit: Unit, grads, direct, compute, staging, non_blocking: bool = False) -> int:
@@ -80,24 +107,24 @@ class GradCopies:
         if norms is not None:
             pairs.append((norms, dev_norms))
         done = _C.CudaEvent(False, self._device_index)
-        delay = (lambda: self._debug_delay(self.d2h_stream)) if self.debug else None
-        _C.copy_to_host(pairs, self.d2h_stream.cuda_stream, after_stream=self.compute_stream().cuda_stream,
-                        device=self._device_index, timing=self._copy_timing("d2h"), done=done, before_copy=delay)
+        delay = (lambda: self.slots.debug_delay(self.d2h_stream)) if self.debug else None
+        _C.copy_to_host(pairs, self.d2h_stream.cuda_stream, after_stream=self.slots.compute_stream().cuda_stream,
+                        device=self._device_index, timing=self.counters.copy_timing("d2h"), done=done, before_copy=delay)
         for _, src in pairs:
             src.record_stream(self.d2h_stream)  # the caching allocator keeps it until the copy ran
         if not self.d2h_overlap:
-            _C.stream_wait_event(self.compute_stream().cuda_stream, done)
+            _C.stream_wait_event(self.slots.compute_stream().cuda_stream, done)
         return done, nbytes
 
     def _d2h_torch(self, unit: Unit, grads, direct, compute, staging, norms, dev_norms):
         """The copies on torch's streams and events (``cpp_slots=False``)."""
         backward_done = torch.cuda.Event()
-        backward_done.record(self.compute_stream())
+        backward_done.record(self.slots.compute_stream())
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(backward_done)
             if self.debug:
                 torch.cuda._sleep(2_000_000)
-            end = self._timed("d2h", self.d2h_stream)
+            end = self.counters.timed("d2h", self.d2h_stream)
             nbytes = self._host_copies(unit, grads, direct, compute, staging, non_blocking=True)
             for g in grads:
                 if g is not None:
@@ -115,5 +142,5 @@ class GradCopies:
         ev = torch.cuda.Event()
         ev.record(self.d2h_stream)
         if not self.d2h_overlap:
-            self.compute_stream().wait_event(ev)
+            self.slots.compute_stream().wait_event(ev)
         return ev

@@ -1,12 +1,11 @@
-"""The memory side of an :class:`~megatrain.runtime.engine.core.Engine`: the fp32 gradient accumulator
-outside the store, page-locking the filled store, and the device-state layers.
+"""The memory parts of an :class:`~megatrain.runtime.engine.core.Engine`: the fp32 gradient accumulator
+outside the store (:class:`Accumulator`), the device-state layers (:class:`DeviceStateLayers`), and the
+free device memory every placement decision reads (:func:`free_device_bytes`).
 
-:class:`EngineMemory` is mixed into :class:`~megatrain.runtime.engine.core.Engine`. The accumulator of
-auto mode (``grad_accumulator=None``) is allocated when first needed (``enable_accumulator``, after
-its host budget check); ``finish_fill`` page-locks the store once it is filled (pin-after-fill);
-``init_device_state`` / ``resize_device_state`` keep the whole training state of the first decoder
-layers (and the resident unit) on the device (:mod:`..placement.device_state`), sized from
-``free_device_bytes`` (:mod:`..placement.device_state_plan`).
+The accumulator of auto mode (``grad_accumulator=None``) is allocated when first needed
+(``Accumulator.enable``, after its host budget check). ``DeviceStateLayers.init`` / ``resize`` keep the
+whole training state of the first decoder layers (and the resident unit) on the device
+(:mod:`..placement.device_state`), sized from ``Engine.free_device_bytes`` (:mod:`..placement.device_state_plan`).
 """
 
 from __future__ import annotations
@@ -24,35 +23,59 @@ if TYPE_CHECKING:
 _C = load_extension()
 
 
-class EngineMemory:
-    """Accumulator, pin-after-fill and device-state layers of an :class:`~megatrain.runtime.engine.core.Engine`
-    (see module docstring)."""
+class Accumulator:
+    """The fp32 gradient accumulator: a store section (``mode`` True), allocated outside the store when
+    first needed (``mode`` None, auto), or never (``mode`` False).
 
-    # ------------------------------------------------------------------ memory helpers
+    Interface: ``mode``, ``has_accumulator``, ``allocated``, :meth:`enable`, :meth:`nbytes`, :meth:`entry_view`.
+    A data parallel rank's accumulator is its pieces' (the strategy's ``piece_accumulator``).
+
+    Args:
+        mode: ``Engine.accumulator_mode``.
+        units: the engine's units; store: its ``HostStore``; disk: its disk tier or None.
+        offload_plan: the engine's ``OffloadPlan`` (host plan, ``host_memory_limit``).
+        sharding: the engine's strategy (:mod:`.sharding`).
+    """
+
+    def __init__(self, mode: Optional[bool], units, store, disk, offload_plan, sharding):
+        self.mode = mode
+        self.units = units
+        self.store = store
+        self.disk = disk
+        self.offload_plan = offload_plan
+        self.pieces = sharding.piece_accumulator
+        self._accum: Optional[dict] = None  # auto mode: unit index -> flat fp32 accumulator (trainable entries)
+
     @property
     def has_accumulator(self) -> bool:
         """Whether a second gradient before ``step()`` can be summed (accumulator present or allocatable)."""
-        return self.accumulator_mode is not False
+        return self.mode is not False
 
     @property
-    def accumulator_allocated(self) -> bool:
-        return self.accumulator_mode is True or self._accum is not None
+    def allocated(self) -> bool:
+        """The accumulator exists (a store section, or allocated)."""
+        if self.pieces is not None:
+            return self.mode is True or self.pieces.accumulator_allocated
+        return self.mode is True or self._accum is not None
 
-    def enable_accumulator(self) -> None:
+    def enable(self) -> None:
         """Allocate the fp32 gradient accumulator now (auto mode; no-op when present).
 
         4 bytes per trainable parameter, outside the store (CPU only: it is never DMA'd), zeroed.
+        Data parallel: nothing here (this rank's pieces are allocated at their first use).
 
         Raises:
             RuntimeError: the model was wrapped with ``grad_accumulator=False``.
             HostMemoryError: it does not fit in host memory (nothing allocated).
         """
-        if self.accumulator_allocated:
+        if self.pieces is not None and self.mode is not False:
             return
-        if self.accumulator_mode is False:
+        if self.allocated:
+            return
+        if self.mode is False:
             raise RuntimeError("megatrain: the model was wrapped with grad_accumulator=False; gradient accumulation "
                                "needs the fp32 accumulator: wrap with grad_accumulator=None (auto) or True")
-        need = self.host_plan["accumulator_bytes"]
+        need = self.offload_plan.host_plan["accumulator_bytes"]
         check_host_budget(need, 0, "gradient accumulator")
         plan = self.offload_plan
         if plan.host_memory_limit is not None and not plan.with_accumulator:
@@ -69,26 +92,58 @@ class EngineMemory:
             self.disk.enable_accumulator()
         self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units if u.disk is None}
 
-    def accumulator_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Host bytes of the fp32 gradient accumulator now allocated (store section or separate)."""
-        if self.accumulator_mode is True:
+        if self.mode is True:
             return int(self.store.section_bytes.get("grad_accum", 0))
+        if self.pieces is not None:
+            return self.pieces.accumulator_bytes()
         if self._accum is None:
             return 0
         return sum(t.numel() * 4 for t in self._accum.values())
 
-    def finish_fill(self) -> None:
-        """The store is filled: page-lock it now (pin-after-fill, the default on CUDA)."""
-        if self.cuda and self.pin_after_fill and not self.store.is_pinned:
-            self.store.pin()
+    def entry_view(self, unit: Unit, i: int) -> torch.Tensor:
+        """Shaped view of entry ``i`` of ``unit`` in the accumulator outside the store (allocated if needed).
 
-    def init_device_state(self, layers) -> int:
-        """Keep the whole training state of ``layers`` (``int`` K: layers ``0 .. K-1``; ``"auto"``;
-        ``"boundary"``) on the device.
+        Raises:
+            ValueError: the entry is frozen (it has no accumulator).
+        """
+        if self._accum is None:
+            self.enable()
+        e = unit.entries[i]
+        if e.state_offset < 0:
+            raise ValueError(f"megatrain: entry {e.name} is frozen: it has no gradient accumulator")
+        return self._accum[unit.index][e.state_offset:e.state_offset + e.numel].view(e.shape)
+
+
+class DeviceStateLayers:
+    """The device-state layers of an engine: ``device_state`` (a ``DeviceState`` or None), :meth:`init`, :meth:`resize`.
+
+    Args:
+        engine: the engine (``DeviceState`` is built over it; its ``device_state_resident()`` and
+            ``free_device_bytes()`` size the choice).
+        slots: the engine's :class:`~.slots.SlotPool` (slots dropped / added as layers move).
+        waits: the engine's :class:`~.waits.Waits` (``flush`` before a resize).
+        sharding: the engine's strategy (data parallel refuses device-state layers).
+    """
+
+    def __init__(self, engine, slots, waits, sharding):
+        self.engine = engine
+        self.layers = engine.layers
+        self.disk = engine.disk
+        self.compute_dtype = engine.compute_dtype
+        self.slots = slots
+        self.waits = waits
+        self.sharding = sharding
+        self.device_state = None  # DeviceState of the device-state layers (init)
+
+    def init(self, layers) -> int:
+        """``Engine.init_device_state``: keep the whole training state of ``layers`` (``int`` K: layers
+        ``0 .. K-1``; ``"auto"``; ``"boundary"``) on the device.
 
         Called once, after the store is filled. ``"auto"``: first the resident unit (embedding, final
         norm, LM head: what the next forward needs first, and the last gradients of a backward) when
-        :meth:`device_state_resident` offers it and it fits, then as many layers as fit in
+        ``Engine.device_state_resident`` offers it and it fits, then as many layers as fit in
         ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
         (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16;
         16 for the resident unit, whose compute copy is its existing device buffer).
@@ -98,20 +153,25 @@ class EngineMemory:
         Returns K (decoder layers). See ``megatrain.runtime.placement.device_state``.
 
         Raises:
-            ValueError: ``layers`` is not an int >= 0, ``"auto"`` or ``"boundary"``, or more than the model has.
+            ValueError: ``layers`` is not an int >= 0, ``"auto"`` or ``"boundary"``, or more than the model
+                has; data parallel with layers > 0.
         """
         from ..placement import device_state as ds
         from ..placement import device_state_plan as dsp
 
+        fixed = self.sharding.check_device_state(layers)
+        if fixed is not None:
+            return fixed
+        eng = self.engine
         dsp.check_device_state_layers(layers)
         on_host = self.layers if self.disk is None else self.layers[:min(u.index for u in self.disk.units)]
         resident = []
         if layers == "boundary":  # the step boundary's units: resident, then layer 0, within a small share
-            resident, layers = dsp.plan_boundary_units(self.device_state_resident(), on_host[0] if on_host else None,
-                                                       self.compute_dtype, self.free_device_bytes())
+            resident, layers = dsp.plan_boundary_units(eng.device_state_resident(), on_host[0] if on_host else None,
+                                                       self.compute_dtype, eng.free_device_bytes())
         elif layers == "auto":  # never a layer whose state is on disk
-            free = self.free_device_bytes()
-            res = self.device_state_resident()
+            free = eng.free_device_bytes()
+            res = eng.device_state_resident()
             if res is not None:  # what the next forward needs first; its compute copy is already on the device
                 need = dsp.unit_device_bytes(res, self.compute_dtype, with_compute=False)
                 if need <= dsp.AUTO_DEVICE_STATE_FRACTION * free:
@@ -126,19 +186,19 @@ class EngineMemory:
         if layers == 0 and not resident:
             return 0
         chosen = resident + self.layers[:layers]
-        self.device_state = ds.DeviceState(self, chosen)
-        self._drop_unused_slots(list(self.slots))
+        self.device_state = ds.DeviceState(eng, chosen)
+        self._drop_unused_slots(list(self.slots.slots))
         return layers
 
     def _drop_unused_slots(self, templates) -> None:
         """Free the slots of those layer ``templates`` no streamed layer uses any more."""
         for template in templates:
             if all(u.device_state is not None for u in self.layers if u.template == template):
-                self.drop_slots(template)
+                self.slots.drop_slots(template)
 
-    def resize_device_state(self, layers: int) -> None:
-        """Keep the training state of decoder layers ``0 .. layers-1`` on the device from now on (the
-        placement planner's second decision; see ``megatrain.runtime.placement.replan``).
+    def resize(self, layers: int) -> None:
+        """``Engine.resize_device_state``: keep the training state of decoder layers ``0 .. layers-1`` on the
+        device from now on (the placement planner's second decision; see ``megatrain.runtime.placement.replan``).
 
         Only between optimizer steps, with no gradient accumulated: waits for every queued update,
         copies the state of the layers given back to the host store and frees their device buffers,
@@ -147,7 +207,7 @@ class EngineMemory:
         """
         from ..placement import device_state as ds
 
-        self.flush()
+        self.waits.flush()
         have = self.device_state.layers if self.device_state is not None else []
         k = len(have)
         if layers == k:
@@ -155,46 +215,34 @@ class EngineMemory:
         if layers < k:
             self.device_state.remove(have[layers:])
             for u in have[layers:]:
-                if not self.slots.get(u.template):
-                    self.add_slots(u)
+                if not self.slots.slots.get(u.template):
+                    self.slots.add_slots(u)
             if not self.device_state.units:
                 self.device_state = None
         else:
             new = self.layers[k:layers]
             if self.device_state is None:
-                self.device_state = ds.DeviceState(self, new)
+                self.device_state = ds.DeviceState(self.engine, new)
             else:
                 self.device_state.add(new)
             self._drop_unused_slots({u.template for u in new})
-        self.invalidate(self.layers[min(k, layers):max(k, layers)])
+        self.slots.invalidate(self.layers[min(k, layers):max(k, layers)])
 
-    def check_resident_params(self, where: str, overwritten=()) -> None:
-        """Raise if a parameter outside the store's control was written in place (:class:`~..model.wrapped_engine.WrappedEngine`)."""
 
-    def note_resident_params(self) -> None:
-        """Record the state :meth:`check_resident_params` compares against (:class:`~..model.wrapped_engine.WrappedEngine`)."""
+def free_device_bytes(device: torch.device, gpu_memory_limit_bytes: Optional[int]) -> int:
+    """Device bytes free for new tensors (CUDA: free + cached by torch, at most ``gpu_memory_limit_bytes``
+    less what this process's tensors on the device hold; CPU: available host memory).
 
-    def device_state_resident(self) -> Optional[Unit]:
-        """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
-        (its compute copy must already be a device buffer: :class:`~..model.wrapped_engine.WrappedEngine`), or None."""
-        return None
+    Every placement decision reads the free memory through ``Engine.free_device_bytes`` (device-state
+    layers, kept graphs, the planner's second decision, chunked loss and tiling), so
+    ``wrap(gpu_memory_limit=)`` caps them all.
+    """
+    if device.type == "cuda":
+        from ..placement.device_state_plan import capped_free_bytes
 
-    # wrap(gpu_memory_limit=): the cap in bytes (None: the whole device); see free_device_bytes
-    gpu_memory_limit_bytes: Optional[int] = None
-
-    def free_device_bytes(self) -> int:
-        """Device bytes free for new tensors (CUDA: free + cached by torch, at most ``gpu_memory_limit``
-        less what this process's tensors on the device hold; CPU: available host memory).
-
-        Every placement decision reads the free memory here (device-state layers, kept graphs, the
-        planner's second decision, chunked loss and tiling), so ``wrap(gpu_memory_limit=)`` caps them all.
-        """
-        if self.cuda:
-            from ..placement.device_state_plan import capped_free_bytes
-
-            free, _ = torch.cuda.mem_get_info(self.device)
-            allocated = torch.cuda.memory_allocated(self.device)
-            return capped_free_bytes(free + torch.cuda.memory_reserved(self.device) - allocated, allocated,
-                                     self.gpu_memory_limit_bytes)
-        from ..placement.host_memory import host_memory_limits
-        return int(host_memory_limits().get("mem_available_bytes") or 0)
+        free, _ = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        return capped_free_bytes(free + torch.cuda.memory_reserved(device) - allocated, allocated,
+                                 gpu_memory_limit_bytes)
+    from ..placement.host_memory import host_memory_limits
+    return int(host_memory_limits().get("mem_available_bytes") or 0)

@@ -1,11 +1,13 @@
 """Device slots and the H2D stream: loading a unit's compute copy and binding it onto its modules.
 
 A *slot* is a device buffer holding the compute copy of one unit of a layer template (shape
-signature); ``num_slots`` of them per template. :class:`SlotPool` (mixed into
-:class:`~megatrain.runtime.engine.core.Engine`) copies a unit's compute copy into a free slot on the
+signature); ``num_slots`` of them per template. :class:`SlotPool` (the engine's ``slot_pool`` part)
+owns the slots and the H2D stream: it copies a unit's compute copy into a free slot on the
 H2D stream (after the slot's ``buffer_free`` event and the unit's pending CPU update), gates the
 compute stream on the slot's ``weights_ready`` event, and binds the parameters as zero-copy views
-of the slot.
+of the slot. Its interface: ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``, ``bind`` /
+``unbind``, ``add_slots`` / ``drop_slots``, ``invalidate``, ``compute_stream``, ``debug_delay``, and
+the attributes ``slots`` (layer template -> its slots), ``h2d_stream``, ``cpp_slots``.
 
 Which slot holds which unit and version, the in-use counts, the reuse order, the events and the
 H2D copies are the C++ :class:`megatrain._C.SlotPool` (``csrc/megatrain/scheduler/slot_pool.h``,
@@ -16,7 +18,6 @@ path before the C++ pool, kept for a benchmark's before/after in one process).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
@@ -30,7 +31,7 @@ _C = load_extension()
 
 
 class NativeSlot:
-    """A slot of the C++ pool: its device buffer and index (its state is ``engine._pool.state(index)``)."""
+    """A slot of the C++ pool: its device buffer and index (its state is the C++ pool's ``state(index)``)."""
 
     __slots__ = ("buf", "index")
     permanent = False
@@ -56,25 +57,44 @@ class Slot:
 
 
 class SlotPool:
-    """Slots, H2D copies, prefetch and binding of an :class:`~megatrain.runtime.engine.core.Engine`."""
+    """Slots, H2D copies, prefetch and binding of an engine (see module docstring).
 
-    def _init_slots(self, num_slots: int) -> None:
+    Args:
+        ctx: the engine's :class:`~.context.EngineContext` (device, dtype, layers, options).
+        num_slots: device slots per layer template.
+        debug: ``Options.debug_races`` (delay copies, poison released slots).
+        counters: the engine's :class:`~.stats.EngineCounters`.
+        views: the engine's :class:`~.views.StoreViews` (the compute sections copied H2D).
+    """
+
+    def __init__(self, ctx, num_slots: int, debug: bool, counters, views):
+        self.num_slots = num_slots
+        self.compute_dtype = ctx.compute_dtype
+        self.device = ctx.device
+        self.cuda = ctx.cuda
+        self.debug = debug
+        self.counters = counters
+        self.views = views
+        self.waits = None  # set by connect
         # Device slots, per layer template.
-        self.cpp_slots = self.options.cpp_slots
+        self.cpp_slots = ctx.options.cpp_slots
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
-        self._device_index = self.device.index if self.cuda and self.device.index is not None else (
-            torch.cuda.current_device() if self.cuda else -1)
+        self._device_index = ctx.device_index
         self.slots: dict = {}
         self._template_ids: dict = {}
         self._use_clock = 0
         self._pool = None
         if self.cpp_slots:
             self._pool = _C.SlotPool(self.cuda, self.h2d_stream.cuda_stream if self.cuda else 0, self._device_index)
-        for u in self.layers:
+        for u in ctx.layers:
             if u.template not in self.slots:
                 self._template_ids[u.template] = len(self._template_ids)
                 self.add_slots(u)
+
+    def connect(self, waits) -> None:
+        """``waits``: the engine's :class:`~.waits.Waits` (a load waits for the unit's pending update)."""
+        self.waits = waits
 
     def add_slots(self, unit: Unit) -> None:
         """Allocate the ``num_slots`` device slots of ``unit``'s layer template (none may exist)."""
@@ -104,21 +124,6 @@ class SlotPool:
         """The stream the layers compute on (torch's current stream of the engine's device; CUDA only)."""
         return torch.cuda.current_stream(self.device)
 
-    def wait_update(self, unit: Unit) -> None:
-        """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done."""
-        pending = [h for h in unit.update_tasks if not h.done]
-        if pending:
-            t0 = time.perf_counter()
-            w0 = self._timeline_clock()
-            for h in pending:
-                self._worker.wait(h)
-            self._timeline_wait(unit, pending, w0)
-            with self._stats_lock:
-                self._stats["adam_exposed_s"] += time.perf_counter() - t0
-        unit.update_tasks = []
-        self._worker.check()
-        self.settle()
-
     def _h2d_source(self, unit: Unit):
         """``(src, rebuilt)``: the host tensor holding ``unit``'s weights now, after its pending update.
 
@@ -126,21 +131,21 @@ class SlotPool:
         section holds gradients; ``src`` is the weights rebuilt from the fp32 masters instead (a
         rare path: pageable memory, copied synchronously, so the temporary may die after).
         """
-        self.wait_update(unit)
-        src = self.section(unit, "compute")
+        self.waits.wait_update(unit)
+        src = self.views.section(unit, "compute")
         rebuilt = unit.grads_in_compute
         if rebuilt:
-            src = self.section(unit, "compute").clone()
-            with self.state_window(write=False):  # a disk unit's masters: read through the tier
+            src = self.views.section(unit, "compute").clone()
+            with self.views.state_window(write=False):  # a disk unit's masters: read through the tier
                 for i, d in enumerate(unit.direct):  # one ledger snapshot
                     if d:
                         e = unit.entries[i]
-                        src[e.offset:e.offset + e.numel].copy_(self.entry_view(unit, i, "master").view(-1))
-        self._stats["h2d_bytes"] += src.numel() * src.element_size()
-        self._stats["h2d_copies"] += 1
+                        src[e.offset:e.offset + e.numel].copy_(self.views.entry_view(unit, i, "master").view(-1))
+        self.counters.add("h2d_bytes", src.numel() * src.element_size())
+        self.counters.add("h2d_copies", 1)
         return src, rebuilt
 
-    def _debug_delay(self, stream) -> None:
+    def debug_delay(self, stream) -> None:
         """``debug_races``: ~1 ms of device time on ``stream`` before a copy (makes copy races visible)."""
         with torch.cuda.stream(stream):
             torch.cuda._sleep(2_000_000)
@@ -157,7 +162,7 @@ class SlotPool:
                     self.h2d_stream.wait_event(free_event)
                 if self.debug:
                     torch.cuda._sleep(2_000_000)  # ~1 ms: make copy races visible
-                end = self._timed("h2d", self.h2d_stream)
+                end = self.counters.timed("h2d", self.h2d_stream)
                 dst.copy_(src, non_blocking=not rebuilt)
                 end.record(self.h2d_stream)
                 if ready_event is not None:
@@ -203,7 +208,7 @@ class SlotPool:
                     f"megatrain: no free device slot for layer unit {unit.index}; "
                     "increase num_slots in megatrain.wrap(...)")
         else:
-            self._stats["slot_hits"] += 1
+            self.counters.add("slot_hits", 1)
         if self.cuda:
             self.compute_stream().wait_event(slot.weights_ready)
         slot.in_use += 1
@@ -261,8 +266,8 @@ class SlotPool:
         if i < 0:
             return None
         src, rebuilt = self._h2d_source(unit)
-        timing = self._copy_timing("h2d") if self.cuda else None
-        delay = (lambda: self._debug_delay(self.h2d_stream)) if self.cuda and self.debug else None
+        timing = self.counters.copy_timing("h2d") if self.cuda else None
+        delay = (lambda: self.debug_delay(self.h2d_stream)) if self.cuda and self.debug else None
         self._pool.load(i, unit.index, unit.version, src, sync=rebuilt, timing=timing, before_copy=delay)
         return self._native_slot(unit, i)
 
@@ -276,7 +281,7 @@ class SlotPool:
                     "increase num_slots in megatrain.wrap(...)")
         else:
             slot = self._native_slot(unit, i)
-            self._stats["slot_hits"] += 1
+            self.counters.add("slot_hits", 1)
         self._pool.acquire(slot.index, self._compute_stream_handle())
         return slot
 
@@ -314,5 +319,3 @@ class SlotPool:
         for e in unit.entries:
             for mod, attr in e.owners:
                 mod._parameters[attr] = e.param
-
-    # ------------------------------------------------------------------ gradients

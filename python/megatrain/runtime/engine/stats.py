@@ -1,5 +1,12 @@
-"""Engine counters: bytes and seconds of the copies, the CPU Adam and the waits for it (and, from
-:mod:`.timeline`, the per-step timeline of the CPU worker's tasks)."""
+"""Engine counters: bytes and seconds of the copies, the CPU Adam and the waits for it.
+
+:class:`EngineCounters` is the part of an :class:`~megatrain.runtime.engine.core.Engine` that owns
+the cumulative counters (``Engine.counters``): the other parts add to them (:meth:`~EngineCounters.add`,
+:meth:`~EngineCounters.add_locked` where the CPU worker's results are counted) and time their copies
+on CUDA (:meth:`~EngineCounters.timed`, :meth:`~EngineCounters.copy_timing`).
+:func:`engine_stats` and :func:`placement_report` are ``Engine.stats()`` and ``Engine.placement()``
+(the per-step worker timeline is :mod:`.timeline`'s).
+"""
 
 from __future__ import annotations
 
@@ -8,119 +15,61 @@ import threading
 import torch
 
 from ..._loader import load_extension
-from .timeline import EngineTimeline
 
 _C = load_extension()
 
 
-class EngineStats(EngineTimeline):
-    """Cumulative counters of an :class:`~megatrain.runtime.engine.core.Engine` (``stats()``) and its per-step
-    worker timeline (``worker_timeline()``, :mod:`.timeline`)."""
+class EngineCounters:
+    """Cumulative counters of an engine (bytes, seconds, copies) and the timing of its CUDA copies.
 
-    def _init_stats(self) -> None:
+    Args:
+        cuda: whether the engine computes on CUDA (copies are timed only there).
+        device_index: the CUDA device of the timing events (-1 on the CPU).
+    """
+
+    def __init__(self, cuda: bool, device_index: int):
+        self.cuda = cuda
+        self.device_index = device_index
         self._stats = dict(h2d_bytes=0, d2h_bytes=0, adam_time_s=0.0, adam_exposed_s=0.0,
                            grad_accum_time_s=0.0, grad_wait_s=0.0, h2d_copies=0, slot_hits=0)
         self._timed_copies: list = []  # (kind, start_event, end_event) awaiting readout
         self._h2d_time_s = 0.0
         self._d2h_time_s = 0.0
-        self._stats_lock = threading.Lock()
-        self._init_timeline()
+        self._lock = threading.Lock()
 
-    def _timed(self, kind: str, stream):
+    def add(self, key: str, amount) -> None:
+        """Add ``amount`` to counter ``key`` (the main thread's counters: no lock)."""
+        self._stats[key] += amount
+
+    def add_locked(self, key: str, amount) -> None:
+        """Add ``amount`` to counter ``key`` under the counters' lock (time counters)."""
+        with self._lock:
+            self._stats[key] += amount
+
+    def timed(self, kind: str, stream):
+        """Record a timing start on ``stream`` for a copy of ``kind`` (``"h2d"`` / ``"d2h"``); returns the
+        end event to record after the copy (``torch.cuda.Event``), or None on the CPU."""
         if not self.cuda:
             return None
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         if len(self._timed_copies) > 4096:
-            self._collect_copy_times()
+            self.collect_copy_times()
         self._timed_copies.append((kind, start, end))
         return end
 
-    def _copy_timing(self, kind: str):
+    def copy_timing(self, kind: str):
         """``(start, end)``: two timing ``_C.CudaEvent`` for a copy the C++ side records (CUDA only)."""
-        start = _C.CudaEvent(True, self._device_index)
-        end = _C.CudaEvent(True, self._device_index)
+        start = _C.CudaEvent(True, self.device_index)
+        end = _C.CudaEvent(True, self.device_index)
         if len(self._timed_copies) > 4096:
-            self._collect_copy_times()
+            self.collect_copy_times()
         self._timed_copies.append((kind, start, end))
         return start, end
 
-    def placement(self) -> dict:
-        """Where the decoder layers' training state and activations live (what the planner chose).
-
-        Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
-        device), ``device_state_resident`` (the resident unit's too: ``device_state_layers="auto"``),
-        ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
-        host store), ``layers``, ``disk_layers`` (indices of the layers whose fp32 state is in the
-        disk tier), ``disk_bytes`` (its files), ``offload_dir``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
-        ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
-        (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
-        ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
-        for the other policies (``activation_policy`` says what every layer does); ``replan``: what
-        the planner measured in the first step and chose after it (``megatrain.runtime.placement.replan``), or None;
-        ``gpu_memory_limit_bytes``: ``wrap(gpu_memory_limit=)`` in bytes (None: no cap); ``liger_kernel``:
-        the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None.
-        """
-        k = len(self.device_state.layers) if self.device_state else 0
-        decisions = getattr(self, "auto_decisions", None) if getattr(self, "auto_policy", False) else None
-        acts = None
-        if decisions is not None:
-            acts = [{"input_shapes": [list(s) for s in key], **{n: v for n, v in d.items() if n != "store"}}
-                    for key, d in decisions.items()]
-        disk = getattr(self, "disk", None)
-        return dict(layers=len(self.layers), device_state_layers=k,
-                    device_state_bytes=self.device_state.nbytes if self.device_state else 0,
-                    device_state_resident=bool(self.device_state and self.device_state.resident),
-                    streamed_layers=len(self.layers) - k, activation_policy=getattr(self, "activation_policy", None),
-                    activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
-                    disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
-                    replan=getattr(self, "replan_info", None),
-                    gpu_memory_limit_bytes=getattr(self, "gpu_memory_limit_bytes", None),
-                    liger_kernel=getattr(self, "liger_kernel", None))
-
-    def stats(self) -> dict:
-        """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
-
-        Keys: ``h2d_bytes``, ``d2h_bytes`` (bytes copied), ``h2d_time_s``, ``d2h_time_s`` (time the
-        copies took on their streams), ``adam_time_s`` (CPU Adam), ``grad_accum_time_s``,
-        ``adam_exposed_s`` (time the main thread waited for CPU updates), ``grad_wait_s`` (time
-        ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
-        ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
-        ``streamed_layers`` (layers whose weights stream), ``device_state_layers``,
-        ``device_state_bytes`` (device bytes of their training state); with a disk tier ``disk_layers``
-        and its counters ``disk_bytes_read``, ``disk_bytes_written``, ``disk_unit_reads``,
-        ``disk_unit_writes``, ``disk_cache_hits``, ``disk_read_seconds``, ``disk_write_seconds``,
-        ``disk_acquire_wait_seconds`` (time the worker waited for the disk), ``disk_direct_io``;
-        ``attention_kept_calls`` / ``attention_reused_calls`` (``megatrain.runtime.activations.attention_reuse``).
-        Reading the copy times waits for the copies already issued.
-        """
-        self._collect_copy_times()
-        self.settle()
-        with self._stats_lock:
-            out = dict(self._stats)
-        out.update(
-            h2d_time_s=self._h2d_time_s,
-            d2h_time_s=self._d2h_time_s,
-            host_store_bytes=int(self.store.total_bytes),
-            pinned_bytes=int(self.store.pinned_bytes),
-            bytes_per_param=float(self.store.bytes_per_param),
-            num_params=int(self.store.total_numel),
-            streamed_layers=len(self.layers) - (len(self.device_state.layers) if self.device_state else 0),
-            device_state_layers=len(self.device_state.layers) if self.device_state else 0,
-            device_state_resident=bool(self.device_state and self.device_state.resident),
-            device_state_bytes=self.device_state.nbytes if self.device_state else 0,
-        )
-        reuse = getattr(self, "attention_reuse", None)
-        if reuse is not None:  # block:K: attention outputs kept by block re-runs (runtime/activations/attention_reuse.py)
-            out.update(attention_kept_calls=reuse.kept_calls, attention_reused_calls=reuse.reused_calls)
-        disk = getattr(self, "disk", None)
-        if disk is not None:  # the disk tier's counters, cumulative (bytes, units, seconds)
-            out.update({f"disk_{k}": v for k, v in disk.stats().items() if k not in ("disk_units",)})
-            out["disk_layers"] = len(disk.units)
-        return out
-
-    def _collect_copy_times(self) -> None:
+    def collect_copy_times(self) -> None:
+        """Add the times of the copies timed so far to ``h2d_time_s`` / ``d2h_time_s`` (waits for them)."""
         for kind, start, end in self._timed_copies:
             end.synchronize()
             ms = start.elapsed_time(end)
@@ -130,3 +79,82 @@ class EngineStats(EngineTimeline):
                 self._d2h_time_s += ms / 1e3
         self._timed_copies.clear()
 
+    def totals(self) -> dict:
+        """The counters now, then ``h2d_time_s`` and ``d2h_time_s`` (of the copies collected)."""
+        with self._lock:
+            out = dict(self._stats)
+        out.update(h2d_time_s=self._h2d_time_s, d2h_time_s=self._d2h_time_s)
+        return out
+
+
+def placement_report(eng) -> dict:
+    """Where the decoder layers' training state and activations live (what the planner chose).
+
+    Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
+    device), ``device_state_resident`` (the resident unit's too: ``device_state_layers="auto"``),
+    ``device_state_bytes``, ``streamed_layers`` (layers whose weights stream from the
+    host store), ``layers``, ``disk_layers`` (indices of the layers whose fp32 state is in the
+    disk tier), ``disk_bytes`` (its files), ``offload_dir``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
+    ``store_layers`` (layers ``0 .. k-1`` keep their graphs), ``recompute_layers``, ``block_k``
+    (one saved input per K layers), ``free_bytes`` (device bytes free when decided) and the measured
+    ``bytes_per_layer`` / ``bytes_all_layers`` / ``bytes_per_input``; ``None``
+    for the other policies (``activation_policy`` says what every layer does); ``replan``: what
+    the planner measured in the first step and chose after it (``megatrain.runtime.placement.replan``), or None;
+    ``gpu_memory_limit_bytes``: ``wrap(gpu_memory_limit=)`` in bytes (None: no cap); ``liger_kernel``:
+    the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None.
+    """
+    k = len(eng.device_state.layers) if eng.device_state else 0
+    decisions = getattr(eng, "auto_decisions", None) if getattr(eng, "auto_policy", False) else None
+    acts = None
+    if decisions is not None:
+        acts = [{"input_shapes": [list(s) for s in key], **{n: v for n, v in d.items() if n != "store"}}
+                for key, d in decisions.items()]
+    disk = getattr(eng, "disk", None)
+    return dict(layers=len(eng.layers), device_state_layers=k,
+                device_state_bytes=eng.device_state.nbytes if eng.device_state else 0,
+                device_state_resident=bool(eng.device_state and eng.device_state.resident),
+                streamed_layers=len(eng.layers) - k, activation_policy=getattr(eng, "activation_policy", None),
+                activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
+                disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
+                replan=getattr(eng, "replan_info", None),
+                gpu_memory_limit_bytes=getattr(eng, "gpu_memory_limit_bytes", None),
+                liger_kernel=getattr(eng, "liger_kernel", None))
+
+
+def engine_stats(eng) -> dict:
+    """Cumulative counters (bytes, seconds) since the engine was built; diff two calls for a window.
+
+    Keys: ``h2d_bytes``, ``d2h_bytes`` (bytes copied), ``h2d_time_s``, ``d2h_time_s`` (time the
+    copies took on their streams), ``adam_time_s`` (CPU Adam), ``grad_accum_time_s``,
+    ``adam_exposed_s`` (time the main thread waited for CPU updates), ``grad_wait_s`` (time
+    ``step()`` waited for the last gradients to land: mostly the GPU finishing backward), ``slot_hits``,
+    ``h2d_copies``, ``host_store_bytes``, ``pinned_bytes``, ``bytes_per_param``, ``num_params``,
+    ``streamed_layers`` (layers whose weights stream), ``device_state_layers``,
+    ``device_state_bytes`` (device bytes of their training state); with a disk tier ``disk_layers``
+    and its counters ``disk_bytes_read``, ``disk_bytes_written``, ``disk_unit_reads``,
+    ``disk_unit_writes``, ``disk_cache_hits``, ``disk_read_seconds``, ``disk_write_seconds``,
+    ``disk_acquire_wait_seconds`` (time the worker waited for the disk), ``disk_direct_io``;
+    ``attention_kept_calls`` / ``attention_reused_calls`` (``megatrain.runtime.activations.attention_reuse``).
+    Reading the copy times waits for the copies already issued.
+    """
+    eng.counters.collect_copy_times()
+    eng.settle()
+    out = eng.counters.totals()
+    out.update(
+        host_store_bytes=int(eng.store.total_bytes),
+        pinned_bytes=int(eng.store.pinned_bytes),
+        bytes_per_param=float(eng.store.bytes_per_param),
+        num_params=int(eng.store.total_numel),
+        streamed_layers=len(eng.layers) - (len(eng.device_state.layers) if eng.device_state else 0),
+        device_state_layers=len(eng.device_state.layers) if eng.device_state else 0,
+        device_state_resident=bool(eng.device_state and eng.device_state.resident),
+        device_state_bytes=eng.device_state.nbytes if eng.device_state else 0,
+    )
+    reuse = getattr(eng, "attention_reuse", None)
+    if reuse is not None:  # block:K: attention outputs kept by block re-runs (runtime/activations/attention_reuse.py)
+        out.update(attention_kept_calls=reuse.kept_calls, attention_reused_calls=reuse.reused_calls)
+    disk = getattr(eng, "disk", None)
+    if disk is not None:  # the disk tier's counters, cumulative (bytes, units, seconds)
+        out.update({f"disk_{k}": v for k, v in disk.stats().items() if k not in ("disk_units",)})
+        out["disk_layers"] = len(disk.units)
+    return out

@@ -1,7 +1,7 @@
 """A per-step timeline of the CPU worker's tasks and of the main thread's waits for them.
 
 Off by default (``Options.worker_timeline``, ``MEGATRAIN_WORKER_TIMELINE=1``, or
-:meth:`EngineTimeline.set_worker_timeline` on a built engine). When on, the engine records for
+:meth:`WorkerTimeline.set_on`, ``Engine.set_worker_timeline``, on a built engine). When on, the engine records for
 each optimizer step:
 
 * ``update`` / ``grad``: every CPU AdamW / gradient task of the step's units (the C++ task's own
@@ -14,7 +14,7 @@ each optimizer step:
   ``step_end`` (``optimizer.step()`` queued the updates and returns).
 
 All times are seconds on ``std::chrono::steady_clock`` (``megatrain._C.steady_now()``); a step
-is complete once it ended and all its updates were applied. :meth:`EngineTimeline.worker_timeline`
+is complete once it ended and all its updates were applied. :meth:`WorkerTimeline.events`
 returns the last complete step (or one of the few before it), relative to its ``step_begin``.
 """
 
@@ -36,33 +36,51 @@ _TASK_KINDS = ("update", "grad", "wait")
 _KEEP = 4  # complete steps kept (worker_timeline(step=...))
 
 
-def _current_step(eng) -> int:
-    """The number of the optimizer step running (or the next one): ``steps_called + 1``."""
-    return getattr(eng.optimizer, "steps_called", 0) + 1
+class WorkerTimeline:
+    """The worker timeline of an engine (``Engine.timeline``; see module docstring).
 
+    Owns the recorded steps. Its interface: :meth:`set_on` / :meth:`events` (``Engine.set_worker_timeline`` /
+    ``Engine.worker_timeline``), the marks :meth:`step_begin`, :meth:`backward`, :meth:`step_end`, and what the
+    other parts report: :meth:`clock` + :meth:`wait` (a wait of the main thread), :meth:`task` (a settled task).
 
-class EngineTimeline:
-    """The worker timeline of an :class:`~megatrain.runtime.engine.core.Engine` (see module docstring)."""
+    Args:
+        on: record from the start (``Options.worker_timeline``).
+    """
 
-    def _init_timeline(self) -> None:
-        self._timeline_on = bool(getattr(self.options, "worker_timeline", False))
-        self._tl_lock = threading.Lock()
-        self._tl_steps: dict = {}  # step number -> [begin time, ended, absolute events]
-        self._tl_done: dict = {}  # the last _KEEP complete steps: number -> events relative to its begin
-        self._tl_last_number = 0  # the last complete step's number (0: none yet)
-        self._tl_backward_task: Optional[int] = None
+    def __init__(self, on: bool):
+        self.on = bool(on)
+        self._lock = threading.Lock()
+        self._steps: dict = {}  # step number -> [begin time, ended, absolute events]
+        self._done: dict = {}  # the last _KEEP complete steps: number -> events relative to its begin
+        self._last_number = 0  # the last complete step's number (0: none yet)
+        self._backward_task: Optional[int] = None
+        self._grads = None
 
-    def set_worker_timeline(self, on: bool) -> None:
+    def connect(self, grads) -> None:
+        """``grads``: the engine's :class:`~.grads.GradLedger` (``settle``, ``update_steps``, ``optimizer``)."""
+        self._grads = grads
+
+    @property
+    def open_steps(self) -> List[int]:
+        """Numbers of the steps recorded and not complete yet."""
+        with self._lock:
+            return sorted(self._steps)
+
+    def _current_step(self) -> int:
+        """The number of the optimizer step running (or the next one): ``steps_called + 1``."""
+        return getattr(self._grads.optimizer, "steps_called", 0) + 1
+
+    def set_on(self, on: bool) -> None:
         """Start (``on``) or stop recording the timeline; stopping drops what was recorded."""
-        with self._tl_lock:
-            self._timeline_on = bool(on)
+        with self._lock:
+            self.on = bool(on)
             if not on:
-                self._tl_steps.clear()
-                self._tl_done.clear()
-                self._tl_last_number = 0
-                self._tl_backward_task = None
+                self._steps.clear()
+                self._done.clear()
+                self._last_number = 0
+                self._backward_task = None
 
-    def worker_timeline(self, step: Optional[int] = None) -> List[dict]:
+    def events(self, step: Optional[int] = None) -> List[dict]:
         """The events of the last complete optimizer step, or of step number ``step`` (one of the last
         four complete ones; ``[]`` when it is not, or the timeline is off).
 
@@ -75,120 +93,117 @@ class EngineTimeline:
         on ``std::chrono::steady_clock`` (``megatrain._C.steady_now()``); an update may end after
         ``step_end`` (it overlaps the next forward).
         """
-        if not self._timeline_on:
+        if not self.on:
             return []
-        self.settle()
-        self._timeline_prune()
-        with self._tl_lock:
-            return [dict(e) for e in self._tl_done.get(self._tl_last_number if step is None else step, ())]
+        self._grads.settle()
+        self.prune()
+        with self._lock:
+            return [dict(e) for e in self._done.get(self._last_number if step is None else step, ())]
 
     # ------------------------------------------------------------------ recording (engine hooks)
-    def _tl_add(self, number: Optional[int], event: Optional[dict], t: float) -> None:
+    def _add(self, number: Optional[int], event: Optional[dict], t: float) -> None:
         """Append ``event`` (absolute times) to step ``number``'s record, opened at ``t`` if new.
 
         ``number`` None: to the latest step recorded and not complete yet, if any (never opens one)."""
-        with self._tl_lock:
+        with self._lock:
             if number is None:
-                number = max(self._tl_steps, default=None)
+                number = max(self._steps, default=None)
                 if number is None:
                     return
-            if not self._timeline_on or number <= self._tl_last_number:
+            if not self.on or number <= self._last_number:
                 return  # (a step already complete: nothing of it is pending)
-            rec = self._tl_steps.get(number)
+            rec = self._steps.get(number)
             if rec is None:
-                rec = self._tl_steps[number] = [t, False, [dict(kind="step_begin", t_s=t, step=number)]]
+                rec = self._steps[number] = [t, False, [dict(kind="step_begin", t_s=t, step=number)]]
             if event is not None:
                 rec[2].append(event)
 
-    def _timeline_step_begin(self) -> None:
+    def step_begin(self) -> None:
         """A forward begins: opens the record of the step it belongs to (no-op when already open)."""
-        if self._timeline_on:
-            number = _current_step(self)
-            with self._tl_lock:
-                if number <= self._tl_last_number:  # a new optimizer counts its steps from 1 again
-                    self._tl_last_number = number - 1
-                    self._tl_done = {n: ev for n, ev in self._tl_done.items() if n < number}
-            self._tl_add(number, None, _C.steady_now())
+        if self.on:
+            number = self._current_step()
+            with self._lock:
+                if number <= self._last_number:  # a new optimizer counts its steps from 1 again
+                    self._last_number = number - 1
+                    self._done = {n: ev for n, ev in self._done.items() if n < number}
+            self._add(number, None, _C.steady_now())
 
-    def _timeline_backward(self) -> None:
+    def backward(self) -> None:
         """Called during a backward pass: its end is marked ``backward_end`` (once per backward)."""
-        if not self._timeline_on:
+        if not self.on:
             return
         task = _graph_task_id()
-        if task is None or task == self._tl_backward_task:
+        if task is None or task == self._backward_task:
             return
-        self._tl_backward_task = task
-        number = _current_step(self)
+        self._backward_task = task
+        number = self._current_step()
 
         def ended() -> None:
             t = _C.steady_now()
-            self._tl_add(number, dict(kind="backward_end", t_s=t), t)
+            self._add(number, dict(kind="backward_end", t_s=t), t)
 
         try:
             torch.autograd.Variable._execution_engine.queue_callback(ended)
         except (AttributeError, RuntimeError):  # not inside a backward pass: no mark
             pass
 
-    def timeline_step_end(self, number: int) -> None:
+    def step_end(self, number: int) -> None:
         """``optimizer.step()`` number ``number`` returns (its updates are queued): marks ``step_end``."""
-        if not self._timeline_on:
+        if not self.on:
             return
         t = _C.steady_now()
-        self._tl_add(number, dict(kind="step_end", t_s=t), t)
-        with self._tl_lock:
-            if number in self._tl_steps:
-                self._tl_steps[number][1] = True
-        self._timeline_prune()
+        self._add(number, dict(kind="step_end", t_s=t), t)
+        with self._lock:
+            if number in self._steps:
+                self._steps[number][1] = True
+        self.prune()
 
-    def _timeline_clock(self) -> Optional[float]:
+    def clock(self) -> Optional[float]:
         """``_C.steady_now()`` when the timeline is on, else None (a wait's start)."""
-        return _C.steady_now() if self._timeline_on else None
+        return _C.steady_now() if self.on else None
 
-    def _timeline_wait(self, unit: Optional[Unit], pending, t0: Optional[float]) -> None:
+    def wait(self, unit: Optional[Unit], pending, t0: Optional[float]) -> None:
         """The main thread waited from ``t0`` until now for the update tasks ``pending`` (handles;
-        None: all of them, a flush). Call before ``settle()``; ``t0``: :meth:`_timeline_clock`'s."""
+        None: all of them, a flush). Call before ``settle()``; ``t0``: :meth:`clock`'s."""
         if t0 is None:
             return
         t1 = _C.steady_now()
-        with self._settle_lock:
-            seqs = None if pending is None else {h.seq for h in pending}
-            steps = [rec[5] for rec in self._update_outcomes if seqs is None or rec[0].seq in seqs]
+        steps = self._grads.update_steps(None if pending is None else {h.seq for h in pending})
         # no update of a step recorded was pending (a flush of gradient tasks, a zero_grad's weights back):
         # the latest step recorded
         event = dict(kind="wait", unit=None if unit is None else unit.index, start_s=t0, end_s=t1)
-        self._tl_add(max(steps) if steps else None, event, t0)
+        self._add(max(steps) if steps else None, event, t0)
 
-    def _timeline_task(self, kind: str, unit: int, outcome, number: Optional[int] = None) -> None:
+    def task(self, kind: str, unit: int, outcome, number: Optional[int] = None) -> None:
         """A settled worker task of ``unit`` (``outcome``: its ``_C.GradOutcome`` / ``_C.UpdateOutcome``)
         of step ``number`` (None: the step running). A task that never ran is not recorded."""
         start, end = outcome.started_s, outcome.finished_s
         if start < 0 or end < 0:
             return
-        self._tl_add(_current_step(self) if number is None else number,
-                     dict(kind=kind, unit=unit, start_s=start, end_s=end), start)
+        self._add(self._current_step() if number is None else number,
+                  dict(kind=kind, unit=unit, start_s=start, end_s=end), start)
 
-    def _timeline_prune(self) -> None:
+    def prune(self) -> None:
         """Move the steps that completed to the kept ones (relative to their begin); drop older records."""
-        with self._settle_lock:
-            pending = {rec[5] for rec in self._update_outcomes}
-        with self._tl_lock:
-            done = sorted(n for n, rec in self._tl_steps.items() if rec[1] and n not in pending)
+        pending = set(self._grads.update_steps(None))
+        with self._lock:
+            done = sorted(n for n, rec in self._steps.items() if rec[1] and n not in pending)
             for n in done:
-                t0, _, events = self._tl_steps[n]
+                t0, _, events = self._steps[n]
                 rel = [{k: v - t0 if k in ("t_s", "start_s", "end_s") else v for k, v in e.items()} for e in events]
                 rel.sort(key=lambda r: r.get("start_s", r.get("t_s")))
-                self._tl_done[n] = rel
+                self._done[n] = rel
             if not done:
                 return
-            self._tl_last_number = done[-1]
-            for n in sorted(self._tl_done)[:-_KEEP]:
-                del self._tl_done[n]
-            for n in [n for n in self._tl_steps if n <= done[-1]]:
-                del self._tl_steps[n]
+            self._last_number = done[-1]
+            for n in sorted(self._done)[:-_KEEP]:
+                del self._done[n]
+            for n in [n for n in self._steps if n <= done[-1]]:
+                del self._steps[n]
 
 
 def timeline_summary(events: List[dict], longest: int = 5) -> dict:
-    """A compact summary of :meth:`EngineTimeline.worker_timeline`'s ``events`` (seconds).
+    """A compact summary of :meth:`WorkerTimeline.events`'s ``events`` (seconds).
 
     Returns ``totals_s`` (summed durations per kind), ``counts`` (events per kind), ``marks``
     (``step_begin`` / ``backward_end`` / ``step_end`` times; the last of each),

@@ -47,6 +47,7 @@ class UnitGrads:
         self.grad_task = None
         self.update_tasks: list = []
         self._ledger = None
+        self._reduced_sq: Optional[list] = None  # data parallel: the norms over every rank's piece
 
     def bind_ledger(self, ledger) -> None:
         """Read this unit's state from ``ledger`` (a ``_C.Ledger``; the engine binds its own)."""
@@ -62,9 +63,19 @@ class UnitGrads:
         return [landed(s) for s in self.grad_states()]
 
     @property
-    def grad_sq(self) -> List[float]:
-        """Entry i's squared gradient L2 norm (0.0 where unknown)."""
+    def local_grad_sq(self) -> List[float]:
+        """Entry i's squared gradient L2 norm in this process's ledger (a data parallel rank: of its piece)."""
         return list(self._ledger.grad_sq(self.index))
+
+    @property
+    def grad_sq(self) -> List[float]:
+        """Entry i's squared gradient L2 norm (0.0 where unknown); data parallel: over every rank's piece once
+        ``wait_grads`` all-reduced them (:meth:`set_reduced_grad_sq`)."""
+        return list(self._reduced_sq) if self._reduced_sq is not None else self.local_grad_sq
+
+    def set_reduced_grad_sq(self, sq: Optional[list]) -> None:
+        """Data parallel: the per-entry squared norms summed over the ranks' pieces (None: forget them)."""
+        self._reduced_sq = sq
 
     @property
     def batches(self) -> List[int]:

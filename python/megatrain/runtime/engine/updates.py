@@ -1,10 +1,11 @@
 """Update submission over the C++ gradient ledger: the fused CPU AdamW tasks, moving direct
 gradients to the fp32 accumulator, and forgetting gradients (``zero_grad``).
 
-:class:`UpdateQueue` is mixed into :class:`~megatrain.runtime.engine.core.Engine`; it queues the
-worker's update tasks (``_C.Worker.submit_adam``, no GIL) and records what they report for
-:meth:`~megatrain.runtime.engine.grads.GradLedger.settle`. The gradients it reads were handed over by
-:class:`~megatrain.runtime.engine.grads.GradLedger`.
+:class:`UpdateQueue` is the engine's ``updates`` part; it queues the worker's update tasks
+(``_C.Worker.submit_adam``, no GIL) and has :class:`~megatrain.runtime.engine.grads.GradLedger` record
+what they report for its ``settle``. The gradients it reads were handed over by
+:class:`~megatrain.runtime.engine.grads.GradLedger`. Its interface: ``submit_adam``, ``submit_update``,
+``ensure_weights``, ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,29 @@ if TYPE_CHECKING:
 
 
 class UpdateQueue:
-    """Update submission of an :class:`~megatrain.runtime.engine.core.Engine` (see module docstring)."""
+    """Update submission of an engine (see module docstring).
 
-    def _submit_adam(self, unit: Unit, items, scale: float, after=None,
+    Args:
+        ctx: the engine's :class:`~.context.EngineContext` (units, disk tier, sharding).
+        overlap: ``Options.overlap`` (False: updates are gradient-class tasks, never overlapping).
+    """
+
+    def __init__(self, ctx, overlap: bool):
+        self.units = ctx.units
+        self.disk = ctx.disk
+        self.sharding = ctx.sharding
+        self.overlap = overlap
+        self.worker = self.grads = self.views = self.accumulator = self.waits = None
+        self.slots = self.device_layers = None
+
+    def connect(self, worker, grads, views, accumulator, waits, slots, device_layers) -> None:
+        """The collaborators: the CPU worker, :class:`~.grads.GradLedger` (ledger, optimizer, outcomes),
+        :class:`~.views.StoreViews` (``task_view``), :class:`~.memory.Accumulator`, :class:`~.waits.Waits`,
+        :class:`~.slots.SlotPool` (``invalidate``) and :class:`~.memory.DeviceStateLayers`."""
+        self.worker, self.grads, self.views, self.accumulator = worker, grads, views, accumulator
+        self.waits, self.slots, self.device_layers = waits, slots, device_layers
+
+    def submit_adam(self, unit: Unit, items, scale: float, after=None,
                      entries: Optional[List[int]] = None, zero_grads=(), finite_from=None) -> None:
         """Queue the fused AdamW of ``unit``'s ``entries`` (default: all; ``_C.Worker.submit_adam``, by deadline).
 
@@ -42,7 +63,7 @@ class UpdateQueue:
         zero = set(zero_grads)
 
         def view(i, name):
-            return self.task_view(unit, i, name)
+            return self.views.task_view(unit, i, name)
 
         def grad_src(i):
             if i in zero:
@@ -62,14 +83,13 @@ class UpdateQueue:
             restore = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i] and i not in updated]
             on_skip = [(view(i, "master"), view(i, "compute")) for i in entries if direct[i]]
             tier, key = {}, unit.update_key
-        opt = self.optimizer
+        opt = self.grads.optimizer
         step_number = getattr(opt, "steps_called", 0) + 1  # the step() this update belongs to
         klass = _Worker.UPDATE if self.overlap else _Worker.GRAD
-        handle, outcome = self._worker.submit_adam(self.ledger, unit.index, adam_items, scale, restore, entries,
+        handle, outcome = self.worker.submit_adam(self.grads.ledger, unit.index, adam_items, scale, restore, entries,
                                                    finite_from, on_skip, klass, key, after, **tier)
         unit.update_tasks.append(handle)
-        with self._settle_lock:
-            self._update_outcomes.append((handle, outcome, opt, unit, items, step_number))
+        self.grads.record_update(handle, outcome, opt, unit, items, step_number)
 
     def ensure_weights(self, unit: Unit) -> None:
         """Move ``unit``'s direct gradients from the compute section to the fp32 accumulator (waits).
@@ -81,16 +101,16 @@ class UpdateQueue:
         direct = [i for i, d in enumerate(unit.direct) if d]
         if not direct:
             return
-        self.enable_accumulator()
+        self.accumulator.enable()
         if unit.disk is not None:  # the accumulator and the masters on disk
-            moved_tier = [(i, unit.entries[i].state_offset, self.task_view(unit, i, "compute")) for i in direct]
-            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, [], moved_tier=moved_tier,
+            moved_tier = [(i, unit.entries[i].state_offset, self.views.task_view(unit, i, "compute")) for i in direct]
+            handle = self.worker.submit_move_to_accumulator(self.grads.ledger, unit.index, [], moved_tier=moved_tier,
                                                              **self.disk.state_args(unit, accum=True))
         else:
-            moved = [(i, self.task_view(unit, i, "grad_accum"), self.task_view(unit, i, "master"),
-                      self.task_view(unit, i, "compute")) for i in direct]
-            handle = self._worker.submit_move_to_accumulator(self.ledger, unit.index, moved)
-        self.wait_task(handle)
+            moved = [(i, self.views.task_view(unit, i, "grad_accum"), self.views.task_view(unit, i, "master"),
+                      self.views.task_view(unit, i, "compute")) for i in direct]
+            handle = self.worker.submit_move_to_accumulator(self.grads.ledger, unit.index, moved)
+        self.waits.wait_task(handle)
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (the next backward overwrites the accumulators).
@@ -99,24 +119,25 @@ class UpdateQueue:
         weights back for gradients D2H'd into the compute section and never used (the loads of
         those units wait for it).
         """
-        self._worker.wait_grads()
-        self.settle()
+        self.worker.wait_grads()
+        self.grads.settle()
         restore = []
         for u in self.units:
             idx = [i for i, d in enumerate(u.direct) if d]
             for i in range(len(u.entries)):
-                self.ledger.reset(u.index, i)
+                self.grads.ledger.reset(u.index, i)
             if idx:
                 restore.append((u, idx))
         for u, idx in restore:
             if u.disk is not None:  # the masters on disk
-                back, tier = [], dict(restore_tier=[(u.entries[i].state_offset, self.task_view(u, i, "compute"))
+                back, tier = [], dict(restore_tier=[(u.entries[i].state_offset, self.views.task_view(u, i, "compute"))
                                                     for i in idx], **self.disk.state_args(u))
             else:
-                back, tier = [(self.task_view(u, i, "master"), self.task_view(u, i, "compute")) for i in idx], {}
-            handle, _ = self._worker.submit_adam(self.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
+                back, tier = [(self.views.task_view(u, i, "master"), self.views.task_view(u, i, "compute")) for i in idx], {}
+            handle, _ = self.worker.submit_adam(self.grads.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
                                                  None, **tier)
             u.update_tasks.append(handle)
+        self.sharding.after_zero_grad(self.units)
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,
                       zero_grads=(), finite_on_device: bool = False) -> None:
@@ -126,8 +147,8 @@ class UpdateQueue:
         after a direct D2H. ``finite_on_device``: a device-state unit's non-finite check on the
         device (:meth:`~..placement.device_state.DeviceState.update`).
         """
-        self.invalidate([unit])  # now, on the main thread: slots holding the old weights are stale
+        self.slots.invalidate([unit])  # now, on the main thread: slots holding the old weights are stale
         if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
-            return self.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads,
+            return self.device_layers.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads,
                                             finite_on_device=finite_on_device)
-        self._submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)
+        self.submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)

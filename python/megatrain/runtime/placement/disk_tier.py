@@ -37,7 +37,7 @@ def _close_tiers() -> None:
     # destructors remove the working files) once the workers have run what was queued.
     for d in list(_LIVE):
         try:
-            d.eng._worker.close()
+            d.eng.worker.close()
             d.close()
         except Exception:  # noqa: BLE001 - at exit: a failed tier leaves its files (the next run removes them)
             pass
@@ -118,7 +118,7 @@ class DiskOffload:
     # ------------------------------------------------------------------ worker-task arguments
     def adam_args(self, unit, items, entries, zero, direct, compute_view) -> tuple:
         """``(tier_items, restore_tier, restore_on_skip_tier, kwargs)`` of ``_C.Worker.submit_adam`` for
-        disk unit ``unit``: what ``GradLedger._submit_adam`` builds from store views for a host unit,
+        disk unit ``unit``: what ``UpdateQueue.submit_adam`` builds from store views for a host unit,
         by element offset into the tier unit (``compute_view(i)``: entry i's flat compute slice)."""
         updated = {it[0] for it in items}
         tier_items, accum = [], False
@@ -216,7 +216,7 @@ class DiskOffload:
                 raise RuntimeError("megatrain: a writing disk-tier window inside a reading one")
             yield self
             return
-        self.eng._worker.drain()
+        self.eng.worker.drain()
         self._window_write = write
         self._on_release = on_release
         ok = False
