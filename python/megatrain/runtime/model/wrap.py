@@ -29,7 +29,7 @@ from .fused_kernels import apply_liger_kernel, check_liger_kernel, resolve_liger
 from ..placement.disk_plan import check_offload_args
 from .decoder_layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .model_config import cache_flags, router_logits_asked, set_cache_flags
-from .module_api import install as _install_module_api
+from .module_api import ModuleApi
 from .module_guards import check_layers_unhooked
 from ..activations.policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from ..activations.attention_reuse import AttentionReuse
@@ -180,40 +180,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     """``wrap``; with ``source``, the model's parameters are on the meta device and ``source.fill(engine)``
     writes every fp32 master (``megatrain.from_pretrained`` / ``megatrain.from_config``)."""
     install_accelerate_clip()  # accelerate's own clip_grad_norm_ no longer reaches torch's (see there)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
-                        f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")
-    if getattr(model, "megatrain", None) is not None:
-        raise ValueError("megatrain.wrap: this model is already wrapped")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
-                         f"the next layer), got {num_slots!r}")
-    if not isinstance(reuse_attention, bool):
-        raise ValueError(f"megatrain.wrap: reuse_attention must be True or False, got {reuse_attention!r}")
-    if not isinstance(lean_activations, bool):
-        raise ValueError(f"megatrain.wrap: lean_activations must be True or False, got {lean_activations!r}")
-    if not isinstance(grad_accumulator, (bool, type(None))):
-        raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
-                         f"or False, got {grad_accumulator!r}")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"megatrain.wrap: device must be a CUDA device or 'cpu', got {str(device)!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but CUDA is not available (torch "
-                         f"{torch.__version__}, built with CUDA {torch.version.cuda}): use device='cpu', or install "
-                         "a CUDA build of torch on a machine with a GPU")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda" and device.index >= torch.cuda.device_count():
-        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but only {torch.cuda.device_count()} "
-                         "CUDA device(s) are visible")
+    _check_args(model, num_slots, reuse_attention, lean_activations, grad_accumulator)
+    device = _resolve_device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if compute_dtype not in (torch.bfloat16, torch.float32):
@@ -231,22 +199,8 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     use_liger = resolve_liger_kernel(liger_kernel, device)
     offload_dir = check_offload_args(offload_dir, host_memory_limit)
     device_state_layers = resolve_device_state_layers(device_state_layers, activation_policy, device)
-    for name, p in model.named_parameters():
-        if p.device.type == "meta" and source is None:
-            raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
-    layers_name, layers = find_decoder_layers(model)
-    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
-    check_layers_unhooked(layers_name, layers)
-    if isinstance(device_state_layers, int) and device_state_layers > len(layers):
-        raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
-                         f"decoder layers; use at most {len(layers)} (or 'auto')")
+    layers_name, layers = _check_model(model, source, device_state_layers)
     cfg = getattr(model, "config", None)
-    if router_logits_asked(cfg):
-        # The router logits would be captured from the streamed layers' graph-free forward, so
-        # the auxiliary load-balancing loss would silently get no gradient.
-        raise UnsupportedModelError(
-            f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
-            "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     long_context.check(model, layers, chunked_loss, tile_mlp)
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.model.fused_kernels)
     liger = apply_liger_kernel(model, layers, required=liger_kernel is True) if use_liger else None
@@ -267,7 +221,86 @@ def _wrap(model: nn.Module, device, compute_dtype, activation_policy, num_slots,
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags
     engine.long_context = long_context.install(model, engine, chunked_loss, tile_mlp, lean_activations)
-    engine.attention_reuse = AttentionReuse(engine) if reuse_attention else None
-    _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
+    engine.policy.attention_reuse = AttentionReuse(engine) if reuse_attention else None
+    engine.module_api = ModuleApi(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
     return model
 
+
+def _check_args(model, num_slots, reuse_attention, lean_activations, grad_accumulator) -> None:
+    """``wrap``'s checks of ``model``'s type (and that it is not wrapped yet) and of its plain arguments.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the model is already wrapped, or a bad ``num_slots`` / ``reuse_attention`` /
+            ``lean_activations`` / ``grad_accumulator``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
+                        f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")
+    if getattr(model, "megatrain", None) is not None:
+        raise ValueError("megatrain.wrap: this model is already wrapped")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"megatrain.wrap: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
+                         f"the next layer), got {num_slots!r}")
+    if not isinstance(reuse_attention, bool):
+        raise ValueError(f"megatrain.wrap: reuse_attention must be True or False, got {reuse_attention!r}")
+    if not isinstance(lean_activations, bool):
+        raise ValueError(f"megatrain.wrap: lean_activations must be True or False, got {lean_activations!r}")
+    if not isinstance(grad_accumulator, (bool, type(None))):
+        raise ValueError(f"megatrain.wrap: grad_accumulator must be None (allocated at the first accumulation), True "
+                         f"or False, got {grad_accumulator!r}")
+
+
+def _resolve_device(device) -> torch.device:
+    """``wrap``'s ``device`` as a ``torch.device`` with an index on CUDA (None: the current CUDA device, else the CPU).
+
+    Raises:
+        ValueError: not a CUDA device or ``"cpu"``, CUDA not available, or the index not visible.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"megatrain.wrap: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"megatrain.wrap: device must be a CUDA device or 'cpu', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but CUDA is not available (torch "
+                         f"{torch.__version__}, built with CUDA {torch.version.cuda}): use device='cpu', or install "
+                         "a CUDA build of torch on a machine with a GPU")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(f"megatrain.wrap: device {str(device)!r} requested, but only {torch.cuda.device_count()} "
+                         "CUDA device(s) are visible")
+    return device
+
+
+def _check_model(model: nn.Module, source, device_state_layers):
+    """``wrap``'s checks of the model itself, before anything is changed: real weights (unless ``source``
+    fills them), a decoder layer list without weights shared with other modules and without hooks,
+    ``device_state_layers`` within its length, no MoE router logits asked. Returns ``(layers_name, layers)``.
+
+    Raises:
+        ValueError: a parameter on the meta device, a hooked or parametrized layer, too many ``device_state_layers``.
+        UnsupportedModelError: no decoder layer list, weights shared with a layer, ``output_router_logits=True``.
+    """
+    for name, p in model.named_parameters():
+        if p.device.type == "meta" and source is None:
+            raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
+    layers_name, layers = find_decoder_layers(model)
+    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
+    check_layers_unhooked(layers_name, layers)
+    if isinstance(device_state_layers, int) and device_state_layers > len(layers):
+        raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
+                         f"decoder layers; use at most {len(layers)} (or 'auto')")
+    if router_logits_asked(getattr(model, "config", None)):
+        # The router logits would be captured from the streamed layers' graph-free forward, so
+        # the auxiliary load-balancing loss would silently get no gradient.
+        raise UnsupportedModelError(
+            f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
+            "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
+    return layers_name, layers
