@@ -170,11 +170,12 @@ def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:
     import importlib
 
     wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
-    decide = wrap_mod.WrappedEngine._decide_auto
+    policies = importlib.import_module("megatrain.runtime.activations.policies")
+    decide = policies.ActivationPolicy.decide_auto
 
     def limited(self, key, layer_bytes, input_bytes=0):
         budget = room(layer_bytes, input_bytes)
-        self.free_device_bytes = lambda: int(budget / wrap_mod.AUTO_STORE_FRACTION)
+        self.engine.free_device_bytes = lambda: int(budget / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, input_bytes)
 
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto", limited)
+    monkeypatch.setattr(policies.ActivationPolicy, "decide_auto", limited)

@@ -304,7 +304,7 @@ def test_auto_policy_counts_the_saved_inputs_of_the_recomputed_layers(free_mib, 
     eng = megatrain.wrap(tiny("llama"), device="cpu", activation_policy="auto").megatrain
     mib = 1 << 20
     eng.free_device_bytes = lambda: int(free_mib * mib / wrap_mod.AUTO_STORE_FRACTION)
-    eng._decide_auto("k", layer_mib * mib, input_mib * mib)
+    eng.policy.decide_auto("k", layer_mib * mib, input_mib * mib)
     d = eng.auto_decisions["k"]
     k = d["store_layers"]
     if 3 * input_mib > free_mib:
@@ -938,10 +938,11 @@ def test_auto_policy_with_every_layer_frozen_measures_the_first_layer(monkeypatc
     # larger graph, so the first call decides, before the others keep graphs of their own.
     wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
     events = []
-    stored, decide = wrap_mod.WrappedEngine.forward_stored, wrap_mod.WrappedEngine._decide_auto
+    policies = importlib.import_module("megatrain.runtime.activations.policies")
+    stored, decide = wrap_mod.WrappedEngine.forward_stored, policies.ActivationPolicy.decide_auto
     monkeypatch.setattr(wrap_mod.WrappedEngine, "forward_stored",
                         lambda self, call, diff: events.append(call.unit.index) or stored(self, call, diff))
-    monkeypatch.setattr(wrap_mod.WrappedEngine, "_decide_auto",
+    monkeypatch.setattr(policies.ActivationPolicy, "decide_auto",
                         lambda self, *a, **k: events.append("decide") or decide(self, *a, **k))
     model = tiny("llama", num_hidden_layers=3)
     model.model.layers.requires_grad_(False)

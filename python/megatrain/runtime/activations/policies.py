@@ -3,11 +3,13 @@
 ``recompute`` (keep each layer's input, K=1), ``block:K`` (keep every K-th input, recompute the
 block), ``store`` (keep the layer graph; saved weight views become :class:`~..model.layer_call._WeightRef`
 handles), ``auto`` (store the layers whose graphs fit in ``AUTO_STORE_FRACTION`` of the free device
-memory, recompute the others), ``offload`` (see :mod:`.host_offload`). :class:`ActivationPolicies` is
-mixed into :class:`~..model.wrapped_engine.WrappedEngine`.
+memory, recompute the others), ``offload`` (see :mod:`.host_offload`). :class:`LayerActivations` is
+the ``policy`` part of :class:`~..model.wrapped_engine.WrappedEngine`.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -64,10 +66,62 @@ def auto_store_layers(n: int, layer_bytes: int, input_bytes: int, free: int) -> 
     # k kept graphs plus the n - k saved inputs of the recomputed layers fit the budget
     return min(n, int((budget - n * input_bytes) // (layer_bytes - input_bytes))), 1
 
-class ActivationPolicies:
-    """The block:K, store and auto policies of a :class:`~..model.wrapped_engine.WrappedEngine`."""
+class LayerActivations:
+    """What a forward keeps for backward, per layer call: the ``block:K``, ``store`` and ``auto``
+    policies of a :class:`~..model.wrapped_engine.WrappedEngine` (its ``policy``).
 
-    def _assign_block(self, call: _LayerCall, diff) -> None:
+    Args:
+        engine: the engine it serves; what it uses of it: ``device``, ``cuda``, ``layers``,
+            ``execute`` / ``release`` (running a layer call) and ``free_device_bytes`` (read at each
+            ``auto`` decision, so a replaced ``engine.free_device_bytes`` is seen).
+        activation_policy: ``"recompute"``, ``"store"``, ``"auto"``, ``"offload"`` or ``"block:K"``, or its
+            parsed :class:`~.activation_policy.ActivationPolicy`.
+
+    Raises:
+        ValueError: a bad ``activation_policy`` (:func:`check_activation_policy`), before anything is built.
+
+    Attributes:
+        name: the policy string. ``block_k``: K of ``block:K`` (1 otherwise). ``store_activations`` /
+        ``auto_policy``: ``store`` / ``auto``. ``auto_decisions``: ``auto``'s decision per input shape
+        and what it was based on (bytes per layer, free bytes). ``offload``: the ``offload`` policy's
+        :class:`~.host_offload.InputOffload` (set by the engine once built, else None).
+        ``attention_reuse``: ``block:K``'s :class:`~.attention_reuse.AttentionReuse` (set by ``wrap``, or None).
+    """
+
+    def __init__(self, engine, activation_policy):
+        policy = ActivationPolicy.parse(activation_policy)
+        self.block_k = policy.block_k
+        self.engine = engine
+        self.name = str(policy)
+        self.store_activations = policy.stores
+        self.auto_policy = policy.is_auto
+        self.offload = None
+        self.attention_reuse = None
+        self.auto_decisions: dict = {}
+        self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
+        self._pending_block: Optional[_Block] = None
+        self._last_call: Optional[_LayerCall] = None
+
+    def begin_forward(self) -> None:
+        """A forward of the model begins: no block continues from the last one; offload's parking starts over."""
+        self._pending_block = None
+        self._last_call = None
+        if self.offload is not None:
+            self.offload.begin_forward()
+
+    def note_call(self, call: _LayerCall) -> None:
+        """``call`` is the last layer call recorded (a next call whose inputs are its outputs continues its block)."""
+        self._last_call = call
+
+    def hold_weights(self, unit_index: int, slot) -> None:
+        """``store``: the slot holding unit ``unit_index``'s weights during its backward (the kept graph's handles resolve to it)."""
+        self._weight_slots[unit_index] = slot
+
+    def drop_weights(self, unit_index: int) -> None:
+        """The backward of unit ``unit_index`` is done with its slot (no-op when none is held)."""
+        self._weight_slots.pop(unit_index, None)
+
+    def assign_block(self, call: _LayerCall, diff) -> None:
         """Place ``call`` in the current block (block:K) if its inputs are exactly the last layer's outputs."""
         k = self.block_k
         if self.auto_policy:  # auto: block:K once the first call chose it (checkpoint spacing from free memory)
@@ -90,19 +144,19 @@ class ActivationPolicies:
 
     def block_input(self, call: _LayerCall):
         """Inputs of a non-first layer of a block: recompute the block prefix from its first input."""
-        blk = call.block
+        blk, eng = call.block, self.engine
         if call.pos not in blk.inputs:
             x = blk.first_inputs
             with torch.no_grad():
                 for pos in range(0, call.pos):
                     c = blk.calls[pos]
                     cpu_rng, cuda_rng = c.rng
-                    with torch.random.fork_rng(devices=[self.device] if self.cuda else [], enabled=True):
+                    with torch.random.fork_rng(devices=[eng.device] if eng.cuda else [], enabled=True):
                         torch.set_rng_state(cpu_rng)
                         if cuda_rng is not None:
-                            torch.cuda.set_rng_state(cuda_rng, self.device)
+                            torch.cuda.set_rng_state(cuda_rng, eng.device)
                         reuse = self.attention_reuse
-                        out = self.execute(c, x, grad=False, around=None if reuse is None else reuse.keep(c))
+                        out = eng.execute(c, x, grad=False, around=None if reuse is None else reuse.keep(c))
                     leaves, _ = tree_flatten(out)
                     x = tuple(leaves[i].detach() for i in c.out_tensor_idx)
                     blk.inputs[pos + 1] = x
@@ -126,11 +180,11 @@ class ActivationPolicies:
         d = self.auto_decisions.get(_shape_key(_auto_inputs(call, diff_inputs)))
         return True if d is None else call.unit.index < d["store_layers"]
 
-    def _decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
+    def decide_auto(self, key, layer_bytes: int, input_bytes: int = 0) -> None:
         """``auto``: decide for input shape ``key`` from the first call's measured bytes (graph:
         ``layer_bytes``; its activation inputs: ``input_bytes``) and the free device memory."""
-        free = self.free_device_bytes()
-        n = len(self.layers)
+        free = self.engine.free_device_bytes()
+        n = len(self.engine.layers)
         need = layer_bytes * n
         k, block_k = auto_store_layers(n, layer_bytes, input_bytes, free)
         self.auto_decisions[key] = dict(store=k == n, store_layers=k, recompute_layers=n - k, block_k=block_k,
@@ -168,8 +222,8 @@ class ActivationPolicies:
             return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
         with torch.enable_grad():
-            out, bound, slot = self.execute(call, detached, grad=True, around=hooks)
-        self.release(slot)
+            out, bound, slot = self.engine.execute(call, detached, grad=True, around=hooks)
+        self.engine.release(slot)
         call.stored = (out, bound, detached)
         if self.auto_policy:
             acts = _auto_inputs(call, diff_inputs)
@@ -179,9 +233,9 @@ class ActivationPolicies:
             # gradients): a later trainable layer measures (the last layer measures if none did).
             idx = call.unit.index
             trainable = any(not e.frozen for e in call.unit.entries) or not any(
-                not e.frozen for u in self.layers[idx + 1:] for e in u.entries)
-            if key not in self.auto_decisions and (diff_inputs and trainable or idx == len(self.layers) - 1):
-                self._decide_auto(key, sum(saved_storages.values()),
-                                  sum(x.numel() * x.element_size() for x in acts))
+                not e.frozen for u in self.engine.layers[idx + 1:] for e in u.entries)
+            if key not in self.auto_decisions and (diff_inputs and trainable or idx == len(self.engine.layers) - 1):
+                self.decide_auto(key, sum(saved_storages.values()),
+                                 sum(x.numel() * x.element_size() for x in acts))
         return out
 

@@ -60,11 +60,13 @@ _PICKLE_MSG = ("megatrain: a model wrapped by megatrain.wrap cannot be pickled (
                "to resume training")
 
 
-class EngineModuleApi:
-    """Mixed into the wrapped engine: refuses pickling (it holds a host store and a worker thread)."""
+def refuse_pickle(protocol):
+    """The wrapped engine's ``__reduce_ex__``: it holds a host store and a worker thread.
 
-    def __reduce_ex__(self, protocol):
-        raise TypeError(_PICKLE_MSG)
+    Raises:
+        TypeError: always (one line naming what to save instead).
+    """
+    raise TypeError(_PICKLE_MSG)
 
 
 # ---------------------------------------------------------------------------- state_dict
@@ -78,32 +80,59 @@ def _owned(eng) -> Dict[int, List[Tuple[str, object, int]]]:
     return out
 
 
-def install(eng, model: nn.Module) -> None:
-    """Give ``model`` (wrapped, engine ``eng``) the state_dict / load_state_dict / save_pretrained surface."""
-    masters = _Masters(eng)
-    eng.masters = masters
-    owned = _owned(eng)
-    loading = threading.local()
-    # Checks first: whichever module load_state_dict is called on (prefix "") validates before any
-    # write (registered before the owners' hooks, so it runs before their swap).
-    for m in model.modules():
-        m.register_load_state_dict_pre_hook(_make_load_check_hook(eng, loading, owned))
-    mods = {id(m): m for m in model.modules()}
-    for mid, items in owned.items():
-        mod = mods.get(mid)
-        if mod is None:
-            continue
-        mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items, loading))
-        mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
-        mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, items))
-    def reloaded(m, incompatible) -> None:
-        masters.note_loaded()
-        eng.load_resident()
-        eng.note_resident_params()
+class ModuleApi:
+    """The ``state_dict`` / ``load_state_dict`` / ``save_pretrained`` surface of a wrapped model (the
+    ``module_api`` part of its engine; see the module docstring), installed on ``model`` here.
 
-    model.register_load_state_dict_post_hook(reloaded)
+    Args:
+        engine: the model's :class:`~.wrapped_engine.WrappedEngine` (``model.megatrain``, already set).
+        model: the wrapped model.
 
-    def load(module, state_dict, strict, assign, mode="write"):
+    ``masters``: the fp32 master views ``state_dict()`` hands out (:class:`~.state_dict_views._Masters`).
+    """
+
+    def __init__(self, engine, model: nn.Module):
+        self.engine = engine
+        self.masters = _Masters(engine)
+        self._owned = _owned(engine)
+        self._loading = threading.local()
+        self._hook_modules(model)
+        object.__setattr__(model, "load_state_dict", types.MethodType(self._load_state_dict_method(), model))
+        _install_cast_guard(engine, model)
+        _install_peft_merge_guard(model)
+        _install_resize_guard(model)
+        _install_grad_hook_guard(engine)
+        if hasattr(model, "save_pretrained"):
+            object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
+        _engine_first(model)
+
+    def _hook_modules(self, model: nn.Module) -> None:
+        """The state_dict / load hooks of every module that holds a parameter of the engine, and the model's reload."""
+        eng, masters, owned, loading = self.engine, self.masters, self._owned, self._loading
+        # Checks first: whichever module load_state_dict is called on (prefix "") validates before any
+        # write (registered before the owners' hooks, so it runs before their swap).
+        for m in model.modules():
+            m.register_load_state_dict_pre_hook(_make_load_check_hook(eng, loading, owned))
+        mods = {id(m): m for m in model.modules()}
+        for mid, items in owned.items():
+            mod = mods.get(mid)
+            if mod is None:
+                continue
+            mod.register_state_dict_post_hook(_make_sd_hook(eng, masters, items, loading))
+            mod.register_load_state_dict_pre_hook(_make_load_pre_hook(masters, items, loading))
+            mod.register_load_state_dict_post_hook(_make_load_post_hook(eng, masters, items))
+
+        def reloaded(m, incompatible) -> None:
+            masters.note_loaded()
+            eng.load_resident()
+            eng.note_resident_params()
+
+        model.register_load_state_dict_post_hook(reloaded)
+
+    def _load(self, module, state_dict, strict, assign, mode="write"):
+        """``nn.Module.load_state_dict`` of ``module`` through the hooks (``mode``: "write", or "buffers":
+        a data-parallel rank that does not write the shared store)."""
+        eng, loading = self.engine, self._loading
         # a resident parameter written in place since wrap: fine when this load replaces it, else refused
         eng.check_resident_params("model.load_state_dict", overwritten=set(state_dict.keys()))
         eng.note_resident_params()
@@ -114,41 +143,41 @@ def install(eng, model: nn.Module) -> None:
         finally:
             loading.strict = None
             loading.mode = None
-            _restore_placeholders(eng, [(mod, attr, u, i) for u in eng.units for i, e in enumerate(u.entries)
-                                        for mod, attr in e.owners])
+            _restore_placeholders(eng, self.masters, [(mod, attr, u, i) for u in eng.units
+                                                      for i, e in enumerate(u.entries) for mod, attr in e.owners])
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` into the fp32 master weights (checks run before any write).
+    def _load_state_dict_method(self):
+        """The model's ``load_state_dict`` (a function bound to the model)."""
+        eng, load = self.engine, self._load
 
-        Data parallel: a collective call (every rank calls it with the same ``state_dict``, at the
-        same point; see :mod:`megatrain.runtime.data_parallel.calls`): each node's local rank 0
-        writes the node's shared store, every rank loads its own buffers and reloads its device copies.
-        """
-        dp = getattr(eng, "dp", None)
-        if dp is None:
-            return load(self, state_dict, strict, assign)
-        from ..data_parallel.calls import fingerprint
+        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+            """``nn.Module.load_state_dict`` into the fp32 master weights (checks run before any write).
 
-        with dp.collective("model.load_state_dict", f"{fingerprint(dict(state_dict))} strict={bool(strict)} "
-                                                    f"assign={bool(assign)}"):
-            eng.sync_host()
-            out = dp.on_local0(lambda: load(self, state_dict, strict, assign), "model.load_state_dict")
-            if not dp.fills_store:  # the store is written: this rank's buffers, and its device copies anew
-                params = {n for n, _ in self.named_parameters(remove_duplicate=False)}
-                load(self, {k: v for k, v in state_dict.items() if k not in params}, False, False, mode="buffers")
-                eng.invalidate(eng.units)
-                eng.load_resident()
-            return out
+            Data parallel: a collective call (every rank calls it with the same ``state_dict``, at the
+            same point; see :mod:`megatrain.runtime.data_parallel.calls`): each node's local rank 0
+            writes the node's shared store, every rank loads its own buffers and reloads its device copies.
+            """
+            dp = getattr(eng, "dp", None)
+            if dp is None:
+                return load(self, state_dict, strict, assign)
+            from ..data_parallel.calls import fingerprint
 
-    object.__setattr__(model, "load_state_dict", types.MethodType(load_state_dict, model))
-    _install_cast_guard(eng, model)
-    _install_peft_merge_guard(model)
-    _install_resize_guard(model)
-    _install_grad_hook_guard(eng)
-    if hasattr(model, "save_pretrained"):
-        object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
-    # Pickling walks the model's __dict__ in order: the engine goes first, so its refusal is the
-    # error a user sees (not one about a hook's lambda further down).
+            with dp.collective("model.load_state_dict", f"{fingerprint(dict(state_dict))} strict={bool(strict)} "
+                                                        f"assign={bool(assign)}"):
+                eng.sync_host()
+                out = dp.on_local0(lambda: load(self, state_dict, strict, assign), "model.load_state_dict")
+                if not dp.fills_store:  # the store is written: this rank's buffers, and its device copies anew
+                    params = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+                    load(self, {k: v for k, v in state_dict.items() if k not in params}, False, False, mode="buffers")
+                    eng.invalidate(eng.units)
+                    eng.load_resident()
+                return out
+        return load_state_dict
+
+
+def _engine_first(model: nn.Module) -> None:
+    """Pickling walks the model's __dict__ in order: the engine goes first, so its refusal is the
+    error a user sees (not one about a hook's lambda further down)."""
     d = model.__dict__
     eng_ref = d.pop("megatrain")
     rest = dict(d)
@@ -256,13 +285,13 @@ def _make_load_pre_hook(masters, items, loading):
     return hook
 
 
-def _make_load_post_hook(eng, items):
+def _make_load_post_hook(eng, masters, items):
     def hook(module, incompatible):
-        _restore_placeholders(eng, [(module, attr, u, i) for attr, u, i in items])
+        _restore_placeholders(eng, masters, [(module, attr, u, i) for attr, u, i in items])
     return hook
 
 
-def _restore_placeholders(eng, where) -> None:
+def _restore_placeholders(eng, masters, where) -> None:
     """Put the placeholders back where a load swapped in the masters; rebuild those entries' compute copy
     (a frozen entry's copy loaded into: converted into its compute copy)."""
     units = {}
@@ -273,7 +302,7 @@ def _restore_placeholders(eng, where) -> None:
             units.setdefault(u.index, (u, set()))[1].add(i)
     with torch.no_grad():
         for u, idx in units.values():
-            loaded = eng.masters.take_loaded(u, idx)
+            loaded = masters.take_loaded(u, idx)
             # a disk unit: its masters written back through the tier
             with eng.state_window(write=any(name == "master" for _, name in loaded)):
                 for (i, name), t in loaded.items():

@@ -1,4 +1,4 @@
-"""Refusals :func:`~.module_api.install` puts on a wrapped model: the calls that would change it behind
+"""Refusals :class:`~.module_api.ModuleApi` puts on a wrapped model: the calls that would change it behind
 the host store's back raise at once, with one line naming what to do instead.
 
 * ``model.half()`` / ``.to(dtype)`` / ``.to(other_device)`` on a module holding resident weights

@@ -10,7 +10,7 @@ refuses the ones that cannot be applied, and gives ``load_state_dict`` the tenso
 :func:`_compute_from_masters` rebuilds the compute copies from changed masters.
 
 The hooks that put these tensors into ``state_dict`` / ``load_state_dict`` are
-:func:`megatrain.runtime.model.module_api.install`'s.
+:class:`megatrain.runtime.model.module_api.ModuleApi`'s.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from ..compat.clip_grad import install_accelerate_clip
 from .fused_kernels import apply_liger_kernel
 from .decoder_layers import UnsupportedModelError, find_decoder_layers, model_units  # noqa: F401 - public here
 from .model_config import cache_flags, router_logits_asked, set_cache_flags
-from .module_api import install as _install_module_api
+from .module_api import ModuleApi
 from .module_guards import check_layers_unhooked
 from ..activations.policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from ..activations.attention_reuse import AttentionReuse
@@ -190,22 +190,8 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
         raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
-    for name, p in model.named_parameters():
-        if p.device.type == "meta" and source is None:
-            raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
-    layers_name, layers = find_decoder_layers(model)
-    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
-    check_layers_unhooked(layers_name, layers)
-    if isinstance(opts.device_state_layers, int) and opts.device_state_layers > len(layers):
-        raise ValueError(f"megatrain.wrap: device_state_layers={opts.device_state_layers}, but the model has {len(layers)} "
-                         f"decoder layers; use at most {len(layers)} (or 'auto')")
+    layers_name, layers = _check_model(model, source, opts.device_state_layers)
     cfg = getattr(model, "config", None)
-    if router_logits_asked(cfg):
-        # The router logits would be captured from the streamed layers' graph-free forward, so
-        # the auxiliary load-balancing loss would silently get no gradient.
-        raise UnsupportedModelError(
-            f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
-            "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
     long_context.check(model, layers, opts.chunked_loss, opts.tile_mlp)
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.model.fused_kernels)
     liger = apply_liger_kernel(model, layers, required=options.liger_kernel is True) if opts.liger_kernel else None
@@ -226,7 +212,33 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags
     engine.long_context = long_context.install(model, engine, opts.chunked_loss, opts.tile_mlp, opts.lean_activations)
-    engine.attention_reuse = AttentionReuse(engine) if opts.reuse_attention else None
-    _install_module_api(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
+    engine.policy.attention_reuse = AttentionReuse(engine) if opts.reuse_attention else None
+    engine.module_api = ModuleApi(engine, model)  # state_dict / load_state_dict / save_pretrained over the fp32 masters
     return model
 
+
+def _check_model(model: nn.Module, source, device_state_layers):
+    """``wrap``'s checks of the model itself, before anything is changed: real weights (unless ``source``
+    fills them), a decoder layer list without weights shared with other modules and without hooks,
+    ``device_state_layers`` within its length, no MoE router logits asked. Returns ``(layers_name, layers)``.
+
+    Raises:
+        ValueError: a parameter on the meta device, a hooked or parametrized layer, too many ``device_state_layers``.
+        UnsupportedModelError: no decoder layer list, weights shared with a layer, ``output_router_logits=True``.
+    """
+    for name, p in model.named_parameters():
+        if p.device.type == "meta" and source is None:
+            raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
+    layers_name, layers = find_decoder_layers(model)
+    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
+    check_layers_unhooked(layers_name, layers)
+    if isinstance(device_state_layers, int) and device_state_layers > len(layers):
+        raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
+                         f"decoder layers; use at most {len(layers)} (or 'auto')")
+    if router_logits_asked(getattr(model, "config", None)):
+        # The router logits would be captured from the streamed layers' graph-free forward, so
+        # the auxiliary load-balancing loss would silently get no gradient.
+        raise UnsupportedModelError(
+            f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
+            "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
+    return layers_name, layers

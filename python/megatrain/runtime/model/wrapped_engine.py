@@ -1,8 +1,11 @@
 """``WrappedEngine``: the engine plus the model side (layer calls, resident unit, activation policy).
 
 This module builds it (the store's fill, the streamed layers, the resident unit's device buffer and
-hooks) and runs the checks at each forward; running a layer call is :mod:`.layer_exec`'s
-(:class:`~.layer_exec.LayerExecution`).
+hooks) and runs the checks at each forward. Its parts: ``policy`` (what a layer call keeps for
+backward: :class:`~..activations.policies.LayerActivations`), ``replanner`` (the placement planner's
+second decision: :class:`~..placement.replan.PlacementReplan`), ``execution`` (running a layer call:
+:class:`~.layer_exec.LayerExecution`) and ``module_api`` (the ``state_dict`` surface:
+:class:`~.module_api.ModuleApi`, set by ``wrap``).
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from torch import nn
 from ..compat.clip_grad import install_accelerate_clip
 from ..engine.core import Engine
 from ..compat.functional_call_guard import note_streamed_layer
-from .layer_call import _Block, _LayerCall, _streamed_class
+from .layer_call import _LayerCall, _streamed_class
 from .layer_exec import LayerExecution
 from .decoder_layers import UnsupportedModelError, _move_buffers, model_units
 from .model_config import cache_asked, router_logits_asked
-from .module_api import EngineModuleApi
+from .module_api import refuse_pickle
+from .store_fill import fill_store
+from .param_checks import check_params, record_params, refuse_unfrozen
 from ..placement.replan import PlacementReplan
-from ..activations.policies import ActivationPolicies, ActivationPolicy
+from ..activations.activation_policy import ActivationPolicy
+from ..activations.policies import LayerActivations
 from .thread_guard import ModelActivity
 from ..engine.units import Unit
 
@@ -43,26 +49,34 @@ def _keep_last(p: torch.Tensor, handle) -> None:
     p.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
 
 
-class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerExecution, Engine):
-    """The engine plus the model-side logic: layer calls, resident unit, activation policy."""
+def _part_attr(part: str, name: str, doc: str) -> property:
+    """A read-only attribute of the engine that is part ``part``'s attribute ``name``."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
+
+
+class WrappedEngine(Engine):
+    """The engine plus the model-side logic: layer calls, resident unit, activation policy (see the module docstring)."""
+
+    activation_policy = _part_attr("policy", "name", "``wrap``'s ``activation_policy`` string.")
+    block_k = _part_attr("policy", "block_k", "K of ``block:K`` (1 for the other policies).")
+    store_activations = _part_attr("policy", "store_activations", "``activation_policy == 'store'``.")
+    auto_policy = _part_attr("policy", "auto_policy", "``activation_policy == 'auto'``.")
+    auto_decisions = _part_attr("policy", "auto_decisions", "``auto``: per input shape, the decision and what "
+                                "it was based on (bytes per layer, free bytes).")
+    offload = _part_attr("policy", "offload", "``offload`` policy: :class:`~..activations.host_offload.InputOffload`.")
+    attention_reuse = _part_attr("policy", "attention_reuse", "``block:K``: "
+                                 ":class:`~..activations.attention_reuse.AttentionReuse` (set by wrap), or None.")
+    replan_info = _part_attr("replanner", "info", "What the planner's second decision measured and chose, or None.")
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy, num_slots: int,
                  grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
                  offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None,
                  gpu_memory_limit: Optional[int] = None):
-        self.policy = ActivationPolicy.parse(activation_policy)  # a string or the value wrap parsed
-        self.block_k = self.policy.block_k
+        self.policy = LayerActivations(self, activation_policy)  # (raises on a bad policy before anything is built)
         self.gpu_memory_limit_bytes = gpu_memory_limit  # bytes (wrap resolved a fraction); read by free_device_bytes
-        self.store_activations = self.policy.stores
-        self.auto_policy = self.policy.is_auto
-        self.offload = None  # offload policy: runtime.offload.InputOffload (set once the engine is built)
-        self.attention_reuse = None  # block:K: runtime.attention_reuse.AttentionReuse (set by wrap)
-        # auto: per input shape, the decision and what it was based on (bytes per layer, free bytes)
-        self.auto_decisions: dict = {}
-        self._weight_slots: dict = {}  # store policy: unit index -> slot holding it during its backward
+        self.module_api = None  # the state_dict surface (module_api.ModuleApi), set by wrap
         self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
-        self.activation_policy = str(self.policy)  # the user's string, as placement() and messages show it
         self.model = model
         units = model_units(model, layers_name, layers)
         self.resident = units[-1] if units and units[-1].kind == "resident" else None
@@ -73,52 +87,23 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
                          reclaimable_bytes=reclaim, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
                          keep_host_layers=device_state_layers if isinstance(device_state_layers, int) else 0)
-
-        # Initialise the store: master (fp32) and compute copy, from the model's weights or from
-        # ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta).
-        # Data parallel: the ranks' models must agree; local rank 0 fills the node's shared store.
-        writer = self.dp is None or self.dp.fills_store
-        if self.dp is not None and source is None:
-            self.dp.check_same_weights(units)
-        # The disk units' masters are written through the tier's buffers, one unit at a time; a
-        # unit's compute copy is rebuilt from them when it is released (its moments start as zeros).
-        fill_window = self.disk.window(True, on_release=self._compute_from_masters) if self.disk is not None \
-            else contextlib.nullcontext()
-        with torch.no_grad(), fill_window:
-            if source is not None and writer:
-                source.fill(self)  # every master
-            elif source is not None and hasattr(getattr(source, "index", None), "close"):
-                source.index.close()  # a checkpoint reader another rank fills the shared store from
-            for u in self.units:
-                for i, e in enumerate(u.entries):
-                    if not writer:
-                        continue
-                    if e.frozen:  # compute copy only (written by the source directly)
-                        if source is None:
-                            self.entry_view(u, i, "compute").copy_(e.param.detach())
-                        continue
-                    if source is None:
-                        self.entry_view(u, i, "master").copy_(e.param.detach())
-                    if u.disk is not None:
-                        continue  # compute copy at release; a fresh tier unit is zeros
-                    self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
-                    self.entry_view(u, i, "exp_avg").zero_()
-                    self.entry_view(u, i, "exp_avg_sq").zero_()
-                if u.kind == "layer":
-                    self._placeholders(u)  # the layer's own parameters are released here
-                elif source is None:
-                    for e in u.entries:
-                        if e.param.device.type == "cpu":
-                            e.param.data = torch.empty(0, dtype=e.param.dtype)
-        if self.dp is not None:
-            self.dp.barrier("filling the shared host store")
+        fill_store(self, units, source)
         self.finish_fill()
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it
             self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
         self.init_device_state(device_state_layers)
-        self._init_replan(device_state_layers == "auto" and self.auto_policy and self.options.replan)
+        self.replanner = PlacementReplan(self, self.policy,
+                                         device_state_layers == "auto" and self.auto_policy and self.options.replan)
+        self._stream_layers(layers_name, device)
+        if self.resident is not None:
+            self._init_resident(model, device, compute_dtype)
+        _move_buffers(model, device)
+        self.load_resident()
+        self.note_resident_params()
+        self._init_forward(model, activation_policy)
 
-        # Streamed layers: placeholders + streamed class.
+    def _stream_layers(self, layers_name: str, device: torch.device) -> None:
+        """Switch each decoder layer to its streamed class (its buffers on ``device``, its parameters placeholders)."""
         for u in self.layers:
             layer = u.module
             _move_buffers(layer, device)
@@ -127,69 +112,80 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             layer._megatrain_unit = u
             note_streamed_layer(layer, f"{layers_name}.{u.index}")
 
-        # Resident unit: real device parameters viewing one device buffer.
-        if self.resident is not None:
-            self.resident_loaded_version = -1
-            self._resident_staging = None  # allocated when a resident gradient is first summed (accumulation)
-            self._resident_consumed = {}
-            self._resident_hooked = set()
-            owners_seen = set()
-            for i, e in enumerate(self.resident.entries):
-                view = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
-                if e.param.device.type == "meta":  # streamed load: a new parameter (meta .data cannot be set)
-                    # .data set afterwards, as below: the parameter keeps a version counter of its own, which
-                    # megatrain's writes into resident_buf do not bump (check_resident_params)
-                    newp = nn.Parameter(torch.empty(0, dtype=compute_dtype, device=device),
-                                        requires_grad=e.param.requires_grad)
-                    newp.data = view
-                    for mod, attr in e.owners:
-                        mod._parameters[attr] = newp
-                    e.param = newp
-                else:
-                    e.param.data = view
-                self.register_param(e.param, self.resident, i)
-                # Modules that own resident weights refresh the device copy when called, so calling
-                # an inner module directly (model.model(...)) after step() sees the new weights too.
-                for mod, _ in e.owners:
-                    if id(mod) not in owners_seen and mod is not model:
-                        owners_seen.add(id(mod))
-                        mod.register_forward_pre_hook(lambda m, a: self.load_resident())
-            self._hook_resident_grads()
-        _move_buffers(model, device)
-        self.load_resident()
-        self.note_resident_params()
-        self._pending_block: Optional[_Block] = None
-        self._last_call: Optional[_LayerCall] = None
-        if self.policy.offloads:
+    def _init_resident(self, model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> None:
+        """Resident unit: real device parameters viewing one device buffer (``resident_buf``), their gradient hooks."""
+        self.resident_loaded_version = -1
+        self._resident_staging = None  # allocated when a resident gradient is first summed (accumulation)
+        self._resident_consumed = {}
+        self._resident_hooked = set()
+        owners_seen = set()
+        for i, e in enumerate(self.resident.entries):
+            view = self.resident_buf[e.offset:e.offset + e.numel].view(e.shape)
+            if e.param.device.type == "meta":  # streamed load: a new parameter (meta .data cannot be set)
+                # .data set afterwards, as below: the parameter keeps a version counter of its own, which
+                # megatrain's writes into resident_buf do not bump (check_resident_params)
+                newp = nn.Parameter(torch.empty(0, dtype=compute_dtype, device=device),
+                                    requires_grad=e.param.requires_grad)
+                newp.data = view
+                for mod, attr in e.owners:
+                    mod._parameters[attr] = newp
+                e.param = newp
+            else:
+                e.param.data = view
+            self.register_param(e.param, self.resident, i)
+            # Modules that own resident weights refresh the device copy when called, so calling
+            # an inner module directly (model.model(...)) after step() sees the new weights too.
+            for mod, _ in e.owners:
+                if id(mod) not in owners_seen and mod is not model:
+                    owners_seen.add(id(mod))
+                    mod.register_forward_pre_hook(lambda m, a: self.load_resident())
+        self._hook_resident_grads()
+
+    def _init_forward(self, model: nn.Module, activation_policy) -> None:
+        """The parts a forward runs through (offload, thread guard, layer execution) and the model's forward hooks."""
+        if ActivationPolicy.parse(activation_policy).offloads:
             from ..activations.host_offload import InputOffload
 
-            self.offload = InputOffload(self)
-        self._dummy = torch.empty(0, requires_grad=True)
-        # Its AccumulateGrad node, held so that it stays the node of every graph: backward asks the
-        # autograd engine whether the running graph task reaches it, i.e. whether this backward
-        # wants parameter gradients at all (not so for autograd.grad(loss, [x]) / backward(inputs=...)).
-        self._dummy_node = self._dummy.view_as(self._dummy).grad_fn.next_functions[0][0]
+            self.policy.offload = InputOffload(self)
         # One activity at a time: a second thread's forward / backward is refused (thread_guard).
         self.activity = ModelActivity()
+        self.execution = LayerExecution(self, self.policy, self.replanner, self.activity,
+                                        on_backward=lambda: self._timeline_backward())
         model.register_forward_pre_hook(lambda mod, args, kwargs: self.begin_forward(kwargs), with_kwargs=True)
         model.register_forward_hook(lambda mod, args, out: self.activity.end_forward(), always_call=True)
 
-    def _compute_from_masters(self, u: Unit) -> None:
-        """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
-        with torch.no_grad():
-            for i, e in enumerate(u.entries):
-                if not e.frozen:
-                    self.entry_view(u, i, "compute").copy_(self.entry_view(u, i, "master"))
+    # ------------------------------------------------------------------ the parts' calls from other modules
+    def __reduce_ex__(self, protocol):
+        refuse_pickle(protocol)
 
-    def _placeholders(self, u: Unit) -> None:
-        """Replace layer unit ``u``'s parameters by meta placeholders (same shape, same ``requires_grad``)."""
-        for k, e in enumerate(u.entries):
-            ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
-                              requires_grad=e.param.requires_grad)
-            e.param = ph
-            for mod, attr in e.owners:
-                mod._parameters[attr] = ph
-            self.register_param(ph, u, k)
+    @property
+    def masters(self):
+        """The fp32 master views ``state_dict()`` hands out (:class:`~.state_dict_views._Masters`), or None before wrap installs them."""
+        return None if self.module_api is None else self.module_api.masters
+
+    def run_layer(self, layer, args, kwargs):
+        """A streamed layer's ``forward`` (:meth:`.layer_exec.LayerExecution.run_layer`)."""
+        return self.execution.run_layer(layer, args, kwargs)
+
+    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1, around=None):
+        """Run ``call``'s layer once on streamed weights (:meth:`.layer_exec.LayerExecution.execute`)."""
+        return self.execution.execute(call, diff_inputs, grad, prefetch_step=prefetch_step, around=around)
+
+    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
+        """Backward of one layer call (:meth:`.layer_exec.LayerExecution.backward_layer`)."""
+        return self.execution.backward_layer(call, inputs, grad_outs)
+
+    def store_this(self, call: _LayerCall, diff_inputs) -> bool:
+        """Whether this layer call keeps its graph (:meth:`~..activations.policies.LayerActivations.store_this`)."""
+        return self.policy.store_this(call, diff_inputs)
+
+    def forward_stored(self, call: _LayerCall, diff_inputs):
+        """Run ``call`` keeping its graph (:meth:`~..activations.policies.LayerActivations.forward_stored`)."""
+        return self.policy.forward_stored(call, diff_inputs)
+
+    def block_input(self, call: _LayerCall):
+        """Inputs of a block's later layer (:meth:`~..activations.policies.LayerActivations.block_input`)."""
+        return self.policy.block_input(call)
 
     # ------------------------------------------------------------------ resident unit
     def load_resident(self) -> None:
@@ -242,54 +238,19 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         """Record the version counters (bumped only by in-place writes through them) of the resident
         parameters and of the decoder layers' placeholder parameters, and the resident ones' storage."""
         if self.resident is not None:
-            self._resident_versions = [(e, id(e.param), e.param._version,
-                                        e.param.data_ptr() if u is self.resident else None)
-                                       for u in self.units for e in u.entries]
+            self._resident_versions = record_params(self.units, self.resident)
 
     def check_resident_params(self, where: str, overwritten=()) -> None:
-        """Raise if a parameter was written in place since wrap: a resident one (embedding, final norm,
-        LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``, ``p.copy_``),
-        or a resident one was given new storage (``p.data = tensor``), or a module's parameter was
-        replaced by another tensor (``module.weight = nn.Parameter(...)``).
+        """Raise if a parameter was written in place since wrap, given new storage or replaced
+        (:func:`.param_checks.check_params`; ``overwritten``: names a ``model.load_state_dict`` is about to write).
 
-        A resident parameter's write changes only the compute copy it views on the device, a
-        placeholder's (a meta tensor) changes nothing: the fp32 master in the host store (what the
-        optimizer updates, checkpoints and ``state_dict()`` read) keeps its value, so the change
-        would be lost or kept by half. ``overwritten``: names a ``model.load_state_dict`` is about to
-        write (those may have changed).
+        Raises:
+            RuntimeError: one line naming the parameters, ``where`` it was seen and how to set weights instead.
         """
         recorded = getattr(self, "_resident_versions", None)
         if self.resident is None or recorded is None:  # (not before wrap has finished)
             return
-        # An assignment puts an nn.Parameter there (torch refuses a plain tensor); torch.func.functional_call's
-        # temporary tensors (resident ones pass: functional_call_guard) are not Parameters.
-        swapped = [e.name for e, _, _, _ in recorded for mod, attr in e.owners
-                   if isinstance(mod._parameters.get(attr), nn.Parameter) and mod._parameters[attr] is not e.param]
-        if swapped:  # the wrapped model trains, streams and saves its own parameter objects
-            raise RuntimeError(
-                f"megatrain: {', '.join(swapped[:3])}{' ...' if len(swapped) > 3 else ''} was replaced by another tensor "
-                f"after megatrain.wrap (seen at {where}); the wrapped model streams, trains and saves the parameters it "
-                "was wrapped with, so the new one would be ignored or used by half. Set weights with "
-                "model.load_state_dict(...) or model.state_dict()[name].copy_(...), or replace the parameter before "
-                "megatrain.wrap")
-        replaced = [e.name for e, pid, _, ptr in recorded
-                    if id(e.param) == pid and ptr is not None and e.param.data_ptr() != ptr]
-        if replaced:  # `param.data = tensor`: the parameter no longer views the compute copy
-            raise RuntimeError(
-                f"megatrain: {', '.join(replaced[:3])}{' ...' if len(replaced) > 3 else ''} was given new storage "
-                f"(`param.data = ...`) after megatrain.wrap (seen at {where}); the optimizer's updates would never reach "
-                "it and state_dict() would not show it. Set weights with model.load_state_dict(...) or "
-                "model.state_dict()[name].copy_(...) (both write the fp32 masters), or before megatrain.wrap")
-        changed = [e.name for e, pid, v, _ in recorded if id(e.param) == pid and e.param._version != v]
-        if changed and all(n in overwritten for n in changed):  # model.load_state_dict replaces them all
-            return
-        if changed:
-            raise RuntimeError(
-                f"megatrain: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} was modified in place after "
-                f"megatrain.wrap (seen at {where}); the fp32 master weights in the host store did not change (a decoder "
-                "layer's parameter is a placeholder, a resident one views only the compute copy). Set weights with "
-                "model.load_state_dict(...) or through model.state_dict()[name].copy_(...) (both write the masters), "
-                "or change them before megatrain.wrap")
+        check_params(recorded, where, overwritten)
 
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit, for ``device_state_layers="auto"``: when it has trainable entries and the
@@ -358,14 +319,8 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
             self._checkpointing_asked.discard(index)
 
     def check_frozen(self) -> None:
-        """Raise if a parameter frozen at wrap time was unfrozen (it has no fp32 state to train)."""
-        for u in self.units:
-            for e in u.entries:
-                if e.frozen and e.param.requires_grad:
-                    raise RuntimeError(
-                        f"megatrain: parameter {e.name} was frozen (requires_grad=False) when the model was wrapped, so "
-                        "the host store holds only its compute copy (no master weights or Adam moments); it cannot "
-                        "be unfrozen now. Set requires_grad before megatrain.wrap / from_pretrained")
+        """Raise ``RuntimeError`` if a parameter frozen at wrap time was unfrozen (it has no fp32 state to train)."""
+        refuse_unfrozen(self.units)
 
     def begin_forward(self, kwargs=None) -> None:
         """At each forward of the wrapped model: the checks of what changed since wrap, then the resident load.
@@ -394,18 +349,15 @@ class WrappedEngine(EngineModuleApi, ActivationPolicies, PlacementReplan, LayerE
         if masters is not None:
             masters.take_writes()  # writes into model.state_dict()'s tensors reach the compute copy
         self._timeline_step_begin()  # before the resident load (it waits for the last step's update)
-        self._pending_block = None
-        self._last_call = None
-        if self.offload is not None:
-            self.offload.begin_forward()
+        self.policy.begin_forward()
         if self.resident is not None:
             self._hook_resident_grads()
         if self.disk is not None:
-            self._disk_read_ahead()
+            self.disk_read_ahead()
         self.load_resident()
-        self._replan_begin_forward()
+        self.replanner.begin_forward()
 
-    def _disk_read_ahead(self) -> None:
+    def disk_read_ahead(self) -> None:
         """With eager updates: read the disk layers the coming backward updates first, once no update of
         the last step still waits for the disk (at the forward's start, or when it reaches the disk layers)."""
         opt = self.optimizer

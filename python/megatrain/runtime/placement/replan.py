@@ -149,7 +149,7 @@ def plan_placement(n: int, max_device_layers: int, state_bytes: int, graph_bytes
 
 def choose_placement(m: dict) -> dict:
     """The second decision from the first step's measurements ``m`` (the keys of
-    ``PlacementReplan.replan_info``): under clipping the first placement, or the state of the layers
+    ``PlacementReplan.info``): under clipping the first placement, or the state of the layers
     :func:`clip_hide_layers` asks for (``store_layers`` None: decided after the move by the auto rule),
     else :func:`plan_placement`."""
     if m["clip"]:
@@ -191,60 +191,74 @@ def scratch_adam_seconds(numel: int, probe: int = 1 << 24) -> float:
 
 
 class PlacementReplan:
-    """Mixin of :class:`~megatrain.runtime.model.wrapped_engine.WrappedEngine`: measures the first optimizer step
+    """The placement planner's second decision, the ``replanner`` part of a
+    :class:`~megatrain.runtime.model.wrapped_engine.WrappedEngine`: measures the first optimizer step
     (per-layer forward / backward time on the compute stream, CPU AdamW time per host layer, the
     device memory beyond the planned activations) and then places once more by :func:`choose_placement`
     (``device_state_layers="auto"`` with ``activation_policy="auto"``; see the module docstring).
 
-    ``self.replan_info``: None until it ran; then what it measured and chose (in ``placement()``).
+    Args:
+        engine: the engine whose device-state layers it places; what it uses of it: ``layers``,
+            ``units``, ``device``, ``cuda``, ``compute_dtype``, ``dp``, ``disk``, ``device_state``,
+            ``optimizer``, ``gpu_memory_limit_bytes``, ``compute_stream()``, ``stats()``, ``flush()``,
+            ``free_device_bytes()`` and ``resize_device_state(K)``.
+        policy: the engine's :class:`~..activations.policies.ActivationPolicy` (its ``auto_decisions``
+            are read and their kept graphs changed).
+        enabled: whether it measures and places again at all.
+
+    ``info``: None until it ran; then what it measured and chose (``placement()["replan"]``).
     """
 
-    def _init_replan(self, enabled: bool) -> None:
-        self._replan_state = "measure" if enabled else "off"
-        self._replan_marks = {"fwd": [], "bwd": []}
-        self._replan_base = None
-        self.replan_info: Optional[dict] = None
+    def __init__(self, engine, policy, enabled: bool):
+        self.engine = engine
+        self.policy = policy
+        self._state = "measure" if enabled else "off"
+        self._marks = {"fwd": [], "bwd": []}
+        self._base = None
+        self.info: Optional[dict] = None
 
-    def _replan_mark(self, kind: str) -> None:
+    def mark(self, kind: str) -> None:
         """A layer call of the measured step starts (``"fwd"``: with grad; ``"bwd"``: its backward)."""
-        if self._replan_state != "measuring" or len(self._replan_marks[kind]) >= 8 * max(1, len(self.layers)):
+        eng = self.engine
+        if self._state != "measuring" or len(self._marks[kind]) >= 8 * max(1, len(eng.layers)):
             return
-        if self.cuda:
+        if eng.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.compute_stream())
-            self._replan_marks[kind].append(ev)
+            ev.record(eng.compute_stream())
+            self._marks[kind].append(ev)
         else:
-            self._replan_marks[kind].append(time.perf_counter())
+            self._marks[kind].append(time.perf_counter())
 
-    def _replan_begin_forward(self) -> None:
+    def begin_forward(self) -> None:
         """At a training forward: start measuring (at a step's first forward: the first step of a
         run, or of a resumed one), or, once that step is done, place again."""
-        state = self._replan_state
+        eng = self.engine
+        state = self._state
         if state == "off" or state == "done" or not torch.is_grad_enabled():
             return
-        opt = self.optimizer
+        opt = eng.optimizer
         steps = getattr(opt, "steps_called", 0) if opt is not None else 0
-        if any(b for u in self.units for b in u.batches):
+        if any(b for u in eng.units for b in u.batches):
             return  # gradients accumulated since the last step: inside a step
         if state == "measure":
-            self._replan_state = "measuring"
-            stats = self.stats()
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            self._replan_base = dict(adam_time_s=stats["adam_time_s"], steps=steps,
-                                     allocated=torch.cuda.memory_allocated(self.device) if self.cuda else 0)
+            self._state = "measuring"
+            stats = eng.stats()
+            if eng.cuda:
+                torch.cuda.reset_peak_memory_stats(eng.device)
+            self._base = dict(adam_time_s=stats["adam_time_s"], steps=steps,
+                              allocated=torch.cuda.memory_allocated(eng.device) if eng.cuda else 0)
             return
-        if steps == self._replan_base["steps"]:
+        if steps == self._base["steps"]:
             return  # the measured step has not been taken yet
-        self._replan_state = "done"
+        self._state = "done"
         self.replan()
 
     def _layer_seconds(self, kind: str) -> float:
-        marks = self._replan_marks[kind]
-        n = len(self.layers)
+        marks = self._marks[kind]
+        n = len(self.engine.layers)
         if len(marks) < 2:
             return 0.0
-        if self.cuda:
+        if self.engine.cuda:
             marks[-1].synchronize()
             diffs = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         else:
@@ -253,49 +267,58 @@ class PlacementReplan:
         per_pass = [d for i, d in enumerate(diffs) if (i + 1) % n != 0]
         return statistics.median_high(per_pass) if per_pass else 0.0
 
+    def _capacity(self, dev_layers, acts: int) -> tuple:
+        """``(capacity, transient)``: device bytes for the device-state layers and every layer's
+        activations (free now + what ``dev_layers`` hold - the step's transient peak - a margin)."""
+        from . import device_state_plan as dsp
+
+        eng = self.engine
+        free = eng.free_device_bytes()
+        if eng.cuda:
+            total = torch.cuda.get_device_properties(eng.device).total_memory
+            if eng.gpu_memory_limit_bytes is not None:  # wrap(gpu_memory_limit=): the margin of the capped device
+                total = min(total, eng.gpu_memory_limit_bytes)
+            transient = max(0, torch.cuda.max_memory_allocated(eng.device) - self._base["allocated"] - acts)
+        else:
+            total, transient = free, 0
+        margin = int(REPLAN_MARGIN_FRACTION * total) + REPLAN_MARGIN_BYTES if eng.cuda else 0
+        capacity = free + sum(dsp.unit_device_bytes(u, eng.compute_dtype) for u in dev_layers) - transient - margin
+        return capacity, transient
+
     def replan(self) -> Optional[dict]:
         """Place the device-state layers and kept graphs again from the first step's measurements.
 
         Called once, at the first training forward after the measured step (the first step of the
         run, or of a resumed run), with no gradient accumulated since. Does nothing for a shape decided as ``block:K`` (long context),
         under data parallel or the disk tier, or before an ``auto`` decision was measured.
-        Returns ``self.replan_info``.
+        Returns ``self.info``.
         """
         from . import device_state_plan as dsp
 
-        decisions = [d for d in self.auto_decisions.values() if d.get("block_k", 1) == 1]
+        eng = self.engine
+        decisions = [d for d in self.policy.auto_decisions.values() if d.get("block_k", 1) == 1]
         fwd_s, bwd_s = self._layer_seconds("fwd"), self._layer_seconds("bwd")
-        self._replan_marks = {"fwd": [], "bwd": []}
-        if not decisions or self.dp is not None or self.disk is not None or not self.layers:
+        self._marks = {"fwd": [], "bwd": []}
+        if not decisions or eng.dp is not None or eng.disk is not None or not eng.layers:
             return None
         d = max(decisions, key=lambda x: x["bytes_per_layer"])
-        n = len(self.layers)
+        n = len(eng.layers)
         G, I, k_now = int(d["bytes_per_layer"]), int(d["bytes_per_input"]), int(d["store_layers"])
         if k_now < n:  # the backward diffs of recomputed layers hold one forward too
             bwd_s = max(0.0, bwd_s - fwd_s * (n - k_now) / n)
-        S = dsp.unit_device_bytes(self.layers[0], self.compute_dtype)
-        dev_layers = self.device_state.layers if self.device_state is not None else []
+        S = dsp.unit_device_bytes(eng.layers[0], eng.compute_dtype)
+        dev_layers = eng.device_state.layers if eng.device_state is not None else []
         K_now = len(dev_layers)
         host_layers = n - K_now
-        opt = self.optimizer
-        self.flush()  # the first step's CPU updates, all of them timed
-        steps = max(1, getattr(opt, "steps_called", 1) - self._replan_base["steps"])  # steps measured
-        adam_delta = (self.stats()["adam_time_s"] - self._replan_base["adam_time_s"]) / steps
+        opt = eng.optimizer
+        eng.flush()  # the first step's CPU updates, all of them timed
+        steps = max(1, getattr(opt, "steps_called", 1) - self._base["steps"])  # steps measured
+        adam_delta = (eng.stats()["adam_time_s"] - self._base["adam_time_s"]) / steps
         if host_layers > 0 and adam_delta > 0:
             adam_s, adam_from = adam_delta / host_layers, "measured"
         else:
-            adam_s, adam_from = scratch_adam_seconds(self.layers[0].state_numel), "scratch kernel"
-        acts = k_now * G + (n - k_now) * I
-        free = self.free_device_bytes()
-        if self.cuda:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            if self.gpu_memory_limit_bytes is not None:  # wrap(gpu_memory_limit=): the margin of the capped device
-                total = min(total, self.gpu_memory_limit_bytes)
-            transient = max(0, torch.cuda.max_memory_allocated(self.device) - self._replan_base["allocated"] - acts)
-        else:
-            total, transient = free, 0
-        margin = int(REPLAN_MARGIN_FRACTION * total) + REPLAN_MARGIN_BYTES if self.cuda else 0
-        capacity = free + sum(dsp.unit_device_bytes(u, self.compute_dtype) for u in dev_layers) - transient - margin
+            adam_s, adam_from = scratch_adam_seconds(eng.layers[0].state_numel), "scratch kernel"
+        capacity, transient = self._capacity(dev_layers, k_now * G + (n - k_now) * I)
         measured = dict(before=dict(device_state_layers=K_now, store_layers=k_now), layers=n, max_device_layers=n,
                         clip=opt is not None and opt.max_grad_norm is not None, state_bytes_per_layer=S,
                         graph_bytes_per_layer=G, input_bytes_per_layer=I, capacity_bytes=int(capacity),
@@ -303,16 +326,16 @@ class PlacementReplan:
                         fwd_s_per_layer=fwd_s, bwd_s_per_layer=bwd_s)
         plan = choose_placement(measured)
         K, k = plan["device_state_layers"], plan["store_layers"]
-        if self.cuda and K > K_now:
+        if eng.cuda and K > K_now:
             # the new state in fresh segments, not split out of the freed activations' ones
             torch.cuda.empty_cache()
-        self.resize_device_state(K)
+        eng.resize_device_state(K)
         if k is None:  # the auto rule's share of what is free now (see clip_hide_layers)
-            free = self.free_device_bytes()
+            free = eng.free_device_bytes()
             k = auto_store_layers(n, G, I, free)[0]
             plan = dict(plan, store_layers=k, free_bytes_after_move=int(free))
         for dd in decisions:
             kk = k if dd is d else min(n, k if dd["bytes_per_layer"] <= G else dd["store_layers"])
             dd.update(store=kk == n, store_layers=kk, recompute_layers=n - kk)
-        self.replan_info = dict(measured, **plan)
-        return self.replan_info
+        self.info = dict(measured, **plan)
+        return self.info

@@ -1,0 +1,78 @@
+"""Filling a wrapped engine's host store at wrap (:class:`~.wrapped_engine.WrappedEngine`'s first step
+after the engine is built): every unit's fp32 master and compute copy from the model's weights or a
+``source``, zero Adam moments, the decoder layers' parameters replaced by meta placeholders."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..engine.units import Unit
+
+
+def fill_store(eng, units, source) -> None:
+    """Initialise the store: master (fp32) and compute copy, from the model's weights or from
+    ``source`` (a checkpoint reader or a recorded initialisation; the model is on meta); then
+    the layers' parameters become placeholders and the resident ones' CPU storage is freed.
+    Data parallel: the ranks' models must agree; local rank 0 fills the node's shared store."""
+    writer = eng.dp is None or eng.dp.fills_store
+    if eng.dp is not None and source is None:
+        eng.dp.check_same_weights(units)
+    # The disk units' masters are written through the tier's buffers, one unit at a time; a
+    # unit's compute copy is rebuilt from them when it is released (its moments start as zeros).
+    fill_window = eng.disk.window(True, on_release=lambda u: compute_from_masters(eng, u)) if eng.disk is not None \
+        else contextlib.nullcontext()
+    with torch.no_grad(), fill_window:
+        if source is not None and writer:
+            source.fill(eng)  # every master
+        elif source is not None and hasattr(getattr(source, "index", None), "close"):
+            source.index.close()  # a checkpoint reader another rank fills the shared store from
+        for u in eng.units:
+            if writer:
+                _fill_unit(eng, u, source)
+            if u.kind == "layer":
+                placeholders(eng, u)  # the layer's own parameters are released here
+            elif source is None:
+                for e in u.entries:
+                    if e.param.device.type == "cpu":
+                        e.param.data = torch.empty(0, dtype=e.param.dtype)
+    if eng.dp is not None:
+        eng.dp.barrier("filling the shared host store")
+
+
+def _fill_unit(eng, u: Unit, source) -> None:
+    """Write unit ``u``'s sections from its parameters (no ``source``) and its masters: compute copy,
+    zero moments (a disk unit: at release; a frozen entry: its compute copy only)."""
+    for i, e in enumerate(u.entries):
+        if e.frozen:  # compute copy only (written by the source directly)
+            if source is None:
+                eng.entry_view(u, i, "compute").copy_(e.param.detach())
+            continue
+        if source is None:
+            eng.entry_view(u, i, "master").copy_(e.param.detach())
+        if u.disk is not None:
+            continue  # compute copy at release; a fresh tier unit is zeros
+        eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+        eng.entry_view(u, i, "exp_avg").zero_()
+        eng.entry_view(u, i, "exp_avg_sq").zero_()
+
+
+def compute_from_masters(eng, u: Unit) -> None:
+    """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
+    with torch.no_grad():
+        for i, e in enumerate(u.entries):
+            if not e.frozen:
+                eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+
+
+def placeholders(eng, u: Unit) -> None:
+    """Replace layer unit ``u``'s parameters by meta placeholders (same shape, same ``requires_grad``)."""
+    for k, e in enumerate(u.entries):
+        ph = nn.Parameter(torch.empty(e.shape, dtype=torch.float32, device="meta"),
+                          requires_grad=e.param.requires_grad)
+        e.param = ph
+        for mod, attr in e.owners:
+            mod._parameters[attr] = ph
+        eng.register_param(ph, u, k)
