@@ -56,7 +56,7 @@ FLOPs (multiply-add = 2 FLOPs), per optimizer step of B sequences of S tokens, T
 
     model_flops = 6 * N * T  +  6 * L * B * S^2 * (H * D)
 
-N = all parameters (input embedding and LM head included, as in DESIGN.md section 5), L = decoder
+N = all parameters (input embedding and LM head included), L = decoder
 layers, H * D = attention heads x head dim (= hidden size here). The attention term is
 QK^T and A.V, 2 matmuls x 2 FLOPs x S^2 x H*D per layer forward = 4*L*B*S^2*H*D, halved for the causal
 mask, x3 for forward + backward. Recompute (gradient checkpointing, megatrain's recompute) is NOT
@@ -103,11 +103,11 @@ RESULT_TAG = "BENCH_RESULT "
 
 # hidden, layers, intermediate, vocab, heads, kv heads; default batch, seq
 PRESETS = {
-    # 3.37B params (the model of DESIGN.md section 5). With --kv-heads 8 (GQA) it is 3.02B.
+    # 3.37B params. With --kv-heads 8 (GQA) it is 3.02B.
     "3b": dict(hidden=3072, layers=28, inter=8192, vocab=32000, heads=24, kv_heads=24, batch=4, seq=4096),
     # TinyLlama-1.1B shape; also the width of --sweep depth.
     "1b": dict(hidden=2048, layers=22, inter=5632, vocab=32000, heads=32, kv_heads=4, batch=4, seq=4096),
-    # 6.74B params (Llama-2-7B shape, DESIGN.md section 5).
+    # 6.74B params (Llama-2-7B shape).
     "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv_heads=32, batch=4, seq=4096),
     # ~4M params: CPU smoke test.
     "tiny": dict(hidden=256, layers=4, inter=704, vocab=2048, heads=4, kv_heads=2, batch=2, seq=128),

@@ -171,11 +171,11 @@ def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:
 
     wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
     policies = importlib.import_module("megatrain.runtime.activations.policies")
-    decide = policies.ActivationPolicy.decide_auto
+    decide = policies.LayerActivations.decide_auto
 
     def limited(self, key, layer_bytes, input_bytes=0):
         budget = room(layer_bytes, input_bytes)
         self.engine.free_device_bytes = lambda: int(budget / wrap_mod.AUTO_STORE_FRACTION)
         decide(self, key, layer_bytes, input_bytes)
 
-    monkeypatch.setattr(policies.ActivationPolicy, "decide_auto", limited)
+    monkeypatch.setattr(policies.LayerActivations, "decide_auto", limited)

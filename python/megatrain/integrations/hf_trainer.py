@@ -19,8 +19,7 @@ Two changed lines in a Trainer script::
 * Trainer checkpoints (``checkpoint-N/``) contain a megatrain checkpoint in ``checkpoint-N/megatrain``
   (fp32 master weights, Adam moments and steps, param groups, scheduler) instead of ``optimizer.pt``,
   and ``train(resume_from_checkpoint=...)`` restores it exactly;
-* adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record, through
-  :class:`MegatrainCallback`;
+* adds megatrain's figures (tokens/s, H2D GB/s, host RSS, ...) to every log record (:class:`MegatrainCallback`);
 * under torchrun (the model wrapped after the process group exists) trains as megatrain data
   parallel: the Trainer's sharded data loader, no ``DistributedDataParallel`` around the model,
   ``save_model()`` and checkpoints written once while the other ranks wait (docs/hf_trainer.md).

@@ -71,8 +71,8 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
             then the whole step is skipped); ``"raise"`` then waits in ``step()`` for the updates.
         gradient_accumulation_steps: backward passes per ``step()``. Without clipping, a layer's
             update starts on the CPU as soon as its gradient from the last of these backward
-            passes has landed, overlapping the rest of backward and the next forward (DESIGN.md
-            section 4); a further backward before ``step()`` then raises. With clipping the
+            passes has landed, overlapping the rest of backward and the next forward
+            (docs/architecture.md); a further backward before ``step()`` then raises. With clipping the
             updates wait for ``step()``. With 1 (the default) a layer's bf16 gradient is copied
             straight into its compute copy in host memory and read from there by the fused
             update: no fp32 accumulation pass. More backward passes than declared still sum

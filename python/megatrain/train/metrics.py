@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..byte_units import format_bytes
 
-H200_BF16_PEAK_FLOPS = 800e12  # measured dense bf16 matmul rate, DESIGN.md section 5
+H200_BF16_PEAK_FLOPS = 800e12  # measured dense bf16 matmul rate of an H200 (docs/metrics.md)
 
 
 @dataclass

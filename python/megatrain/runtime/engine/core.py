@@ -3,17 +3,13 @@
 The engine owns every persistent training state of a wrapped model in a ``HostStore`` (host
 memory) and moves bytes between it and the compute device:
 
-* **H2D** — the compute copy of a unit (one decoder layer, or the resident unit that holds the
-  embedding / final norm / LM head) is copied into a *device slot* on the H2D stream; the slot's
-  ``weights_ready`` event gates the compute stream. Forward prefetches layer ``i+1`` while ``i``
-  computes, backward prefetches ``i-1``. A slot is reused only after its ``buffer_free`` event
-  (recorded on the compute stream when the layer is done with it).
-* **D2H** — weight gradients produced by a layer's backward are copied on the D2H stream into a
-  bounded pool of pinned staging buffers (``backward_done`` event gates the copy).
-* **CPU worker** — one thread that waits for each D2H copy, accumulates the gradient into the
-  store's fp32 ``grad_accum`` section (overwrite on the first micro-batch after a step), and runs
-  the fused CPU AdamW of each unit when the optimizer steps; the update also writes the new
-  compute copy. The next forward's load of unit ``i`` waits only for unit ``i``'s update.
+* **H2D**: a unit's compute copy (a decoder layer, or the resident unit: embedding, final norm, LM
+  head) is copied into a *device slot* on the H2D stream, gated by the slot's ``buffer_free`` event;
+  its ``weights_ready`` event gates the compute stream. Forward prefetches layer ``i+1``, backward ``i-1``.
+* **D2H**: a layer's weight gradients are copied on the D2H stream after its backward.
+* **CPU worker**: one thread accumulates each gradient that needs it into fp32 and runs each unit's
+  fused CPU AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only
+  for unit ``i``'s update.
 
 On a machine without a GPU the same engine runs with device slots in host memory and synchronous
 copies (the "CPU backend"), so every path is exercised by CPU tests.
@@ -51,7 +47,7 @@ The engine's own methods: host-store state (``sync_host`` / ``host_written``,
 ``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations to the parts
 (:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
 
-Source: MegaTrain (arXiv 2604.05091) sections 3-4; this repo's ``DESIGN.md`` sections 2-4.
+Source: MegaTrain (arXiv 2604.05091) sections 3-4; docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -349,14 +345,12 @@ class Engine:
         if self.cuda and self.pin_after_fill and not self.store.is_pinned:
             self.store.pin()
 
-    # wrap(gpu_memory_limit=): the cap in bytes (None: the whole device); see free_device_bytes
-    gpu_memory_limit_bytes: Optional[int] = None
+    gpu_memory_limit_bytes: Optional[int] = None  # wrap(gpu_memory_limit=) in bytes (None: the whole device)
 
     def free_device_bytes(self) -> int:
         """Device bytes free for new tensors, at most ``gpu_memory_limit_bytes`` (:func:`~.memory.free_device_bytes`)."""
         return free_device_bytes(self.device, self.gpu_memory_limit_bytes)
 
-    # ------------------------------------------------------------------ hooks of the model side
     def check_resident_params(self, where: str, overwritten=()) -> None:
         """Raise if a parameter outside the store's control was written in place (:class:`~..model.wrapped_engine.WrappedEngine`)."""
 
@@ -368,7 +362,6 @@ class Engine:
         (its compute copy must already be a device buffer: :class:`~..model.wrapped_engine.WrappedEngine`), or None."""
         return None
 
-    # ------------------------------------------------------------------ the other parts
     @property
     def optimizer(self) -> Optional[EngineOptimizer]:
         """The optimizer gradients are routed to (the last one attached), or None."""
