@@ -21,6 +21,7 @@ import megatrain
 from megatrain.runtime.model import fused_kernels as kernels
 
 wrap_mod = importlib.import_module("megatrain.runtime.model.wrap")
+wrap_options_mod = importlib.import_module("megatrain.runtime.wrap_options")
 
 
 def _model():
@@ -108,7 +109,8 @@ def no_liger(monkeypatch):
 def as_on_cuda(monkeypatch):
     """``wrap`` decides as on a CUDA device with liger-kernel installed (None: on), on the CPU backend."""
     real = kernels.resolve_liger_kernel
-    monkeypatch.setattr(wrap_mod, "resolve_liger_kernel", lambda value, device: real(value, torch.device("cuda", 0)))
+    monkeypatch.setattr(wrap_options_mod, "resolve_liger_kernel",
+                        lambda value, device, *a: real(value, torch.device("cuda", 0), *a))
 
 
 def _batch():
@@ -247,11 +249,11 @@ def test_training_with_liger_forwards_matches_without(liger, as_on_cuda, policy,
 def test_lean_activations_leave_liger_modules_to_liger(liger, as_on_cuda, monkeypatch, use_liger):
     """lean_activations=True: without Liger the norms and MLP run lean_ops' forms; with Liger its bound
     forwards (which keep what the lean forms keep) run instead, in forward and in the backward re-run."""
-    from megatrain.runtime.activations import long_context
+    from megatrain.runtime.activations import tiling
 
     lean_calls = []
-    real = long_context.lean_forward
-    monkeypatch.setattr(long_context, "lean_forward", lambda m, x: lean_calls.append(m) or real(m, x))
+    real = tiling.lean_forward
+    monkeypatch.setattr(tiling, "lean_forward", lambda m, x: lean_calls.append(m) or real(m, x))
     wrapped = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32, lean_activations=True,
                              liger_kernel=None if use_liger else False)
     try:
