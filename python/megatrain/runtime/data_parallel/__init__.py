@@ -33,7 +33,7 @@ Modules: :mod:`.group` (:class:`DataParallel`: ranks, pieces, collectives, one r
 all), :mod:`.node` (the node's shared memory: the store's arena, the control block, the wait for
 the peers' updates), :mod:`.buffers` (this rank's accumulator pieces and pinned staging),
 :mod:`.calls` (the collective calls: ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``
-on every rank at the same point, and the posted errors), :mod:`.engine` (:class:`DataParallelStrategy`,
+on every rank at the same point, and the posted errors), :mod:`.strategy` (:class:`DataParallelStrategy`,
 the engine's sharding strategy: the hooks its parts call in a data parallel run).
 """
 
@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from ..options import options
-from .engine import DataParallelStrategy
+from .strategy import DataParallelStrategy
 from .errors import ENV_TIMEOUT, DataParallelError
 from .group import DataParallel
 

@@ -38,7 +38,7 @@ other's public methods only:
   ``resize_device_state`` (``device_state``);
 * ``worker`` (:class:`~.worker._Worker`): the CPU thread;
 * ``sharding`` (:class:`~.sharding.SingleProcess`, or data parallel's
-  :class:`~megatrain.runtime.data_parallel.engine.DataParallelStrategy`): the strategy whose hooks the
+  :class:`~megatrain.runtime.data_parallel.strategy.DataParallelStrategy`): the strategy whose hooks the
   parts call where ranks share the work (``dp``: its ``DataParallel`` group, or None).
 
 The engine's own methods: host-store state (``sync_host`` / ``host_written``,

@@ -2,7 +2,7 @@
 
 An :class:`~megatrain.runtime.engine.core.Engine` is given one strategy (``Engine.sharding``) and its
 parts call the strategy's few hooks at the points where a data parallel run differs
-(:class:`megatrain.runtime.data_parallel.engine.DataParallelStrategy`): the hand-over of a layer's
+(:class:`megatrain.runtime.data_parallel.strategy.DataParallelStrategy`): the hand-over of a layer's
 gradients (reduce-scatter), the views the CPU tasks read (this rank's pieces), the accumulator of
 those pieces, the all-reduce of the squared norms after ``wait_grads``, the wait for the peers'
 updates after ``wait_update`` / ``flush``, and the worker that counts update tasks. One process does
