@@ -1,8 +1,13 @@
-"""``format_bytes``: the one way megatrain prints a byte count (tables, logs, error messages)."""
+"""``format_bytes``: the one way megatrain prints a byte count (tables, logs, error messages);
+``parse_bytes``: the one way it reads one ("120GiB", "1.5TiB", "141GB", 128000000000)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Any, Optional
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
@@ -36,3 +41,30 @@ def format_bytes(n: Optional[float], decimals: int = 2, largest: str = "GiB", sm
         if abs(n) >= scale or unit == smallest:
             return f"{int(n)} B" if unit == "B" else f"{n / scale:.{decimals}f} {unit}"
     raise AssertionError("unreachable: the loop ends at smallest")
+
+
+def parse_bytes(value: Any) -> int:
+    """A byte count > 0 from an int, an integral float or a string with an optional unit.
+
+    Units (case-insensitive): ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000),
+    ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024); ``"1.5TiB"`` is 1649267441664 and
+    ``"141GB"`` 141000000000. A fraction of a byte is refused (``"0.5"``), a fraction of a unit
+    rounds down to whole bytes.
+
+    Raises:
+        ValueError: a bool, a number <= 0, a non-integral float, or a string that is not a size
+            (the message names the value; callers put their own name in front).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a number of bytes: {value!r}")
+    if isinstance(value, int) and value > 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+            if n >= 1 and (n.is_integer() or _BYTE_UNITS[m.group(2).lower()] > 1):  # no fraction of a byte
+                return int(n)
+    raise ValueError(f"not a number of bytes > 0: {value!r}")

@@ -1,4 +1,5 @@
-"""megatrain.byte_units.format_bytes: the one byte formatter, and the exact texts its callers print."""
+"""megatrain.byte_units: format_bytes (the one byte formatter, and the exact texts its callers print) and
+parse_bytes (the one size reader: the CLI config and megatrain.estimate(host_memory=, gpu_memory=))."""
 
 import pytest
 
@@ -37,3 +38,30 @@ def test_unknown_unit_is_refused():
         format_bytes(1, largest="PiB")
     with pytest.raises(ValueError):
         format_bytes(1, largest="MiB", smallest="GiB")
+
+
+@pytest.mark.parametrize("value, n", [("1.5TiB", 3 * 2**39), ("141GB", 141 * 10**9), ("120 gib", 120 * 2**30),
+                                      (4096, 4096), (2.0, 2), ("1e3", 1000), ("0.5KiB", 512)])
+def test_parse_bytes_reads_sizes(value, n):
+    from megatrain.byte_units import parse_bytes
+    assert parse_bytes(value) == n
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 0.5, "0.5", "lots", "5 parsecs", None, ""])
+def test_parse_bytes_refuses_what_is_not_a_size(value):
+    from megatrain.byte_units import parse_bytes
+    with pytest.raises(ValueError, match="not a number of bytes"):
+        parse_bytes(value)
+
+
+def test_the_config_reads_sizes_with_the_same_parser_and_messages():
+    from megatrain.train.config import ByteSize, UsageError
+    from megatrain.train.config_checks import coerce
+    assert coerce("runtime.host_memory_limit", "1.5TiB", ByteSize) == 3 * 2**39
+    with pytest.raises(UsageError) as exc:
+        coerce("runtime.host_memory_limit", "lots", ByteSize)
+    assert str(exc.value) == ("runtime.host_memory_limit must be a number of bytes > 0, e.g. 120GiB or 128000000000, "
+                              "got 'lots'")
+    with pytest.raises(UsageError) as exc:
+        coerce("runtime.host_memory_limit", True, ByteSize)
+    assert str(exc.value) == "runtime.host_memory_limit must be a number of bytes (e.g. 120GiB), got True"

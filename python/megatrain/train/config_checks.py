@@ -9,10 +9,10 @@ rule and what was found.
 from __future__ import annotations
 
 import math
-import re
 import typing
 from typing import Any
 
+from megatrain.byte_units import parse_bytes
 from megatrain.train.config import (AutoSwitch, ByteSize, Config, DeviceMemoryLimit, PlacementCount, RowsMode,
                                     UsageError)
 
@@ -43,24 +43,14 @@ def _placement_count(key: str, value: Any) -> str:
     raise UsageError(f"{key} must be auto, boundary or a number of decoder layers >= 0, got {describe_value(value)}")
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def _byte_size(key: str, value: Any) -> int:
     if isinstance(value, bool):
         raise UsageError(f"{key} must be a number of bytes (e.g. 120GiB), got {describe_value(value)}")
-    if isinstance(value, int) and value > 0:
-        return value
-    if isinstance(value, float) and value.is_integer() and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _BYTE_UNITS:
-            n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-            if n >= 1 and (n.is_integer() or _BYTE_UNITS[m.group(2).lower()] > 1):  # no fraction of a byte
-                return int(n)
-    raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, got {describe_value(value)}")
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, "
+                         f"got {describe_value(value)}") from None
 
 
 def _device_memory_limit(key: str, value: Any):

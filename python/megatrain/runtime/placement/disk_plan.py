@@ -135,7 +135,7 @@ def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, offloade
 def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[bool], staging_buffers: int, *,
                  offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
                  cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
-                 check: bool = True, where: str = "megatrain.wrap") -> OffloadPlan:
+                 check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None) -> OffloadPlan:
     """Choose the layers whose fp32 state goes to disk, before anything is allocated or written.
 
     The deepest decoder layers are moved first (never the resident unit, never layers
@@ -152,6 +152,9 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         num_buffers: RAM buffers per tier (``Options.disk_buffers``).
         check: raise when it does not fit (False: return the plan of "every candidate on disk"
             with ``host_bytes`` / ``free_bytes`` for :func:`megatrain.estimate` to report).
+        limits: the host limits to fit in (:func:`~.host_memory.host_memory_limits`' dict), judged
+            even with ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: another machine's, for
+            ``megatrain.estimate(host_memory=)``. None: this machine's, read when first needed.
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer on disk, or
@@ -162,7 +165,7 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     n_units = len(units)
     layers = [u.index for u in units if u.kind == "layer"]
     cands = list(reversed(layers[keep_layers:])) if offload_dir is not None else []  # deepest first
-    limits = None
+    given_limits = limits is not None
 
     def fits(need) -> bool:
         nonlocal limits
@@ -171,7 +174,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         if limits is None:
             from .host_memory import host_memory_limits
             limits = host_memory_limits()
-        return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits) is None
+        return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits,
+                                     honour_skip=not given_limits) is None
 
     chosen = None
     for n in range(len(cands) + 1):

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .assumed_machine import AssumedMachine
 from .estimate_bytes import (DevicePart, HostPart, activation_bytes, all_frozen, device_part, host_part,
                              logits_bytes, long_context_rows, offload_would_fit)
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
@@ -54,6 +55,7 @@ class EstimateRun:
     staging_buffers: int = 4
     host_margin_bytes: int = 0
     model_kwargs: dict = field(default_factory=dict)
+    machine: AssumedMachine = AssumedMachine()  # the machine the fit is judged on (default: this one)
 
     def check(self, grad_accumulator: Optional[bool]) -> None:
         """Refuse a bad value (one line, ``megatrain.estimate: ...``); ``grad_accumulator``: the option's value."""
@@ -85,7 +87,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
              staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
              host_memory_limit: Optional[int] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
-             **model_kwargs) -> MemoryEstimate:
+             host_memory=None, gpu_memory=None, **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -123,6 +125,16 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             the host bytes (and, on the CPU device, beside the slots and activations). 0 (default):
             the engine's own allocation check, exact; ``megatrain train`` passes
             :data:`RUN_HOST_MARGIN_BYTES`.
+        host_memory, gpu_memory: judge the fit against another machine (None: this one's). Bytes
+            (int) or a string such as ``"1.5TiB"`` / ``"141GB"`` (KB/MB/GB/TB: powers of 1000,
+            KiB/MiB/GiB/TiB: of 1024). ``host_memory``: the host memory available there, judged as
+            MemAvailable, with no cgroup or locked-memory limit (even when
+            ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``). ``gpu_memory``: the GPU memory free there; the
+            device is then CUDA even on a machine without one (``device=None`` means ``"cuda"``), so
+            the CUDA defaults apply (bf16 compute, ``auto`` policy, pinned staging), and
+            ``gpu_memory_limit`` caps it (a float: a fraction of it). The table and ``to_dict()``
+            (``assumed_machine``) say which machine was judged. ``offload_dir``'s free space is
+            still this machine's.
         **model_kwargs: passed to ``AutoModelForCausalLM.from_config`` for a config / directory.
 
     Returns:
@@ -140,15 +152,19 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         CheckpointError: a directory without config.json, with weights but no safetensors, or
             missing a parameter.
         UnsupportedModelError: no decoder layer list (as ``wrap``).
-        ValueError / TypeError: a bad option or input.
+        ValueError / TypeError: a bad option or input; ``host_memory`` / ``gpu_memory`` not a size > 0
+            (one line naming the argument, before anything is computed), ``gpu_memory`` with ``device="cpu"``.
     """
+    machine = AssumedMachine.parse(host_memory, gpu_memory, device)
+    device = machine.default_device(device)
     options = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
                           num_slots=num_slots, grad_accumulator=grad_accumulator, chunked_loss=chunked_loss,
                           tile_mlp=tile_mlp, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
                           gpu_memory_limit=gpu_memory_limit)
     run = EstimateRun(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                       trainable=trainable, transform=transform, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      staging_buffers=staging_buffers, host_margin_bytes=host_margin_bytes, model_kwargs=model_kwargs)
+                      staging_buffers=staging_buffers, host_margin_bytes=host_margin_bytes, model_kwargs=model_kwargs,
+                      machine=machine)
     return estimate_with(model, options, run)
 
 
@@ -174,7 +190,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
                 e.frozen = not run.trainable(e.name)
     cuda = opts.device.type == "cuda"
     margin = run.host_margin_bytes
-    hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin)
+    hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine)
     dev = device_part(units, hp, opts, margin)
     tokens = run.tokens
     # On the CPU device a host store that does not fit leaves no memory to plan the batch against:
@@ -187,7 +203,8 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])
     gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
-    checked = cuda or (tokens > 0 and not run_options().skip_host_memory_check and not host_short_cpu)
+    judged = run.machine.host_bytes is not None or not run_options().skip_host_memory_check
+    checked = cuda or (tokens > 0 and judged and not host_short_cpu)
     gpu_fits = (gpu <= dev.free) if dev.free is not None and checked else None
     est = _result(module, layers, opts, run, hp, dev, rows, act, chosen, logits, gpu, gpu_fits)
     if isinstance(model, (str, os.PathLike)) and not has_weight_files(os.fspath(model)):
@@ -195,7 +212,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     if host_short_cpu and tokens:
         est.notes.append(f"this CPU's layer slots and activations (~{_fmt(gpu)}) need host memory too, beside the "
                          "host store: not checked while the store alone does not fit")
-    if cuda and not torch.cuda.is_available():
+    if cuda and not torch.cuda.is_available() and run.machine.gpu_bytes is None:
         est.notes.append("CUDA is not available here: GPU memory not checked")
     _host_reasons(est, units, opts, run, hp, gpu if host_short_cpu else 0, dev.elem)
     if gpu_fits is False:
@@ -210,6 +227,7 @@ def _result(module, layers, opts, run: EstimateRun, hp: HostPart, dev: DevicePar
     total = int(hp.layout["total_numel"])
     frozen = int(hp.layout["frozen_numel"])
     oplan = hp.oplan
+    cuda = opts.device.type == "cuda"
     return MemoryEstimate(
         model_class=type(module).__name__, device=str(opts.device),
         compute_dtype=str(opts.compute_dtype).replace("torch.", ""),
@@ -228,7 +246,9 @@ def _result(module, layers, opts, run: EstimateRun, hp: HostPart, dev: DevicePar
         activation_bytes=act, logits_bytes=logits,
         gpu_bytes=gpu, gpu_free_bytes=dev.free if gpu_fits is not None else None, gpu_fits=gpu_fits,
         chunked_loss=str(opts.chunked_loss).lower(), tile_mlp=str(opts.tile_mlp).lower(), loss_rows=rows[0],
-        mlp_rows=rows[1], norm_rows=rows[2], device_name=device_name(opts.device))
+        mlp_rows=rows[1], norm_rows=rows[2],
+        device_name=run.machine.gpu_name if cuda and run.machine.gpu_bytes is not None else device_name(opts.device),
+        host_memory_given=run.machine.host_bytes, gpu_memory_given=run.machine.gpu_bytes)
 
 
 def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, cpu_device_bytes: int,

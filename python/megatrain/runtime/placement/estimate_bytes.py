@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..activations.activation_policy import ActivationPolicy
+from .assumed_machine import AssumedMachine
 from .model_shape import ModelShape
 
 
@@ -112,14 +113,14 @@ class HostPart:
     tightest: Optional[tuple]  # (bytes, name) of the tightest memory limit, None when none is known
     available: Optional[int]
     limit_name: Optional[str]
+    machine: AssumedMachine = AssumedMachine()  # the machine judged (default: this one)
 
 
 def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accumulation_steps: int,
-              margin: int) -> HostPart:
+              margin: int, machine: AssumedMachine = AssumedMachine()) -> HostPart:
     """The host store, staging, accumulator and disk-tier buffers ``wrap`` would allocate (the engine's
-    own planning), and the budget check's verdict with ``margin`` bytes kept free."""
+    own planning), and the budget check's verdict with ``margin`` bytes kept free on ``machine``."""
     from .disk_plan import plan_offload
-    from .host_memory import host_budget_shortfall, host_memory_limits
     from ..options import options
 
     accum_mode = opts.grad_accumulator
@@ -132,23 +133,26 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     # The layers wrap would put on disk (none without offload_dir), by the engine's own planning.
     oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, offload_dir=opts.offload_dir,
                          host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
-                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False)
+                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
+                         limits=machine.host_limits() if machine.host_bytes is not None else None)
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
     store, staging = plan["store_bytes"], plan["staging_bytes"]
     pools = oplan.pool_bytes + oplan.accum_pool_bytes
     host = store + staging + accum + pools
     pinned = store + staging if cuda else 0
-    limits = host_memory_limits()
-    short = host_budget_shortfall(host + margin, pinned, reclaim, limits)
+    limits = machine.host_limits()
+    short = machine.shortfall(host + margin, pinned, reclaim, limits)
+    given = machine.host_bytes is not None
     cands = []  # the memory limits that apply, the tightest first
     if limits["mem_available_bytes"] is not None:
-        cands.append((limits["mem_available_bytes"], "MemAvailable limit (/proc/meminfo)"))
+        cands.append((limits["mem_available_bytes"],
+                      machine.host_limit_name if given else "MemAvailable limit (/proc/meminfo)"))
     if limits["cgroup_limit_bytes"] is not None:
         cands.append((limits["cgroup_limit_bytes"] - (limits["cgroup_usage_bytes"] or 0),
                       f"cgroup memory limit ({limits['cgroup_path']}, minus current usage)"))
     cands.sort()
-    if options().skip_host_memory_check:
+    if options().skip_host_memory_check and not given:
         available, limit_name = None, None
     elif short is not None:
         available, limit_name = short["available_bytes"], short["limit"]
@@ -157,7 +161,8 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     return HostPart(oplan=oplan, layout=plan["layout"], accum_mode=accum_mode, accumulating=accumulating,
                     reclaim=reclaim, accum=accum, store=store, staging=staging, pools=pools, host=host, pinned=pinned,
                     short=short, over_limit=opts.host_memory_limit is not None and host > opts.host_memory_limit,
-                    tightest=cands[0] if cands else None, available=available, limit_name=limit_name)
+                    tightest=cands[0] if cands else None, available=available, limit_name=limit_name,
+                    machine=machine)
 
 
 @dataclass
@@ -186,7 +191,10 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     resident = [(u, n) for u, n in zip(units, unit_numel) if u.kind != "layer"]
     resident_bytes = sum(elem * n + elem * sum(e.numel for e in u.entries if not e.frozen) for u, n in resident)
     free = None
-    if cuda and torch.cuda.is_available():
+    if cuda and hp.machine.gpu_bytes is not None:  # the assumed GPU: its given free bytes, capped as wrap caps
+        given = hp.machine.gpu_bytes
+        free = capped_free_bytes(given, 0, resolve_gpu_memory_limit(opts.gpu_memory_limit, device, total_bytes=given))
+    elif cuda and torch.cuda.is_available():
         free = capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device),
                                  resolve_gpu_memory_limit(opts.gpu_memory_limit, device))
     elif not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
@@ -225,11 +233,10 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     plans for the host part alone, so the ``host_memory_limit`` returned (None: none needed) keeps
     that much free."""
     from .disk_plan import plan_offload
-    from .host_memory import host_budget_shortfall, host_memory_limits
     from ..options import options
 
     cap = opts.host_memory_limit
-    available = host_memory_limits()["mem_available_bytes"]
+    available = hp.machine.host_limits()["mem_available_bytes"]
     if device_need and available is not None:  # the CPU device's bytes come out of the same memory
         cap = min(cap if cap is not None else available, available - device_need)
         if cap <= 0:
@@ -237,8 +244,9 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     # offload_dir only names a filesystem to plan for: nothing is created there
     plan = plan_offload(units, opts.compute_dtype, hp.accum_mode, staging_buffers, offload_dir=os.sep,
                         host_memory_limit=cap, reclaimable_bytes=hp.reclaim, cuda=opts.device.type == "cuda",
-                        num_buffers=options().disk_buffers, with_accumulator=hp.accumulating, check=False)
-    if not plan.disk_units or host_budget_shortfall(plan.host_bytes, plan.pinned_bytes, hp.reclaim) is not None:
+                        num_buffers=options().disk_buffers, with_accumulator=hp.accumulating, check=False,
+                        limits=hp.machine.host_limits() if hp.machine.host_bytes is not None else None)
+    if not plan.disk_units or hp.machine.shortfall(plan.host_bytes, plan.pinned_bytes, hp.reclaim) is not None:
         return None
     if cap is not None and plan.host_bytes > cap:
         return None

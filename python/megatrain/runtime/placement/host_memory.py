@@ -32,7 +32,7 @@ def host_memory_limits() -> dict:
 
 
 def host_budget_shortfall(needed_bytes: int, pinned_bytes: int, reclaimable_bytes: int = 0,
-                          limits: Optional[dict] = None) -> Optional[dict]:
+                          limits: Optional[dict] = None, honour_skip: bool = True) -> Optional[dict]:
     """The first host limit ``needed_bytes`` (of which ``pinned_bytes`` page-locked) would exceed, or None.
 
     The rules of :func:`check_host_budget` (which raises on the result), without raising:
@@ -42,12 +42,14 @@ def host_budget_shortfall(needed_bytes: int, pinned_bytes: int, reclaimable_byte
 
     Args:
         limits: :func:`host_memory_limits` (read now when None).
+        honour_skip: False: judge ``limits`` even with ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1`` (limits
+            given for another machine, not read from this one).
 
     Returns:
         None, or a dict: ``available_bytes`` (under that limit, without the credit), ``limit``
         (its name), ``kind`` ("memory" or "memlock"), ``advice`` (what to change), ``credit_bytes``.
     """
-    if options().skip_host_memory_check:
+    if honour_skip and options().skip_host_memory_check:
         return None
     lim = host_memory_limits() if limits is None else limits
     return load_extension().host_budget_shortfall(int(needed_bytes), int(pinned_bytes), int(reclaimable_bytes), lim)

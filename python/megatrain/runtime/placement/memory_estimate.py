@@ -80,13 +80,16 @@ class MemoryEstimate:
     disk_fits: Optional[bool] = None  # None: no disk tier
     host_available_fits: Optional[bool] = None  # host_bytes against the available memory alone (None: host_fits)
     host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
+    host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's)
+    gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
-        """Whether it fits this machine (host budget; GPU memory when the device is CUDA; the disk's free space)."""
+        """Whether it fits the machine judged (this one, or the ``host_memory`` / ``gpu_memory`` given): host
+        budget; GPU memory when the device is CUDA; the disk's free space."""
         return self.host_fits and self.gpu_fits is not False and self.disk_fits is not False
 
     @property
@@ -99,11 +102,25 @@ class MemoryEstimate:
             return ""
         return "; ".join(self.reasons) + (". " + "; ".join(self.advice) if self.advice else "")
 
+    @property
+    def machine_given(self) -> bool:
+        """Whether the fit was judged against a machine described by its sizes rather than this one."""
+        return self.host_memory_given is not None or self.gpu_memory_given is not None
+
+    def assumed_machine(self) -> dict:
+        """Which machine was judged, part by part: ``{"host": "1.50 TiB (given)" | "this machine", "gpu": ...}``."""
+        def one(n):
+            return "this machine" if n is None else f"{format_bytes(n, largest='TiB')} (given)"
+        gpu = "none (CPU device)" if self.device == "cpu" else one(self.gpu_memory_given)
+        return {"host": one(self.host_memory_given), "gpu": gpu}
+
     def to_dict(self) -> dict:
+        """The fields, plus ``fits`` and ``assumed_machine`` (:meth:`assumed_machine`)."""
         import dataclasses
 
         d = dataclasses.asdict(self)
         d["fits"] = self.fits
+        d["assumed_machine"] = self.assumed_machine()
         return d
 
     def __str__(self) -> str:
@@ -111,6 +128,9 @@ class MemoryEstimate:
         L.append(f"megatrain estimate: {self.model_class}, {_count(self.num_params)} parameters "
                  f"({_count(self.trainable_params)} trainable, {_count(self.frozen_params)} frozen), "
                  f"{self.num_layers} streamed layers, {self.compute_dtype} compute on {self.device_name or self.device}")
+        if self.machine_given:
+            m = self.assumed_machine()
+            L.append(f"assumed machine: host {m['host']}, GPU {m['gpu']}")
         L.append("host memory (exact):")
         for key, label in _SECTION_LABELS:
             if key in self.host_sections:
@@ -166,6 +186,7 @@ class MemoryEstimate:
         L.append(f"  {'total':<28}{'~' + _fmt(self.gpu_bytes):>12}{free}")
         for n in self.notes:
             L.append(f"note: {n}")
-        L.append("fits this machine" if self.fits else f"does not fit: {self.reason()}")
+        where = "the assumed machine" if self.machine_given else "this machine"
+        L.append(f"fits {where}" if self.fits else f"does not fit: {self.reason()}")
         return "\n".join(L)
 

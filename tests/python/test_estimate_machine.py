@@ -1,0 +1,124 @@
+"""megatrain.estimate(host_memory=, gpu_memory=): the fit judged against a machine given by its sizes
+(the paper's setting: one H200, 1.5 TiB of host memory) instead of this one."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+
+import megatrain  # noqa: E402
+from megatrain.byte_units import format_bytes  # noqa: E402
+from megatrain.runtime.placement import host_memory  # noqa: E402
+from parity import tiny_llama_config  # noqa: E402
+
+TIB, GIB = 2**40, 2**30
+
+
+def _limits(mem_available, memlock=None):
+    return dict(mem_available_bytes=mem_available, cgroup_limit_bytes=None, cgroup_usage_bytes=None,
+                memlock_bytes=memlock, cgroup_path=None)
+
+
+def _host_msg(value):
+    return (f"megatrain.estimate: host_memory must be a number of bytes > 0 (an int, or a string such as '1.5TiB' "
+            f"or '141GB') or None for this machine's, got {value!r}")
+
+
+@pytest.mark.parametrize("value", [0, -1, -1.5, "lots", "", "-2GiB", "1.5 parsecs", True, 0.5, [1]])
+def test_bad_sizes_are_refused_in_one_line_before_anything_is_computed(value):
+    # object() is no model: an estimate that got as far as reading it would raise TypeError instead.
+    with pytest.raises(ValueError) as exc:
+        megatrain.estimate(object(), host_memory=value)
+    assert str(exc.value) == _host_msg(value)
+    with pytest.raises(ValueError) as exc:
+        megatrain.estimate(object(), gpu_memory=value)
+    assert str(exc.value) == _host_msg(value).replace("host_memory", "gpu_memory")
+
+
+def test_gpu_memory_with_a_cpu_device_is_refused():
+    with pytest.raises(ValueError) as exc:
+        megatrain.estimate(tiny_llama_config(), device="cpu", gpu_memory="141GB")
+    assert str(exc.value) == ("megatrain.estimate: gpu_memory describes a CUDA device, but device='cpu': leave device "
+                              "unset (or 'cuda') to estimate for that GPU, or drop gpu_memory")
+
+
+def test_given_host_memory_replaces_this_machines_limits(monkeypatch):
+    """This machine (patched) has 1 KiB available and a 1-byte memlock: a given host is judged alone."""
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(1024, memlock=1))
+    monkeypatch.setenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", "1")  # a given host is judged even so
+    cfg = tiny_llama_config()
+    here = megatrain.estimate(cfg, device="cuda")
+    assert here.host_available_bytes is None  # skipped for this machine
+    monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK")
+    here = megatrain.estimate(cfg, device="cuda")
+    assert not here.host_fits and "MemAvailable" in here.reason()
+    big = megatrain.estimate(cfg, device="cuda", host_memory="1GiB")
+    assert big.host_fits and big.host_available_bytes == GIB and big.pinned_bytes > 0  # no memlock there
+    assert big.host_memory_given == GIB and big.to_dict()["assumed_machine"]["host"] == "1.00 GiB (given)"
+    assert "assumed machine: host 1.00 GiB (given), GPU this machine" in str(big)
+    small = megatrain.estimate(cfg, device="cuda", host_memory=big.host_bytes - 1)
+    assert not small.host_fits and not small.fits
+    line = small.reason()
+    given = format_bytes(big.host_bytes - 1, largest="TiB")
+    assert "\n" not in line and f"available under the host_memory given ({given})" in line
+    assert "assumed machine" in str(small) and str(small).splitlines()[-1].startswith("does not fit: ")
+    assert megatrain.estimate(cfg, device="cuda", host_memory=big.host_bytes).host_fits  # the boundary: exactly
+
+
+def test_given_gpu_memory_makes_the_device_cuda_with_that_free_memory():
+    cfg = tiny_llama_config()
+    est = megatrain.estimate(cfg, gpu_memory="141GB", host_memory="1.5TiB", micro_batch_size=2, seq_len=16)
+    assert est.device.startswith("cuda") and est.compute_dtype == "bfloat16"
+    assert est.activation_policy.startswith("auto")
+    assert est.pinned_bytes == est.store_bytes + est.staging_bytes  # pinned staging, as on a GPU
+    assert est.gpu_free_bytes == 141 * 10**9 and est.gpu_fits is True and est.fits
+    assert est.device_name == "the given GPU (gpu_memory 131.32 GiB)"
+    assert est.to_dict()["assumed_machine"] == {"host": "1.50 TiB (given)", "gpu": "131.32 GiB (given)"}
+    text = str(est)
+    assert "CUDA is not available" not in text and text.splitlines()[-1] == "fits the assumed machine"
+    few = est.slot_bytes - 1  # not even the layer slots fit
+    tight = megatrain.estimate(cfg, gpu_memory=few, host_memory="1.5TiB", micro_batch_size=2, seq_len=16)
+    assert tight.gpu_fits is False and not tight.fits and tight.gpu_free_bytes == few
+    assert f"of GPU memory on the given GPU (gpu_memory {format_bytes(few)})" in tight.reason()
+    half = megatrain.estimate(cfg, gpu_memory="100GiB", gpu_memory_limit=0.5)  # a fraction of the given GPU
+    assert half.gpu_free_bytes == 50 * GIB
+
+
+def test_default_names_this_machine_and_prints_no_machine_line():
+    est = megatrain.estimate(tiny_llama_config(), device="cpu")
+    assert "assumed machine" not in str(est)
+    assert est.to_dict()["assumed_machine"] == {"host": "this machine", "gpu": "none (CPU device)"}
+    assert est.host_memory_given is None and est.gpu_memory_given is None
+
+
+def _llama_params(h, inter, layers, heads, kv, vocab):
+    """Parameters of a Llama (untied embedding and head, no biases), counted from the shapes."""
+    d = h // heads
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h
+    return 2 * vocab * h + h + layers * (attn + 3 * h * inter + 2 * h)
+
+
+def test_the_paper_setting_on_one_h200_with_1_5_tib():
+    """~120B Llama (hidden 10240, MLP 28672, 108 layers, 80/8 heads, vocab 32000) on one H200 (141 GB)
+    with 1.5 TiB of host memory: read from a LlamaConfig on the meta device (its fp32 weights alone
+    would be ~483 GB: nothing is allocated), today's layout is 14 B/param (bf16 compute copy 2 + fp32
+    master, exp_avg, exp_avg_sq 4 each) plus staging and padding."""
+    shape = dict(h=10240, inter=28672, layers=108, heads=80, kv=8, vocab=32000)
+    cfg = LlamaConfig(hidden_size=10240, intermediate_size=28672, num_hidden_layers=108, num_attention_heads=80,
+                      num_key_value_heads=8, vocab_size=32000)
+    est = megatrain.estimate(cfg, host_memory="1.5TiB", gpu_memory="141GB", micro_batch_size=4, seq_len=4096)
+    n = _llama_params(**shape)
+    assert est.num_params == n and est.trainable_params == n
+    sections = est.host_sections
+    assert sections["compute"] >= 2 * n and sections["master"] >= 4 * n
+    assert sections["exp_avg"] == sections["exp_avg_sq"] == sections["master"]
+    assert sum(sections.values()) - 14 * n < 4096 * 4 * (len(est.host_sections) * (shape["layers"] + 1))  # padding
+    assert est.host_bytes == est.store_bytes + est.staging_bytes and est.accumulator_bytes == 0
+    assert 14.0 < est.bytes_per_param < 14.2
+    assert est.host_available_bytes == int(1.5 * TIB)
+    assert est.host_fits == (est.host_bytes <= 1.5 * TIB) and 14 * n > 1.5 * TIB  # so: does not fit
+    assert est.fits is False and "more host RAM" in est.reason()
+    assert est.gpu_free_bytes == 141 * 10**9 and est.gpu_fits is True  # the GPU part fits
+    assert "assumed machine: host 1.50 TiB (given), GPU 131.32 GiB (given)" in str(est)
+    assert torch.tensor([], dtype=torch.bfloat16).element_size() == 2
