@@ -141,24 +141,29 @@ for s in "${stages[@]}"; do
       done
       run idle_compare python3 benchmarks/compare_idle.py --out "$OUT/idle_compare.json" "${traces[@]}"
       cat "$OUT/idle_compare.log" ;;
-    before_after)  # 3.37B, 4 x 4096 tokens, megatrain streamed (recompute), without / with max_grad_norm: .before/ vs this tree, alternating
-      for clip in ${BA_CLIPS:-0 1.0}; do
-        for tree in before after; do
-          dir=.; pp=; [ $tree = before ] && { dir=.before; pp=$PWD/.before/python; }
-          extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
-          [ $tree = after ] && [ $clip = 0 ] && extra="--profile"  # + one profiled step: compute-stream idle time
-          c=$MEGATRAIN_GIT_COMMIT; [ $tree = before ] && c=${BEFORE_COMMIT:-before}
-          run ba_${tree}_clip$clip env PYTHONPATH=$pp MEGATRAIN_GIT_COMMIT=$c timeout 240 python3 $dir/benchmarks/bench_train.py \
-            --systems megatrain --steps 5 --warmup 2 $extra --out docs/benchmarks/before_after_${tree}_clip$clip.json
+    before_after)  # 3.37B, 4 x 4096 tokens, .before/ vs this tree, alternating, per max_grad_norm (BA_CLIPS, default "0 1.0")
+                   # and per bench_train system (BA_SYSTEMS, default "megatrain": streamed recompute; e.g. "megatrain megatrain:policy=auto")
+      for sys in ${BA_SYSTEMS:-megatrain}; do
+        lab=${sys//[:=,]/_}
+        for clip in ${BA_CLIPS:-0 1.0}; do
+          for tree in before after; do
+            dir=.; pp=; [ $tree = before ] && { dir=.before; pp=$PWD/.before/python; }
+            extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
+            c=$MEGATRAIN_GIT_COMMIT; [ $tree = before ] && c=${BEFORE_COMMIT:-before}
+            run ba_${lab}_${tree}_clip$clip env PYTHONPATH=$pp MEGATRAIN_GIT_COMMIT=$c timeout 240 python3 $dir/benchmarks/bench_train.py \
+              --systems $sys --steps 5 --warmup 2 $extra --out docs/benchmarks/before_after_${lab}_${tree}_clip$clip.json
+          done
         done
       done
       python3 - <<'PY'
 import json
 import os
-for clip in os.environ.get("BA_CLIPS", "0 1.0").split():
-    r = {t: json.load(open(f"docs/benchmarks/before_after_{t}_clip{clip}.json"))["rows"][0] for t in ("before", "after")}
-    print(f"max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
-          f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
+for sys in os.environ.get("BA_SYSTEMS", "megatrain").split():
+    lab = sys.replace(":", "_").replace("=", "_").replace(",", "_")
+    for clip in os.environ.get("BA_CLIPS", "0 1.0").split():
+        r = {t: json.load(open(f"docs/benchmarks/before_after_{lab}_{t}_clip{clip}.json"))["rows"][0] for t in ("before", "after")}
+        print(f"{sys} max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
+              f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
 PY
       ;;
     sched_ab)  # 3.37B, 4 x 4096 tokens, in one call per max_grad_norm (SCHED_CLIPS, default "0 1.0"): the C++ slot pool and
