@@ -83,6 +83,8 @@ def _line(exc: BaseException) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from megatrain.runtime.activations.activation_policy import CHOICES as POLICY_CHOICES
+
     parser = _Parser(prog="megatrain", description="megatrain: train LLMs with host-resident fp32 state.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     tr = sub.add_parser(
@@ -115,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compute-dtype", help="auto | bf16 | fp32 (runtime.compute_dtype)")
     tr.add_argument(
         "--activation-policy",
-        help="recompute | store | auto | offload | block:K, as megatrain.wrap (runtime.activation_policy; default: "
+        help=f"{POLICY_CHOICES}, as megatrain.wrap (runtime.activation_policy; default: "
         "auto on CUDA, the fastest exact schedule the planner finds; recompute on the CPU)",
     )
     tr.add_argument("--gpu-memory-limit", help="GPU memory the planner may use: bytes (40GiB) or a fraction of the GPU's "

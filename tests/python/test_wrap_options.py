@@ -34,9 +34,11 @@ def test_options_are_wraps_keywords_with_wraps_defaults_in_its_order():
 def test_estimate_takes_the_options_it_names_with_the_same_defaults():
     est = _keyword_defaults(megatrain.estimate)
     assert {n: est[n] for n in ESTIMATE_OPTIONS} == WrapOptions().as_kwargs(ESTIMATE_OPTIONS)
-    run_fields = {f.name for f in dataclasses.fields(EstimateRun)} - {"model_kwargs"}
+    run_fields = {f.name for f in dataclasses.fields(EstimateRun)} - {"model_kwargs", "machine"}
     assert {n: est[n] for n in run_fields} == {n: getattr(EstimateRun(), n) for n in run_fields}
-    assert set(est) == set(ESTIMATE_OPTIONS) | run_fields
+    machine = {"host_memory", "gpu_memory"}  # EstimateRun.machine (None, None: this machine)
+    assert {n: est[n] for n in machine} == {"host_memory": None, "gpu_memory": None}
+    assert set(est) == set(ESTIMATE_OPTIONS) | run_fields | machine
 
 
 def test_options_are_frozen():

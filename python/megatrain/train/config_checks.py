@@ -186,7 +186,7 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks value ranges and choices (no file system access; see megatrain.train.plan.prepare for that)."""
+    """Checks value ranges and choices (no file system access; see megatrain.train.run_plan.prepare for that)."""
     m, d, t, r, e, lg = cfg.model, cfg.data, cfg.train, cfg.runtime, cfg.eval, cfg.log
     for key, value in [
         ("model.hidden_size", m.hidden_size),

@@ -1,4 +1,4 @@
-"""Built-in presets of ``megatrain train`` (data only; :func:`megatrain.train.config.preset_dict` merges one
+"""Built-in presets of ``megatrain train`` (data only; :func:`megatrain.train.config_build.preset_dict` merges one
 over the defaults).
 
 ``default`` is the run that needs nothing downloaded: a 4-layer, 3.1M-parameter Llama-architecture

@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The one list of policies: the parser, its message, the CLI's help and the metrics' recompute FLOPs read these.
 KINDS = ("recompute", "store", "auto", "offload", "block")
+RECOMPUTING_KINDS = ("recompute", "offload", "block")  # backward re-runs each layer's forward (metrics count it)
 
-_POLICY_RE = re.compile(r"recompute|store|auto|offload|block:(\d+)")
+_SPELLED = ["block:K" if k == "block" else k for k in KINDS]
+ACCEPTED = ", ".join(f"'{k}'" for k in _SPELLED[:-1]) + f" or '{_SPELLED[-1]}' (K >= 1)"  # for messages
+CHOICES = " | ".join(_SPELLED)  # for help texts: recompute | store | auto | offload | block:K
+_POLICY_RE = re.compile("|".join(r"block:(\d+)" if k == "block" else re.escape(k) for k in KINDS))
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class ActivationPolicy:
             return policy
         m = _POLICY_RE.fullmatch(policy) if isinstance(policy, str) else None
         if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
-            raise ValueError(f"{what} must be 'recompute', 'store', 'auto', 'offload' or 'block:K' (K >= 1), got {policy!r}")
+            raise ValueError(f"{what} must be {ACCEPTED}, got {policy!r}")
         if m.group(1) is not None:
             return cls("block", int(m.group(1)), policy)
         return cls(policy)
@@ -102,4 +107,4 @@ class ActivationPolicy:
     def recomputes(self) -> bool:
         """Whether backward re-runs each layer's forward (``recompute``, ``offload``, ``block:K``):
         the FLOPs counted as recompute in the metrics. ``auto`` decides at run time: False here."""
-        return self.kind in ("recompute", "offload", "block")
+        return self.kind in RECOMPUTING_KINDS

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Optional
 
 import torch
 
 from ..engine.core import locate
+
+# engines already warned that clip_grad_norm_(inf) cannot give a norm (once per wrapped model)
+_WARNED_NORM_UNKNOWN: "weakref.WeakSet" = weakref.WeakSet()
 
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -68,8 +72,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if math.isinf(float(max_norm)) and float(max_norm) > 0:
             # Nothing to clip (the Trainer asks this way for a norm to log): the updates stand as they
             # are; the norm itself was never computed.
-            if not getattr(eng, "_warned_norm_unknown", False):
-                eng._warned_norm_unknown = True
+            if eng not in _WARNED_NORM_UNKNOWN:
+                _WARNED_NORM_UNKNOWN.add(eng)
                 warnings.warn("megatrain: clip_grad_norm_(max_norm=inf) returns nan on this wrapped model: without "
                               "CPUAdamW(max_grad_norm=...) the updates start during backward and no global norm is "
                               "computed; pass max_grad_norm=float('inf') to CPUAdamW to get it", UserWarning,

@@ -25,8 +25,8 @@ class LayerEngine(Protocol):
 
     device: torch.device
     activation_policy: str
-    offload: Optional[Any]  # runtime.offload.InputOffload under the offload policy
-    activity: Any  # runtime.thread_guard.ModelActivity
+    offload: Optional[Any]  # runtime.activations.host_offload.InputOffload under the offload policy
+    activity: Any  # runtime.model.thread_guard.ModelActivity
 
     def run_layer(self, layer, args, kwargs): ...
 

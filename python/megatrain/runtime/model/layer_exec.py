@@ -30,7 +30,7 @@ class LayerExecution:
             ``resident``, ``device``, ``cuda``, the slot calls ``acquire`` / ``prefetch`` / ``bind`` /
             ``unbind`` / ``release``, ``submit_grads`` and ``disk_read_ahead``. The engine is also what
             :class:`~.layer_call._LayerFunction` calls back (``store_this``, ``execute``, ``backward_layer``).
-        policy: the engine's :class:`~..activations.policies.ActivationPolicy` (blocks, kept graphs' slots).
+        policy: the engine's :class:`~..activations.policies.LayerActivations` (blocks, kept graphs' slots).
         replanner: the engine's :class:`~..placement.replan.PlacementReplan` (marks of the measured step).
         activity: the model's :class:`~.thread_guard.ModelActivity` (one thread's use at a time).
         on_backward: called at each layer's backward (the step timeline's ``backward_end`` mark).

@@ -54,7 +54,7 @@ from ..engine.grads import grad_norms
 
 
 class DeviceSlot:
-    """The permanent device slot of a device-state layer (the interface of ``engine.Slot``)."""
+    """The permanent device slot of a device-state layer (the interface of :class:`~..engine.slots.Slot`)."""
 
     permanent = True
 

@@ -85,7 +85,7 @@ def model_to_plan(model, model_kwargs: dict, transform):
     if isinstance(model, nn.Module):
         if getattr(model, "megatrain", None) is not None:
             raise ValueError("megatrain.estimate: this model is already wrapped; its store is "
-                             "model.megatrain.store.section_bytes (model.megatrain.memory_stats())")
+                             "model.megatrain.store.section_bytes (and model.megatrain.placement() says where each layer's state is)")
         if transform is not None:
             raise ValueError("megatrain.estimate: transform= applies to a config or a model directory; transform "
                              "the module before estimating it")

@@ -202,7 +202,7 @@ class PlacementReplan:
             ``units``, ``device``, ``cuda``, ``compute_dtype``, ``dp``, ``disk``, ``device_state``,
             ``optimizer``, ``gpu_memory_limit_bytes``, ``compute_stream()``, ``stats()``, ``flush()``,
             ``free_device_bytes()`` and ``resize_device_state(K)``.
-        policy: the engine's :class:`~..activations.policies.ActivationPolicy` (its ``auto_decisions``
+        policy: the engine's :class:`~..activations.policies.LayerActivations` (its ``auto_decisions``
             are read and their kept graphs changed).
         enabled: whether it measures and places again at all.
 
