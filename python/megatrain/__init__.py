@@ -21,7 +21,7 @@ from .state.loading import from_config, from_pretrained  # noqa: E402
 from .runtime.placement.estimate import MemoryEstimate, estimate  # noqa: E402
 from .runtime.wrap_options import WrapOptions  # noqa: E402
 from .runtime.activations.activation_policy import ActivationPolicy  # noqa: E402
-from .state.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from .state.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
 
 
 def cuda_status() -> str:
@@ -41,4 +41,4 @@ def cuda_status() -> str:
 
 
 __all__ = ["wrap", "WrapOptions", "ActivationPolicy", "from_pretrained", "from_config", "estimate", "MemoryEstimate", "CheckpointError", "optim", "export_pretrained", "master_state_dict", "save_checkpoint", "load_checkpoint",
-           "cuda_status", "UnsupportedModelError", "ModelInUseError", "__version__"]
+           "verify_checkpoint", "cuda_status", "UnsupportedModelError", "ModelInUseError", "__version__"]
