@@ -604,6 +604,36 @@ def test_zero_grad_set_to_none_false_then_steps_without_backward_like_torch():
     assert float(gopt.state[p_got]["step"]) == float(ropt.state[p_ref]["step"]) == 6.0
 
 
+def test_zero_gradient_step_while_the_last_steps_updates_are_still_queued():
+    """step() with no forward since the last step(): the last step's CPU updates may still be queued (a
+    busy worker); the new update of a unit waits for them instead of failing in the gradient ledger."""
+    import threading
+
+    from megatrain.runtime.engine.worker import _Worker
+
+    def run(wrapped):
+        model, opt = make(wrapped, max_grad_norm=1.0)  # updates wait for step(): step() queues every unit's
+        for i, x in enumerate(batches(3)):
+            if i != 1:
+                model(input_ids=x, labels=x).loss.backward()
+            if wrapped and i == 0:  # hold the CPU worker: step 0's updates stay queued through step 1
+                release = threading.Event()
+                model.megatrain.worker.submit(lambda: release.wait(30), klass=_Worker.UPDATE)
+                threading.Timer(0.5, release.set).start()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return weights(model)
+
+    ref_model, ref_opt = make(False)
+    for i, x in enumerate(batches(3)):
+        if i != 1:
+            ref_model(input_ids=x, labels=x).loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+    assert_params_close(run(True), weights(ref_model))
+
+
 def test_second_step_without_backward_is_refused_before_anything_changes():
     model, opt = make(True)
     x = batches(1)[0]

@@ -151,4 +151,8 @@ class UpdateQueue:
         if unit.device_state is not None:  # on the device, now (enqueued on the compute stream)
             return self.device_layers.device_state.update(unit, items, scale, entries=entries, zero_grads=zero_grads,
                                             finite_on_device=finite_on_device)
+        if not unit.update_settled:
+            # A step() with no forward since the last one (zero_grad(set_to_none=False) + step()): the last
+            # update of this unit may still be queued on a busy worker; a unit takes one update at a time.
+            self.waits.wait_update(unit)
         self.submit_adam(unit, items, scale, entries=entries, zero_grads=zero_grads)
