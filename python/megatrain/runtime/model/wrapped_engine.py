@@ -10,7 +10,6 @@ second decision: :class:`~..placement.replan.PlacementReplan`), ``execution`` (r
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 import warnings
 from typing import Optional
@@ -19,9 +18,10 @@ import torch
 from torch import nn
 
 from ..compat.clip_grad import install_accelerate_clip
+from ..engine.context import forward_to, part_attribute
 from ..engine.core import Engine
 from ..compat.functional_call_guard import note_streamed_layer
-from .layer_call import _LayerCall, _streamed_class
+from .layer_call import _streamed_class
 from .layer_exec import LayerExecution
 from .decoder_layers import UnsupportedModelError, _move_buffers, model_units
 from .model_config import cache_asked, router_logits_asked
@@ -49,24 +49,19 @@ def _keep_last(p: torch.Tensor, handle) -> None:
     p.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
 
 
-def _part_attr(part: str, name: str, doc: str) -> property:
-    """A read-only attribute of the engine that is part ``part``'s attribute ``name``."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
-
-
 class WrappedEngine(Engine):
     """The engine plus the model-side logic: layer calls, resident unit, activation policy (see the module docstring)."""
 
-    activation_policy = _part_attr("policy", "name", "``wrap``'s ``activation_policy`` string.")
-    block_k = _part_attr("policy", "block_k", "K of ``block:K`` (1 for the other policies).")
-    store_activations = _part_attr("policy", "store_activations", "``activation_policy == 'store'``.")
-    auto_policy = _part_attr("policy", "auto_policy", "``activation_policy == 'auto'``.")
-    auto_decisions = _part_attr("policy", "auto_decisions", "``auto``: per input shape, the decision and what "
+    activation_policy = part_attribute("policy", "name", "``wrap``'s ``activation_policy`` string.")
+    block_k = part_attribute("policy", "block_k", "K of ``block:K`` (1 for the other policies).")
+    store_activations = part_attribute("policy", "store_activations", "``activation_policy == 'store'``.")
+    auto_policy = part_attribute("policy", "auto_policy", "``activation_policy == 'auto'``.")
+    auto_decisions = part_attribute("policy", "auto_decisions", "``auto``: per input shape, the decision and what "
                                 "it was based on (bytes per layer, free bytes).")
-    offload = _part_attr("policy", "offload", "``offload`` policy: :class:`~..activations.host_offload.InputOffload`.")
-    attention_reuse = _part_attr("policy", "attention_reuse", "``block:K``: "
+    offload = part_attribute("policy", "offload", "``offload`` policy: :class:`~..activations.host_offload.InputOffload`.")
+    attention_reuse = part_attribute("policy", "attention_reuse", "``block:K``: "
                                  ":class:`~..activations.attention_reuse.AttentionReuse` (set by wrap), or None.")
-    replan_info = _part_attr("replanner", "info", "What the planner's second decision measured and chose, or None.")
+    replan_info = part_attribute("replanner", "info", "What the planner's second decision measured and chose, or None.")
 
     def __init__(self, model: nn.Module, layers_name: str, layers: nn.ModuleList, device: torch.device,
                  compute_dtype: torch.dtype, activation_policy, num_slots: int,
@@ -163,29 +158,13 @@ class WrappedEngine(Engine):
         """The fp32 master views ``state_dict()`` hands out (:class:`~.state_dict_views._Masters`), or None before wrap installs them."""
         return None if self.module_api is None else self.module_api.masters
 
-    def run_layer(self, layer, args, kwargs):
-        """A streamed layer's ``forward`` (:meth:`.layer_exec.LayerExecution.run_layer`)."""
-        return self.execution.run_layer(layer, args, kwargs)
-
-    def execute(self, call: _LayerCall, diff_inputs, grad: bool, prefetch_step: int = 1, around=None):
-        """Run ``call``'s layer once on streamed weights (:meth:`.layer_exec.LayerExecution.execute`)."""
-        return self.execution.execute(call, diff_inputs, grad, prefetch_step=prefetch_step, around=around)
-
-    def backward_layer(self, call: _LayerCall, inputs, grad_outs):
-        """Backward of one layer call (:meth:`.layer_exec.LayerExecution.backward_layer`)."""
-        return self.execution.backward_layer(call, inputs, grad_outs)
-
-    def store_this(self, call: _LayerCall, diff_inputs) -> bool:
-        """Whether this layer call keeps its graph (:meth:`~..activations.policies.LayerActivations.store_this`)."""
-        return self.policy.store_this(call, diff_inputs)
-
-    def forward_stored(self, call: _LayerCall, diff_inputs):
-        """Run ``call`` keeping its graph (:meth:`~..activations.policies.LayerActivations.forward_stored`)."""
-        return self.policy.forward_stored(call, diff_inputs)
-
-    def block_input(self, call: _LayerCall):
-        """Inputs of a block's later layer (:meth:`~..activations.policies.LayerActivations.block_input`)."""
-        return self.policy.block_input(call)
+    # thin delegations to the parts (the parts' signatures and docstrings)
+    run_layer = forward_to("execution", LayerExecution.run_layer)
+    execute = forward_to("execution", LayerExecution.execute)
+    backward_layer = forward_to("execution", LayerExecution.backward_layer)
+    store_this = forward_to("policy", LayerActivations.store_this)
+    forward_stored = forward_to("policy", LayerActivations.forward_stored)
+    block_input = forward_to("policy", LayerActivations.block_input)
 
     # ------------------------------------------------------------------ resident unit
     def load_resident(self) -> None:
