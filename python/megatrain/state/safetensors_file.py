@@ -185,9 +185,7 @@ def write_fp32_safetensors(path: str, tensors: Sequence[Tuple[str, object]], met
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"megatrain: safetensors dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    for key, t in tensors:
-        if t.dtype != torch.float32:
-            raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
+    _require_fp32(tensors)
     return write_safetensors(path, tensors, metadata, dtype=dtype, sync=sync, hashing=hashing)
 
 
@@ -199,7 +197,12 @@ def write_state_safetensors(path: str, tensors: Sequence[Tuple[str, object]], fr
     Raises:
         ValueError: a state tensor is not fp32 (before the file is opened).
     """
+    _require_fp32(tensors)
+    return write_safetensors(path, list(tensors) + list(frozen), metadata, sync=sync)
+
+
+def _require_fp32(tensors: Sequence[Tuple[str, object]]) -> None:
+    """Raise ``ValueError`` naming the first tensor that is not fp32 (before any file is opened)."""
     for key, t in tensors:
         if t.dtype != torch.float32:
             raise ValueError(f"megatrain checkpoint: {key} is {t.dtype}, expected float32")
-    return write_safetensors(path, list(tensors) + list(frozen), metadata, sync=sync)
