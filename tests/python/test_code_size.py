@@ -4,7 +4,6 @@ Counted statically with ``ast``: a function's lines run from its ``def`` to its 
 docstring left out (a public function's docstring is its reference documentation, not logic to read
 through); a module's are its physical lines. A unit that grows past a limit fails here
 with its path and size: split it by what its parts do (docs/architecture.md, "Where to change what").
-``ALLOWED`` names the few that are over a limit on purpose, each with its reason.
 """
 
 import ast
@@ -13,7 +12,6 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "python" / "megatrain"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
-ALLOWED: dict = {}  # "path/relative/to/python/megatrain.py[:function]" -> reason
 
 
 def _sizes(package_dir=PACKAGE_DIR):
@@ -33,14 +31,8 @@ def _sizes(package_dir=PACKAGE_DIR):
 
 def test_no_module_or_function_over_its_limit():
     over = [f"{name}: {lines} lines (limit {limit})" for name, lines, limit in _sizes()
-            if lines > limit and name not in ALLOWED]
+            if lines > limit]
     assert not over, "split these by what their parts do:\n" + "\n".join(over)
-
-
-def test_allowed_entries_are_still_needed():
-    sizes = {name: (lines, limit) for name, lines, limit in _sizes()}
-    stale = [name for name in ALLOWED if name not in sizes or sizes[name][0] <= sizes[name][1]]
-    assert not stale, f"remove from ALLOWED (now within the limit, or gone): {stale}"
 
 
 def test_the_counter_sees_an_oversized_function_and_module(tmp_path):
