@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+MAX_BYTES = 2**63 - 1  # the largest byte count the C++ core (int64) takes
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -49,14 +50,22 @@ def parse_bytes(value: Any) -> int:
     Units (case-insensitive): ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000),
     ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024); ``"1.5TiB"`` is 1649267441664 and
     ``"141GB"`` 141000000000. A fraction of a byte is refused (``"0.5"``), a fraction of a unit
-    rounds down to whole bytes.
+    rounds down to whole bytes. At most ``MAX_BYTES`` (2**63 - 1: what the C++ core's byte counts hold).
 
     Raises:
-        ValueError: a bool, a number <= 0, a non-integral float, or a string that is not a size
-            (the message names the value; callers put their own name in front).
+        ValueError: a bool, a number <= 0 or > ``MAX_BYTES``, a non-integral float, or a string that is
+            not a size (the message names the value; callers put their own name in front).
     """
     if isinstance(value, bool):
         raise ValueError(f"not a number of bytes: {value!r}")
+    n = _parse(value)
+    if n is None or n > MAX_BYTES:
+        raise ValueError(f"not a number of bytes > 0 and <= 2**63 - 1: {value!r}")
+    return n
+
+
+def _parse(value: Any):
+    """``parse_bytes``'s reading of ``value`` (no upper bound), or None."""
     if isinstance(value, int) and value > 0:
         return value
     if isinstance(value, float) and value.is_integer() and value > 0:
@@ -67,4 +76,4 @@ def parse_bytes(value: Any) -> int:
             n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
             if n >= 1 and (n.is_integer() or _BYTE_UNITS[m.group(2).lower()] > 1):  # no fraction of a byte
                 return int(n)
-    raise ValueError(f"not a number of bytes > 0: {value!r}")
+    return None

@@ -25,7 +25,7 @@ def _host_msg(value):
             f"or '141GB') or None for this machine's, got {value!r}")
 
 
-@pytest.mark.parametrize("value", [0, -1, -1.5, "lots", "", "-2GiB", "1.5 parsecs", True, 0.5, [1]])
+@pytest.mark.parametrize("value", [0, -1, -1.5, "lots", "", "-2GiB", "1.5 parsecs", True, 0.5, [1], 1e30, 2**63, "1e30GB"])
 def test_bad_sizes_are_refused_in_one_line_before_anything_is_computed(value):
     # object() is no model: an estimate that got as far as reading it would raise TypeError instead.
     with pytest.raises(ValueError) as exc:
