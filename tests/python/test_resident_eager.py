@@ -240,3 +240,39 @@ def test_parity_with_each_benchmark_before_switch(switch):
     with options_set(**{switch: False}):
         assert getattr(megatrain.wrap(tiny("llama"), device="cpu").megatrain, switch) is False
         _pair("llama", 2, lambda s: ["ids", "ids", "step"])
+
+
+def test_worker_failure_is_what_another_thread_sees_while_the_failed_graph_is_still_held():
+    # The failed backward's graph may still be referenced (here: the loss is kept; in general until the
+    # traceback is dropped): another thread's forward gets the sticky worker failure, not "in use".
+    from test_parity_cpu import _corrupt_step_count
+
+    model = megatrain.wrap(tiny("llama"), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    eng = model.megatrain
+    _corrupt_step_count(opt, model.lm_head.weight)
+
+    def wait_for_the_failure(p):
+        t0 = time.monotonic()
+        while not eng.worker.failed and time.monotonic() - t0 < 30:
+            time.sleep(0.001)
+
+    model.lm_head.weight.register_post_accumulate_grad_hook(wait_for_the_failure)
+    x = torch.randint(0, 96, (2, 8))
+    loss = model(input_ids=x, labels=x).loss  # held: its graph stays alive
+    with pytest.raises(RuntimeError, match="CPU worker failed"):
+        loss.backward()
+    outcome = []
+
+    def forward():
+        try:
+            model(input_ids=x, labels=x)
+            outcome.append("ran")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    t.join(30)
+    assert outcome and "CPU worker failed" in outcome[0], outcome
+    del loss

@@ -309,7 +309,10 @@ class WrappedEngine(Engine):
                 the graph of a forward whose backward has not finished): one line, before anything
                 is touched (:mod:`.thread_guard`).
             UnsupportedModelError: the MoE router logits were asked for (``output_router_logits``).
+            RuntimeError: the CPU worker (or the disk tier) failed earlier: the sticky failure, first
+                (the state may be partly updated; whatever thread asks).
         """
+        self.check_failed()  # before the thread guard: a failed backward may still hold its graph
         self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
         if (kwargs or {}).get("output_router_logits") or router_logits_asked(cfg):
