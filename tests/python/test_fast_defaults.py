@@ -201,3 +201,112 @@ def test_cli_run_passes_the_defaults_and_the_cap_to_wrap(monkeypatch, tmp_path):
         model_build.build_wrapped_model(plan)
     assert seen["activation_policy"] is None and seen["device_state_layers"] is None
     assert seen["gpu_memory_limit"] == 0.75 and seen["liger_kernel"] is False
+
+
+def _wide_vocab_llama():
+    """A Llama whose resident unit (8192 x 64 embedding and LM head, untied) is ~4 MiB in bf16 with its gradients:
+    a cap of a few MiB (the least an int cap may be is 1 MiB) can be too small for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg), cfg
+
+
+def _streamed_minimum(model, num_slots=2):
+    """(slot bytes, resident bytes) of ``model`` in bf16, by the estimator's own arithmetic (megatrain.estimate)."""
+    est = megatrain.estimate(model, gpu_memory="141GiB", compute_dtype=torch.bfloat16, num_slots=num_slots)
+    return est.slot_bytes, est.resident_bytes
+
+
+@pytest.fixture
+def no_host_store(monkeypatch):
+    """``_C.HostStore`` that fails when constructed (its planning, ``layout_required``, still works)."""
+    from megatrain.runtime.engine import core
+
+    real = core._C.HostStore
+
+    class NoStore:
+        layout_required = staticmethod(real.layout_required)
+
+        def __init__(self, *a, **k):
+            raise AssertionError("the host store was allocated")
+
+    monkeypatch.setattr(core._C, "HostStore", NoStore)
+
+
+def test_streamed_minimum_counts_the_slots_and_the_resident_unit_with_its_gradients():
+    model, cfg = _wide_vocab_llama()
+    slots, resident = _streamed_minimum(model)
+    h, v, i, kv = 64, 8192, 128, 32
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o; k, v (one kv head of 32); gate, up, down; 2 norms
+    assert 2 * 2 * layer <= slots < 2 * 2 * layer + 2 * 2 * 4096  # 2 slots of bf16, each padded to at most 4 KiB
+    assert 2 * 2 * (2 * v * h + h) <= resident < 2 * 2 * (2 * v * h + h) + 2 * 4096 * 4  # compute copy + gradients
+    assert slots * 3 // 2 == _streamed_minimum(model, num_slots=3)[0]
+
+
+@pytest.mark.parametrize("limit", [2 << 20, 1e-5])  # 2 MiB; 1e-5 of the fake 141 GiB device (1.5 MB)
+def test_cap_below_the_streamed_minimum_is_refused_before_the_store_is_allocated(fake_cuda, no_host_store, limit):
+    model, _ = _wide_vocab_llama()
+    slots, resident = _streamed_minimum(model)
+    need = slots + resident
+    before = type(model.model.layers[0])
+    with pytest.raises(ValueError) as info:
+        megatrain.wrap(model, gpu_memory_limit=limit)
+    msg = str(info.value)
+    assert isinstance(info.value, megatrain.runtime.placement.streamed_minimum.GpuMemoryLimitError)
+    assert "\n" not in msg and msg.startswith(f"megatrain.wrap: gpu_memory_limit={limit!r} (")
+    assert "cannot hold even the streamed schedule" in msg and "the layer slots (2 per layer shape, " in msg
+    assert msg.endswith(f"raise gpu_memory_limit to at least {need} bytes ({megatrain.byte_units.format_bytes(need)}), "
+                        "or drop it")
+    assert fake_cuda == {}  # the engine was never built
+    assert getattr(model, "megatrain", None) is None and type(model.model.layers[0]) is before
+
+
+def test_cap_at_the_streamed_minimum_is_accepted(fake_cuda, no_host_store):
+    model, _ = _wide_vocab_llama()
+    need = sum(_streamed_minimum(model))
+    with pytest.raises(_Built):  # reached the engine (the stub)
+        megatrain.wrap(model, gpu_memory_limit=need + 1)
+    assert fake_cuda["gpu_memory_limit"] == need + 1
+    with pytest.raises(ValueError, match=f"at least {need} bytes"):
+        megatrain.wrap(_wide_vocab_llama()[0], gpu_memory_limit=need - 1)
+
+
+def test_estimate_refuses_the_cap_and_adds_the_activations_floor_with_a_batch():
+    model, cfg = _wide_vocab_llama()
+    slots, resident = _streamed_minimum(model)
+    need = slots + resident
+    with pytest.raises(ValueError, match=r"^megatrain\.estimate: gpu_memory_limit=2097152 \(2\.00 MiB\) cannot hold"):
+        megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit=2 << 20)
+    est = megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit=need)
+    assert est.slot_bytes + est.resident_bytes == need
+    floor = 2 * 4 * 64 * 64 * 2  # a layer's input and its gradient: 2 x tokens x hidden x bf16
+    with pytest.raises(ValueError) as info:
+        megatrain.estimate(cfg, device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit=need,
+                           micro_batch_size=4, seq_len=64)
+    assert f"activations' floor for one micro-batch ({megatrain.byte_units.format_bytes(floor)})" in str(info.value)
+    assert f"at least {need + floor} bytes" in str(info.value)
+    # a fraction of an assumed GPU is resolved against its size
+    with pytest.raises(ValueError, match=r"gpu_memory_limit=0\.0001 \("):
+        megatrain.estimate(cfg, gpu_memory="16GiB", gpu_memory_limit=1e-4)
+
+
+def test_cli_refuses_the_cap_in_one_line_before_the_model_is_built(fake_cuda, monkeypatch, tmp_path):
+    from megatrain.train import config_build, run_plan
+    from megatrain.train.config import UsageError
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (140 * GiB, 141 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "fake GPU")
+
+    monkeypatch.setattr(megatrain, "from_config", lambda *a, **k: pytest.fail("the model was built"))
+    cfg = config_build.build_config(overrides=[("runtime", "gpu_memory_limit", "1MiB"), ("runtime", "device", "cuda"),
+                                               ("log", "out", str(tmp_path / "run"))])
+    with pytest.raises(UsageError) as info:
+        run_plan.prepare(cfg)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("megatrain train: runtime.gpu_memory_limit=1048576 (1.00 MiB) cannot hold")
+    assert "raise runtime.gpu_memory_limit to at least" in msg
+    assert not (tmp_path / "run").exists()

@@ -95,10 +95,12 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
 
     Raises:
         DoesNotFit: one line, the estimate attached.
-        UsageError: transformers cannot build the model from this config.
+        UsageError: transformers cannot build the model from this config, or ``runtime.gpu_memory_limit`` is below
+            the streamed schedule's minimum (layer slots, resident unit, the activations' floor).
     """
     import megatrain
     from megatrain.runtime.placement.estimate import RUN_HOST_MARGIN_BYTES
+    from megatrain.runtime.placement.streamed_minimum import GpuMemoryLimitError
 
     t = cfg.train
     try:
@@ -109,6 +111,8 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
                                  **estimate_kwargs(wrap_options(cfg, device, compute_dtype)))
     except megatrain.UnsupportedModelError as exc:
         raise UsageError(first_line(exc, 300)) from None
+    except GpuMemoryLimitError as exc:  # the cap cannot hold even the streamed schedule
+        raise UsageError(exc.message("megatrain train", "runtime.gpu_memory_limit")) from None
     except Exception as exc:  # noqa: BLE001
         extra = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.model.extra.items()))
         raise UsageError(f"cannot build a model from this config ({first_line(exc)}); check the model sizes and "

@@ -32,6 +32,7 @@ from .module_guards import check_layers_unhooked
 from ..activations.policies import AUTO_STORE_FRACTION, check_activation_policy, default_activation_policy  # noqa: F401 - public here
 from ..activations.attention_reuse import AttentionReuse
 from ..compat.torch_patches import install_torch_patches
+from ..placement.streamed_minimum import check_wrap_gpu_memory_limit
 from ..wrap_options import WrapOptions
 from .wrapped_engine import WrappedEngine
 
@@ -122,8 +123,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             what the process's tensors on the device already hold (``torch.cuda.memory_allocated``).
             It bounds what megatrain places, not the allocator: transient memory (a step's logits,
             workspaces) is left for inside it, as in the uncapped planner; for a hard cap of the
-            process use ``torch.cuda.set_per_process_memory_fraction``. None (default): the whole
-            device. Ignored on the CPU backend.
+            process use ``torch.cuda.set_per_process_memory_fraction``. A cap below what even the
+            streamed schedule keeps on the device (``num_slots`` slots of the largest layer's compute
+            copy and the resident embedding / final norm / LM head with its gradients: ``estimate``'s
+            "layer slots" + "resident unit + grads") raises ``ValueError`` in one line before anything
+            is allocated. None (default): the whole device. Ignored on the CPU backend.
         liger_kernel: Liger-Kernel's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear
             cross-entropy; ``pip install megatrain[kernels]``) on the architectures it supports:
             ``None`` (default): when liger-kernel is installed and the device is CUDA; ``True``:
@@ -158,7 +162,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``find_decoder_layers``), weights shared between a layer and another module or between two
             layers, or layers that run their own backward (reversible layers, e.g. Reformer).
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
-            ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel``, ``liger_kernel=True``
+            ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel`` (``gpu_memory_limit`` below
+            the streamed schedule's minimum: ``GpuMemoryLimitError``, a ``ValueError``), ``liger_kernel=True``
             without liger-kernel installed or off CUDA, the model is already wrapped, a decoder layer's parameter
             has a gradient hook (``register_hook`` / ``register_post_accumulate_grad_hook``) or a decoder
             layer's module is parametrized (``torch.nn.utils.parametrize``).
@@ -190,9 +195,10 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
         raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before wrap (megatrain recomputes layers itself: "
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
-    layers_name, layers = _check_model(model, source, opts.device_state_layers)
+    layers_name, layers, units = _check_model(model, source, opts.device_state_layers)
     cfg = getattr(model, "config", None)
     long_context.check(model, layers, opts.chunked_loss, opts.tile_mlp)
+    check_wrap_gpu_memory_limit(units, opts, options.gpu_memory_limit)  # a cap below the streamed schedule's need
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.model.fused_kernels)
     liger = apply_liger_kernel(model, layers, required=options.liger_kernel is True) if opts.liger_kernel else None
     # A KV cache updated inside a recomputed layer would be updated twice. A multimodal wrapper's text
@@ -220,7 +226,8 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
 def _check_model(model: nn.Module, source, device_state_layers):
     """``wrap``'s checks of the model itself, before anything is changed: real weights (unless ``source``
     fills them), a decoder layer list without weights shared with other modules and without hooks,
-    ``device_state_layers`` within its length, no MoE router logits asked. Returns ``(layers_name, layers)``.
+    ``device_state_layers`` within its length, no MoE router logits asked. Returns ``(layers_name, layers, units)``
+    (``units``: :func:`model_units`, for planning only: the engine builds its own).
 
     Raises:
         ValueError: a parameter on the meta device, a hooked or parametrized layer, too many ``device_state_layers``.
@@ -230,7 +237,7 @@ def _check_model(model: nn.Module, source, device_state_layers):
         if p.device.type == "meta" and source is None:
             raise ValueError(f"megatrain.wrap: parameter {name} is on the meta device; load real weights first")
     layers_name, layers = find_decoder_layers(model)
-    model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
+    units = model_units(model, layers_name, layers)  # refuses weights shared with a layer before anything is changed
     check_layers_unhooked(layers_name, layers)
     if isinstance(device_state_layers, int) and device_state_layers > len(layers):
         raise ValueError(f"megatrain.wrap: device_state_layers={device_state_layers}, but the model has {len(layers)} "
@@ -241,4 +248,4 @@ def _check_model(model: nn.Module, source, device_state_layers):
         raise UnsupportedModelError(
             f"megatrain.wrap: {type(model).__name__} has config.output_router_logits=True; the MoE auxiliary "
             "loss is not supported through streamed layers yet. Set model.config.output_router_logits = False")
-    return layers_name, layers
+    return layers_name, layers, units

@@ -19,10 +19,11 @@ from typing import Callable, Optional
 import torch
 
 from .assumed_machine import AssumedMachine
-from .estimate_bytes import (DevicePart, HostPart, activation_bytes, all_frozen, device_part, host_part,
-                             logits_bytes, long_context_rows, offload_would_fit)
+from .estimate_bytes import (DevicePart, HostPart, activation_bytes, activation_floor_bytes, all_frozen, device_part,
+                             host_part, logits_bytes, long_context_rows, offload_would_fit)
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
 from .model_shape import WEIGHT_FILES, ModelShape, has_weight_files, model_to_plan  # noqa: F401 - WEIGHT_FILES: public here
+from .streamed_minimum import check_streamed_minimum
 from ..wrap_options import WrapOptions
 
 # Host memory ``megatrain train`` keeps free beyond everything the estimate counts (the Python
@@ -154,6 +155,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         UnsupportedModelError: no decoder layer list (as ``wrap``).
         ValueError / TypeError: a bad option or input; ``host_memory`` / ``gpu_memory`` not a size > 0
             (one line naming the argument, before anything is computed), ``gpu_memory`` with ``device="cpu"``.
+        GpuMemoryLimitError: a ``ValueError``, one line: ``gpu_memory_limit`` (in bytes; a fraction where the
+            GPU's size is known) is below the streamed schedule's minimum (layer slots, resident unit and,
+            with ``seq_len``, the activations' floor), as ``wrap`` refuses it.
     """
     machine = AssumedMachine.parse(host_memory, gpu_memory, device)
     device = machine.default_device(device)
@@ -193,11 +197,14 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine)
     dev = device_part(units, hp, opts, margin)
     tokens = run.tokens
+    shape = ModelShape.of(config)
+    # a cap that cannot hold even the streamed schedule is refused, as wrap refuses it
+    check_streamed_minimum(options.gpu_memory_limit, dev.limit_bytes, dev.slot_bytes, dev.resident_bytes,
+                           opts.num_slots, activation_floor_bytes(shape, tokens, dev.elem), "megatrain.estimate")
     # On the CPU device a host store that does not fit leaves no memory to plan the batch against:
     # the rows and the policy are then those of ample memory, and the device part is not checked.
     host_short_cpu = not cuda and hp.short is not None
     rows_free = None if host_short_cpu else dev.free
-    shape = ModelShape.of(config)
     rows = long_context_rows(module, shape, layers, tokens, dev.elem, rows_free, opts.chunked_loss, opts.tile_mlp)
     act, chosen = activation_bytes(shape, len(layers), tokens, dev.elem, opts.activation_policy, rows_free, rows[1])
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])

@@ -48,7 +48,15 @@ def activation_bytes(shape: Optional[ModelShape], num_layers: int, tokens: int, 
         act = math.ceil(num_layers / chosen.block_k) * layer_in + chosen.block_k * per_layer
     else:
         act = num_layers * layer_in + per_layer
-    return act + 2 * layer_in, chosen  # + the gradient flowing back and the current input
+    return act + activation_floor_bytes(shape, tokens, elem), chosen
+
+
+def activation_floor_bytes(shape: Optional[ModelShape], tokens: int, elem: int) -> int:
+    """Device bytes every activation policy holds while a layer runs backward: its input and the gradient
+    flowing back, ``2 * tokens * hidden * elem`` (0 without a batch or a shape): the activations' floor."""
+    if not tokens or shape is None:
+        return 0
+    return 2 * tokens * shape.hidden * elem
 
 
 def _auto_choice(num_layers: int, per_layer: int, layer_in: int, free: Optional[int]) -> ActivationPolicy:
@@ -174,6 +182,7 @@ class DevicePart:
     resident_bytes: int  # the resident unit and its gradients
     free: Optional[int]  # free device memory (capped by gpu_memory_limit); the CPU device: host memory left
     boundary_bytes: int  # the step boundary's units' state (wrap's default on CUDA outside auto)
+    limit_bytes: Optional[int] = None  # gpu_memory_limit in bytes (None: no cap, off CUDA, or a fraction of no known GPU)
 
 
 def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
@@ -181,29 +190,28 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     from .device_state_plan import capped_free_bytes, resolve_gpu_memory_limit
 
     device, cuda = opts.device, opts.device.type == "cuda"
+    from .streamed_minimum import streamed_device_bytes
+
     elem = torch.tensor([], dtype=opts.compute_dtype).element_size()
-    unit_numel = hp.layout["unit_numel"]
-    per_template = {}
-    for u, n in zip(units, unit_numel):
-        if u.kind == "layer":
-            per_template[u.template] = n
-    slot_bytes = opts.num_slots * elem * sum(per_template.values())
-    resident = [(u, n) for u, n in zip(units, unit_numel) if u.kind != "layer"]
-    resident_bytes = sum(elem * n + elem * sum(e.numel for e in u.entries if not e.frozen) for u, n in resident)
-    free = None
+    slot_bytes, resident_bytes = streamed_device_bytes(units, hp.layout["unit_numel"], opts.compute_dtype,
+                                                       opts.num_slots)
+    free, limit = None, None
     if cuda and hp.machine.gpu_bytes is not None:  # the assumed GPU: its given free bytes, capped as wrap caps
         given = hp.machine.gpu_bytes
-        free = capped_free_bytes(given, 0, resolve_gpu_memory_limit(opts.gpu_memory_limit, device, total_bytes=given))
+        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device, total_bytes=given)
+        free = capped_free_bytes(given, 0, limit)
     elif cuda and torch.cuda.is_available():
-        free = capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device),
-                                 resolve_gpu_memory_limit(opts.gpu_memory_limit, device))
+        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
+        free = capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device), limit)
+    elif cuda and isinstance(opts.gpu_memory_limit, int):  # no GPU here: a cap in bytes is still known
+        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
     elif not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
         free = max(0, hp.tightest[0] - hp.host - margin)  # and the margin leave under the tightest limit
     # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
     # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)
     boundary = boundary_state_bytes(units, hp.layout, elem, free) if cuda and not opts.activation_policy.is_auto else 0
     return DevicePart(elem=elem, slot_bytes=slot_bytes, resident_bytes=resident_bytes, free=free,
-                      boundary_bytes=boundary)
+                      boundary_bytes=boundary, limit_bytes=limit)
 
 
 def boundary_state_bytes(units, layout: dict, elem: int, free: Optional[int]) -> int:
