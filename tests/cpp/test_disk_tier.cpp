@@ -628,3 +628,35 @@ TEST(DiskTier, APrefetchNeverTakesTheBufferOfAUnitAnAcquireWaitsFor) {
   tier.release(1, false);
   EXPECT_EQ(tier.stats().unit_reads - reads0, 2);
 }
+
+// A prefetch of a unit already in RAM keeps its buffer for it: the read-ahead of the next two
+// updates, prefetch(1) then prefetch(2), with unit 1 cached and the other buffer held by unit 0's
+// update, must not evict unit 1 to read unit 2 (unit 1's acquire then read it again and evicted
+// unit 2, read ahead but not taken yet, which was read a second time: 3 reads for 2 units).
+TEST(DiskTier, APrefetchKeepsAUnitAlreadyInRamForItsAcquire) {
+  TempDir d;
+  dt::DiskTierOptions o;
+  o.num_buffers = 2;
+  o.io_threads = 1;
+  dt::DiskTier tier(d.str(), {{{4096}}, {{4096}}, {{4096}}}, o);
+  for (int64_t u : {0, 1, 2}) {
+    std::memset(tier.acquire(u)[0], 20 + static_cast<int>(u), 4096);
+    tier.release(u, true);
+  }
+  tier.flush();
+  tier.drop_cached();
+  tier.acquire(1);
+  tier.release(1, false);  // cached from the last step
+  tier.acquire(0);         // the update running now holds the other buffer
+  const auto reads0 = tier.stats().unit_reads;
+  tier.prefetch(1);
+  tier.prefetch(2);
+  EXPECT_EQ(tier.unit_state(1), "cached") << "kept for its acquire";
+  EXPECT_EQ(tier.unit_state(2), "on_disk") << "waits for a buffer";
+  EXPECT_EQ(static_cast<unsigned char*>(tier.acquire(1)[0])[0], 21);
+  tier.release(0, false);
+  tier.release(1, true);
+  EXPECT_EQ(static_cast<unsigned char*>(tier.acquire(2)[0])[0], 22);
+  tier.release(2, false);
+  EXPECT_EQ(tier.stats().unit_reads - reads0, 1) << "unit 2 only";
+}

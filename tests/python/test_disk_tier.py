@@ -136,3 +136,33 @@ def test_bench_disk_writes_its_table_and_json(tmp_path, capsys):
         assert r["write_GBps"] > 0 and r["read_GBps"] > 0
     assert "DiskTier" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("megatrain_bench_disk_")] == []
+
+
+def test_a_read_ahead_keeps_the_units_it_names_that_are_already_in_ram(tmp_path):
+    """The training interleaving that read a layer's state twice in one step (2 buffers): the update of
+    unit 0 holds one buffer, unit 1 is still cached from the last step, unit 2 is on disk. The
+    read-ahead of the next two updates, prefetch(1) then prefetch(2), used to evict unit 1 (a cached unit
+    was not kept for its prefetch) to read unit 2; the update of unit 1 then read it again, evicting unit
+    2 (read ahead but not yet taken), which its own update read a second time: 3 reads for 2 units.
+    Now unit 1 keeps its buffer, unit 2 waits for one, and each is read at most once."""
+    tier = _C.DiskTier(str(tmp_path / "tier"), UNITS, num_buffers=2, io_threads=2, chunk_bytes=8192)
+    expected = {u: _fill(tier, u, 200 + u) for u in range(3)}
+    tier.flush()
+    tier.drop_cached()
+    tier.acquire(1)
+    tier.release(1, False)  # cached from the last step
+    tier.acquire(0)  # the update running now holds the other buffer
+    assert [tier.unit_state(u) for u in range(3)] == ["acquired", "cached", "on_disk"]
+    reads = tier.stats()["unit_reads"]
+    tier.prefetch(1)
+    tier.prefetch(2)
+    assert tier.unit_state(1) == "cached"  # kept: unit 2's read waits for a buffer
+    for u in (1, 2):  # the next updates, in read-ahead order
+        tier.acquire(u)
+        for s, want in enumerate(expected[u]):
+            assert torch.equal(tier.section_tensor(u, s).view(torch.int32), want.view(torch.int32)), (u, s)
+        if u == 1:
+            tier.release(0, False)
+        tier.release(u, True)
+    tier.flush()
+    assert tier.stats()["unit_reads"] - reads == 1  # unit 2 only

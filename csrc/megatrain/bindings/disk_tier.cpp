@@ -201,7 +201,8 @@ void init_disk_tier(py::module_& m) {
            "DiskTierError, ValueError.")
       .def("prefetch", [](PyDiskTier& t, int64_t u) { t.tier().prefetch(u); }, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>(),
-           "Start reading the unit into a buffer (non-blocking; no-op unless it is only on disk).")
+           "Start reading the unit into a buffer (non-blocking). A unit in RAM already (cached, being read "
+           "or written) is not read and keeps its buffer until acquired; acquired or never-written: no-op.")
       .def("acquire", [](PyDiskTier& t, int64_t u) {
              std::vector<void*> ptrs;
              {

@@ -568,6 +568,14 @@ void DiskTier::prefetch(int64_t u) {
   check_failed_locked();
   check_unit(u);
   Unit& s = state_[u];
+  if (s.state == State::kCached || s.state == State::kReading || s.state == State::kWriting) {
+    // In RAM already (or on its way there): nothing to read, but the caller wants it, so no other
+    // prefetch may take its buffer before it is acquired. Without this, a read-ahead of the unit
+    // after it (prefetch(u); prefetch(v) with u cached) could evict u to read v; u's acquire then
+    // read it again, evicting v (wanted, but an acquire may take it), and v was read twice.
+    s.prefetch_wanted = true;
+    return;
+  }
   if (s.state != State::kOnDisk || s.prefetch_wanted) return;
   s.prefetch_wanted = true;
   prefetch_queue_.push_back(u);

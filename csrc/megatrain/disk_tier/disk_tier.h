@@ -161,9 +161,10 @@ class DiskTier {
   /// \brief RAM the buffer pool takes: num_buffers * the largest file_bytes.
   static int64_t pool_bytes(const std::vector<UnitLayout>& units, int64_t num_buffers);
 
-  /// \brief Starts reading unit u into a buffer, without blocking. No-op when u is already in RAM,
-  /// being read, acquired, being written, or was never written. When no buffer is free the read
-  /// is issued as soon as one is (acquires first).
+  /// \brief Starts reading unit u into a buffer, without blocking. Reads nothing when u is already
+  /// in RAM (cached, being read or being written: then its buffer is kept for it, no other
+  /// prefetch takes it until u is acquired), acquired, or was never written. When no buffer is
+  /// free the read is issued as soon as one is (acquires first).
   /// \throws DiskTierError (sticky failure); std::out_of_range for a bad unit.
   void prefetch(int64_t u);
   /// \brief Blocks until unit u's state is in a buffer the caller owns; returns one pointer per

@@ -79,6 +79,7 @@ class DiskOffload:
         self._window_write: Optional[bool] = None
         self._on_release = None
         self._update_seq = 0
+        self._queued = set()  # tier units whose update was queued since the last forward started
 
     def _open(self, path: str, layouts) -> "_C.DiskTier":
         # The engine counted the pool in its own budget check: the tier's check gets its size as the limit.
@@ -148,6 +149,7 @@ class DiskOffload:
         """Worker key of a disk unit's update: after every host-stored unit's, in submission order among the
         disk units (so their reads, issued ahead in that order, are the ones the worker waits for next)."""
         self._update_seq += 1
+        self._queued.add(unit.disk)
         return len(self.eng.units) + self._update_seq
 
     # ------------------------------------------------------------------ read-ahead
@@ -186,17 +188,23 @@ class DiskOffload:
         down: the state of ``unit`` and of the disk units below it is read. Otherwise the updates
         wait for ``step()``, which queues them in forward order: the lowest disk units are read.
         ``accum_read``: a gradient of a disk unit is summed into an accumulator it must read.
+
+        Never reads a unit whose update this step already queued (since the last forward started):
+        the resident unit's last hand-over (the embedding's, after every layer's) would otherwise read
+        the deepest units again, for the next step, while this step's last updates still wait for
+        the disk (a second read of them in the step, still in flight when its updates are done).
+        The next step's first reads are :meth:`on_forward`'s.
         """
-        if eager:
-            self.prefetch(self.below(unit, self.num_buffers))
-        else:
-            self.prefetch(self.units[:self.num_buffers])
+        ahead = self.below(unit, len(self.units)) if eager else self.units
+        self.prefetch([u for u in ahead if u.disk not in self._queued][:self.num_buffers])
         if accum_read and unit.disk is not None:
             self.prefetch([unit], accum=True)
 
     def on_forward(self, eager: bool) -> None:
         """A forward starts or reaches a disk layer: with eager updates, read the deepest disk units (the
-        first updated in the coming backward) unless updates of the last step still wait for the disk."""
+        first updated in the coming backward) unless updates of the last step still wait for the disk.
+        A new step's updates start after this: :meth:`on_grads` may read every unit ahead again."""
+        self._queued.clear()
         if eager and not self.updates_pending():
             self.prefetch(list(reversed(self.units)))
 
