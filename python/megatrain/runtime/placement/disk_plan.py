@@ -279,7 +279,10 @@ def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int
                "there, or raise host_memory_limit. Nothing was allocated.")
     else:
         hp = plan.host_plan
-        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk, the host part needs {need} "
+        k = len(plan.exclusive_units)
+        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk"
+               + (f" and of layers 0..{k - 1} on the device only (device_state_layers={k})" if k else "")
+               + f", the host part needs {need} "
                f"bytes ({_gib(need)}: store {_gib(hp['store_bytes'])} with every compute copy and the resident "
                f"unit's state, disk buffers {_gib(plan.pool_bytes + plan.accum_pool_bytes)}, gradient staging "
                f"{_gib(hp['staging_bytes'])}) but the {name} allows {avail} bytes ({_gib(avail)}); raise "
