@@ -377,8 +377,12 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
     auto = megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "auto"), host_memory_limit=_limit())
     with pytest.raises(_C.HostMemoryError, match="accumulator.*host_memory_limit.*grad_accumulator=True"):
         megatrain.optim.CPUAdamW(auto.parameters(), gradient_accumulation_steps=2)
-    with pytest.raises(_C.HostMemoryError, match="1 decoder layers on disk.*device_state_layers=5"):
-        _wrap(tmp_path, "ds", device_state_layers=5)  # layers 0..4 stay: one layer on disk is not enough
+    # layers 0..4 never go to disk: their fp32 state stays on the device only (one layer on disk would not do)
+    ds = _wrap(tmp_path, "ds", device_state_layers=5)
+    assert ds.megatrain.placement()["exclusive_layers"] == [0, 1, 2, 3, 4] and ds.megatrain.disk is None
+    with pytest.raises(_C.HostMemoryError, match="1 decoder layers on disk and of layers 0..4 on the device only"):
+        megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "ds2"), host_memory_limit=200_000,
+                       device_state_layers=5)
     if os.geteuid() != 0:  # root may write anywhere
         ro = tmp_path / "ro"
         ro.mkdir()

@@ -11,8 +11,7 @@ memory) and moves bytes between it and the compute device:
   fused CPU AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only
   for unit ``i``'s update.
 
-On a machine without a GPU the same engine runs with device slots in host memory and synchronous
-copies (the "CPU backend"), so every path is exercised by CPU tests.
+Without a GPU the same engine runs with slots in host memory and synchronous copies (the "CPU backend").
 
 :class:`Engine` is the one interface the other parts of megatrain use. It builds the store (budget
 check, disk tier) and owns these parts, each with its own state, built and connected in
@@ -25,7 +24,7 @@ other's public methods only:
   (``worker_timeline()``, ``set_worker_timeline``, ``timeline_step_end``);
 * ``accumulator`` (:class:`~.memory.Accumulator`): the fp32 accumulator outside the store
   (``enable_accumulator``, ``accumulator_bytes``, ``has_accumulator``);
-* ``views`` (:class:`~.views.StoreViews`): ``section``, ``entry_view``, ``task_view``, ``state_window``;
+* ``views`` (:class:`~.views.StoreViews`): ``section``, ``entry_view``, ``task_view``, ``state_window``, ``state_tier``;
 * ``slot_pool`` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): the device slots and the
   H2D stream: ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``, ``bind`` / ``unbind``,
   ``add_slots`` / ``drop_slots``, ``invalidate``, ``compute_stream`` (``slots``, ``h2d_stream``);
@@ -104,7 +103,8 @@ class Engine:
             :mod:`megatrain.runtime.placement.disk_plan` and docs/disk_tier.md.
         host_memory_limit: bytes of host memory the engine may use for the store, staging and
             the disk tier's buffers (None: the host budget check's limits alone).
-        keep_host_layers: layers ``0 .. keep_host_layers-1`` never go to disk (device-state layers).
+        keep_host_layers: layers ``0 .. keep_host_layers-1`` never go to disk (device-state layers); when the
+            host store of every unit does not fit, their fp32 state is held on the device only (exclusive).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -138,7 +138,7 @@ class Engine:
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
-            keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers,
+            keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
             check=offload_dir is not None or host_memory_limit is not None)
         self.host_plan = self.offload_plan.host_plan
         store_bytes = self.host_plan["store_bytes"]
@@ -176,6 +176,7 @@ class Engine:
         self.eager_updates = self.options.eager_updates and self.sharding.allows_eager_updates
         self.fused_grad_norms = self.options.fused_grad_norms
         self._build_parts(num_slots, staging_buffers)
+        self.device_layers.reserve_exclusive([units[k] for k in self.offload_plan.exclusive_units])  # fp32 on device only
 
     def _build_parts(self, num_slots: int, staging_buffers: int) -> None:
         """Build the parts (see the module docstring) and connect them: the one place that does."""
@@ -211,11 +212,10 @@ class Engine:
 
         Waits for the CPU work in flight (``units`` None: ``flush()``; else each unit's update),
         then copies the device-state layers' master / exp_avg / exp_avg_sq / compute copy into
-        their host-store sections (only those that changed since the last copy). ``for_write``: the
-        caller hands those sections out writable (``optimizer.state[p]``); the device-state units'
-        next update copies them back to the device first. The disk units' state is read through
-        :meth:`state_window`.
-        """
+        their host-store sections (only those that changed since the last copy; an exclusive layer's compute
+        copy alone). ``for_write``: the caller hands those sections out writable (``optimizer.state[p]``);
+        the device-state units' next update copies them back to the device first. The disk units' and
+        exclusive layers' fp32 state is read through :meth:`state_window`."""
         self.check_resident_params("reading the state")
         if units is None:
             self.flush()
@@ -317,6 +317,7 @@ class Engine:
     entry_view = forward_to("views", StoreViews.entry_view)
     task_view = forward_to("views", StoreViews.task_view)
     state_window = forward_to("views", StoreViews.state_window)
+    state_tier = forward_to("views", StoreViews.state_tier)
     _host_buffer = forward_to("views", StoreViews.host_buffer, "_host_buffer")
     enable_accumulator = forward_to("accumulator", Accumulator.enable, "enable_accumulator")
     accumulator_bytes = forward_to("accumulator", Accumulator.nbytes, "accumulator_bytes")

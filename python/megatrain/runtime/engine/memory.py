@@ -90,7 +90,9 @@ class Accumulator:
                 raise e
         if self.disk is not None:  # the disk units' accumulators: a tier of their own (offload_dir/grad_accum)
             self.disk.enable_accumulator()
-        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units if u.disk is None}
+        off = self.offload_plan.offloaded  # disk units and exclusive device-state units: not here
+        self._accum = {u.index: torch.zeros(u.state_numel, dtype=torch.float32) for u in self.units
+                       if not (off and off[u.index])}
 
     def nbytes(self) -> int:
         """Host bytes of the fp32 gradient accumulator now allocated (store section or separate)."""
@@ -136,6 +138,15 @@ class DeviceStateLayers:
         self.waits = waits
         self.sharding = sharding
         self.device_state = None  # DeviceState of the device-state layers (init)
+
+    def reserve_exclusive(self, units) -> None:
+        """Device buffers for ``units`` (exclusive device-state layers: their fp32 state has no host-store
+        section), made before the store is filled: the fill writes their fp32 state through the device tier
+        (:mod:`..placement.device_tier`); :meth:`init` then takes their compute copy from the store."""
+        from ..placement import device_state as ds
+
+        if units:
+            self.device_state = ds.DeviceState(self.engine, units, exclusive=True)
 
     def init(self, layers) -> int:
         """``Engine.init_device_state``: keep the whole training state of ``layers`` (``int`` K: layers
@@ -183,10 +194,15 @@ class DeviceStateLayers:
         if layers > len(self.layers):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but the model has {len(self.layers)} "
                              f"decoder layers; use at most {len(self.layers)} (or 'auto')")
-        if layers == 0 and not resident:
+        if layers == 0 and not resident and self.device_state is None:
             return 0
         chosen = resident + self.layers[:layers]
-        self.device_state = ds.DeviceState(eng, chosen)
+        if self.device_state is None:
+            self.device_state = ds.DeviceState(eng, chosen)
+        else:  # the exclusive layers reserved before the fill are among the chosen: they take their compute copy
+            missing = [u for u in self.device_state.units if u not in chosen]
+            assert not missing, [u.index for u in missing]
+            self.device_state.add(chosen)
         self._drop_unused_slots(list(self.slots.slots))
         return layers
 
@@ -203,13 +219,15 @@ class DeviceStateLayers:
         Only between optimizer steps, with no gradient accumulated: waits for every queued update,
         copies the state of the layers given back to the host store and frees their device buffers,
         or copies the new layers' state from the host store; the slots of a layer template come back
-        when a streamed layer uses it again and go when none does. The resident unit stays as it is.
+        when a streamed layer uses it again and go when none does. The resident unit stays as it is, and
+        so do the exclusive layers (their fp32 state has no place in the host store): never fewer than those.
         """
         from ..placement import device_state as ds
 
         self.waits.flush()
         have = self.device_state.layers if self.device_state is not None else []
         k = len(have)
+        layers = max(layers, sum(1 for u in have if u.device_state.exclusive))  # exclusive layers never leave
         if layers == k:
             return
         if layers < k:

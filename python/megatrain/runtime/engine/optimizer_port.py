@@ -141,13 +141,22 @@ class OptimizerPort:
     @staticmethod
     def device_state_clean(unit: Unit) -> bool:
         """Whether ``unit`` is a device-state unit whose host sections were not handed out writable since
-        its device state last took them (a write through an older tensor would then be lost)."""
+        its device state last took them (a write through an older tensor would then be lost). Never an
+        exclusive one: its handed-out tensors are its device state, never older."""
         du = getattr(unit, "device_state", None)
-        return du is not None and not du.host_dirty
+        return du is not None and not du.exclusive and not du.host_dirty
 
     def state_view(self, unit: Unit, i: int, name: str) -> torch.Tensor:
-        """Zero-copy view (fp32, CPU, entry ``i``'s shape) of section ``name`` (``exp_avg`` / ``exp_avg_sq``)
-        of a host-stored ``unit``. Raises ``ValueError`` for a frozen entry (no fp32 sections)."""
+        """Zero-copy view (fp32, entry ``i``'s shape) of section ``name`` (``exp_avg`` / ``exp_avg_sq``) of a
+        ``unit`` not on disk: of its host-store section (CPU), or, for an exclusive device-state unit
+        (fp32 state on the device only), of its device buffer itself (as ``torch.optim.AdamW``'s state of
+        a parameter on that device). Raises ``ValueError`` for a frozen entry (no fp32 sections)."""
+        du = getattr(unit, "device_state", None)
+        if du is not None and du.exclusive:
+            e = unit.entries[i]
+            if e.state_offset < 0:
+                raise ValueError(f"megatrain: entry {e.name} is frozen: it has no {name}")
+            return du.fp32(name, i).view(e.shape)
         return self._engine.entry_view(unit, i, name)
 
     def read_state(self, unit: Unit, i: int, name: str) -> torch.Tensor:

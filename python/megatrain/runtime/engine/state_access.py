@@ -63,10 +63,10 @@ class StateAccess:
         """Whether ``optimizer`` (a ``CPUAdamW``) steps this engine."""
         return getattr(optimizer, "engine", None) is self.engine
 
-    @staticmethod
-    def on_disk(unit) -> bool:
-        """Whether ``unit``'s fp32 state (master, exp_avg, exp_avg_sq) is in the disk tier."""
-        return unit.disk is not None
+    def on_disk(self, unit) -> bool:
+        """Whether ``unit``'s fp32 state (master, exp_avg, exp_avg_sq) is outside the host store: in the disk
+        tier, or on the device only (an exclusive device-state layer); :meth:`view` of it needs a :meth:`window`."""
+        return self.engine.state_tier(unit) is not None
 
     @staticmethod
     def param_name(param: torch.Tensor) -> str:
@@ -81,8 +81,8 @@ class StateAccess:
     # ------------------------------------------------------------------ reading and writing
     def view(self, unit, i: int, section: str) -> torch.Tensor:
         """Zero-copy view (CPU, the entry's shape) of entry ``i`` of ``unit`` in ``section`` (``"compute"``,
-        ``"master"``, ``"exp_avg"``, ``"exp_avg_sq"``). A disk unit's fp32 section: valid inside
-        :meth:`window` until another disk unit is viewed."""
+        ``"master"``, ``"exp_avg"``, ``"exp_avg_sq"``). A disk (exclusive device-state) unit's fp32 section:
+        valid inside :meth:`window` until another unit of its tier is viewed."""
         return self.engine.entry_view(unit, i, section)
 
     def view_later(self, unit, i: int, section: str) -> Callable[[], torch.Tensor]:
@@ -90,8 +90,8 @@ class StateAccess:
         return lambda: self.engine.entry_view(unit, i, section)
 
     def window(self, write: bool = False):
-        """Context in which :meth:`view` reaches the disk units' fp32 state, one unit's buffer at a time
-        (``write``: what is viewed is written back). A no-op context without a disk tier."""
+        """Context in which :meth:`view` reaches the fp32 state of the disk units and the exclusive
+        device-state units, one unit's buffer per tier at a time (``write``: what is viewed is written back)."""
         return self.engine.state_window(write=write)
 
     def check_failed(self) -> None:

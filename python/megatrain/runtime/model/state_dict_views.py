@@ -32,7 +32,8 @@ class _Masters:
     those into the host store (``refresh_state_dict_views``), so a held tensor reads the current
     weights as torch's do; the other device-state units' host masters are refreshed when read.
 
-    A unit whose fp32 state is in the disk tier has no lasting view: :meth:`get` reads a copy, and
+    A unit whose fp32 state is in the disk tier, or on the device only (an exclusive device-state
+    layer), has no lasting view: :meth:`get` reads a copy, and
     :meth:`for_load` hands torch's load a copy that :func:`.module_api._restore_placeholders` writes
     back.
 
@@ -63,8 +64,8 @@ class _Masters:
                     live = [(r, ver) for r, ver in self._copies.get(key, ()) if r() is not None]
                     self._copies[key] = live + [(weakref.ref(out), out._version)]
                     return out
-            elif u.disk is not None:  # on disk: a copy, read now
-                return self.eng.disk.read(u, i, "master")
+            elif self.eng.state_tier(u) is not None:  # on disk / on the device only: a copy, read now
+                return self.eng.state_tier(u).read(u, i, "master")
             else:
                 v = self.eng.entry_view(u, i, "master")
             self._views[key] = v
@@ -188,14 +189,14 @@ class _Masters:
         view, or a copy that :meth:`take_loaded` hands back (a disk unit's master, a frozen entry's
         bf16 compute copy)."""
         frozen = u.entries[i].frozen
-        if frozen and self.eng.compute_dtype == torch.float32 or not frozen and u.disk is None:
+        if frozen and self.eng.compute_dtype == torch.float32 or not frozen and self.eng.state_tier(u) is None:
             return self.get(u, i)
         key = (u.index, i)
         if key not in self._loading:
             if frozen:
                 self._loading[key] = ("compute", self.eng.entry_view(u, i, "compute").float())
             else:
-                self._loading[key] = ("master", self.eng.disk.read(u, i, "master"))
+                self._loading[key] = ("master", self.eng.state_tier(u).read(u, i, "master"))
         return self._loading[key][1]
 
     def take_loaded(self, u, idx) -> dict:

@@ -4,8 +4,6 @@ after the engine is built): every unit's fp32 master and compute copy from the m
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -20,10 +18,10 @@ def fill_store(eng, units, source) -> None:
     writer = eng.dp is None or eng.dp.fills_store
     if eng.dp is not None and source is None:
         eng.dp.check_same_weights(units)
-    # The disk units' masters are written through the tier's buffers, one unit at a time; a
-    # unit's compute copy is rebuilt from them when it is released (its moments start as zeros).
-    fill_window = eng.disk.window(True, on_release=lambda u: compute_from_masters(eng, u)) if eng.disk is not None \
-        else contextlib.nullcontext()
+    # The masters of the disk units and of the exclusive device-state units are written through their
+    # tier's buffer, one unit at a time; a unit's compute copy is rebuilt from them when it is released
+    # (its moments start as zeros).
+    fill_window = eng.state_window(True, on_release=lambda u: compute_from_masters(eng, u))
     with torch.no_grad(), fill_window:
         if source is not None and writer:
             source.fill(eng)  # every master
@@ -52,7 +50,7 @@ def _fill_unit(eng, u: Unit, source) -> None:
             continue
         if source is None:
             eng.entry_view(u, i, "master").copy_(e.param.detach())
-        if u.disk is not None:
+        if eng.state_tier(u) is not None:
             continue  # compute copy at release; a fresh tier unit is zeros
         eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         eng.entry_view(u, i, "exp_avg").zero_()
@@ -60,7 +58,7 @@ def _fill_unit(eng, u: Unit, source) -> None:
 
 
 def compute_from_masters(eng, u: Unit) -> None:
-    """Rewrite ``u``'s compute copy from its fp32 masters (a disk unit held by a writing window)."""
+    """Rewrite ``u``'s compute copy from its fp32 masters (a disk or exclusive unit held by a writing window)."""
     with torch.no_grad():
         for i, e in enumerate(u.entries):
             if not e.frozen:

@@ -102,7 +102,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             backend 0 (every layer's state in the host store). ``model.megatrain.placement()`` says
             what was chosen; ``0`` keeps every unit's state in the host store (least GPU memory). The host store keeps these layers' sections too: checkpoints,
             ``state_dict()``, export and ``optimizer.state`` read and write them there (see
-            ``megatrain.runtime.placement.device_state`` and docs/placement.md).
+            ``megatrain.runtime.placement.device_state`` and docs/placement.md), unless the host
+            store of every unit does not fit the host budget: then the fp32 state of layers
+            ``0 .. K-1`` (an int K) is held on the device only ("exclusive", before any layer goes
+            to disk; ``placement()["exclusive_layers"]``), read through copies streamed one layer
+            at a time.
         offload_dir: a directory on a local disk (NVMe) for the fp32 state (master, ``exp_avg``,
             ``exp_avg_sq`` and, with accumulation, the gradient accumulator) of the decoder layers
             that do not fit in host memory: the deepest layers, as few as make the rest fit
@@ -114,8 +118,9 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             filesystem must have room: checked before anything is written. None (default): no disk.
         host_memory_limit: bytes of host memory megatrain may use for the store, the gradient
             staging and the disk tier's buffers (an int). None: the host budget check's limits
-            (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit
-            raises ``HostMemoryError``.
+            (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit,
+            even with the fp32 state of the device-state layers on the device only, raises
+            ``HostMemoryError`` (it names the ``device_state_layers`` that would fit).
         gpu_memory_limit: the GPU memory megatrain may plan for, for a user who needs the rest for
             other work: an int (bytes, >= 1 MiB) or a float in (0, 1] (a fraction of the device's
             total memory). Every placement decision (device-state layers, kept graphs, the planner's

@@ -14,7 +14,11 @@ sections (same per-entry offsets):
   and the non-finite check see these layers exactly as the host-stored ones.
 
 18 B/param in all (16 with fp32 state + 2 for the bf16 compute copy) on the device; the host
-store keeps its sections for these layers too (they are the checkpoint / state_dict surface).
+store keeps its sections for these layers too (they are the checkpoint / state_dict surface),
+except for an *exclusive* layer (``DeviceUnit.exclusive``: chosen at wrap when the host store of
+every unit would not fit the host budget, :func:`~.disk_plan.plan_offload`): the host store then
+holds its compute section only, its fp32 state lives on the device alone, and readers stream it
+through the device tier (:mod:`.device_tier`) as they read the disk tier's.
 
 The update runs on the device in ``optimizer.step()`` (with clipping after the global norm is known;
 without it, with the fused kernel, enqueued before ``step()`` waits for the gradients, the
@@ -50,98 +54,25 @@ from typing import List, Optional
 import torch
 
 from .device_adamw import device_adamw
+from .device_unit import DeviceSlot, DeviceUnit  # noqa: F401 - DeviceSlot: public here too
 from ..engine.grads import grad_norms
-
-
-class DeviceSlot:
-    """The permanent device slot of a device-state layer (the interface of :class:`~..engine.slots.Slot`)."""
-
-    permanent = True
-
-    def __init__(self, unit, buf: torch.Tensor):
-        self.buf = buf
-        self.unit = unit
-        self.version = 0
-        self.in_use = 0
-        self.last_use = 0
-        self.weights_ready = None
-        self.buffer_free = None
-        self.free_recorded = False
-
-
-class DeviceUnit:
-    """One device-state layer: its device buffers and bookkeeping."""
-
-    def __init__(self, unit, device: torch.device, compute_dtype: torch.dtype, cuda: bool,
-                 compute: Optional[torch.Tensor] = None):
-        self.unit = unit
-        # the resident unit's compute copy is the device buffer its parameters view (``compute``)
-        self.owns_compute = compute is None
-        self.compute = torch.empty(unit.numel, dtype=compute_dtype, device=device) if compute is None else compute
-        n = unit.state_numel
-        self.master = torch.empty(n, dtype=torch.float32, device=device)
-        self.exp_avg = torch.empty(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.empty(n, dtype=torch.float32, device=device)
-        self.grad = torch.zeros(n, dtype=torch.float32, device=device)
-        self.slot = DeviceSlot(unit, self.compute)
-        self.host_stale = False  # the device state changed since the last to_host()
-        self.host_master_stale = False  # the device master changed since it was last copied to the host store
-        self.host_dirty = False  # the host sections may have been written (optimizer.state): from_host() first
-        self.norm_row = None  # pinned readback of the squared-norm inputs (CUDA)
-        if cuda:
-            self.norm_row = torch.empty(max(1, len(unit.entries)), dtype=torch.float64, pin_memory=True)
-        self.grad_task = None  # handle of the last gradient task (it reads norm_row)
-        # Runs [start, end) of the compute layout holding the trainable entries (None: no frozen entry):
-        # what to_host() copies. A frozen entry's device copy changes only by from_host(), so the host
-        # store's is never older, and may be newer (written through model.state_dict(), to be taken).
-        self.trained_runs = _trained_runs(unit)
-
-    def fp32(self, name: str, i: int) -> torch.Tensor:
-        e = self.unit.entries[i]
-        return getattr(self, name)[e.state_offset:e.state_offset + e.numel]
-
-    def weights(self, i: int) -> torch.Tensor:
-        e = self.unit.entries[i]
-        return self.compute[e.offset:e.offset + e.numel]
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes this unit's state added (the resident unit's compute buffer existed before)."""
-        own = (self.compute,) if self.owns_compute else ()
-        return sum(t.numel() * t.element_size() for t in own + (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-
-
-def _trained_runs(unit) -> Optional[List[tuple]]:
-    """``[(start, end)]`` element runs of ``unit``'s compute layout that hold its trainable entries (with the
-    padding between them), or None when no entry is frozen."""
-    entries = sorted(unit.entries, key=lambda e: e.offset)
-    if not any(e.frozen for e in entries):
-        return None
-    runs, start = [], None
-    for e in entries:
-        if e.frozen:
-            if start is not None:
-                runs.append((start, e.offset))
-                start = None
-        elif start is None:
-            start = e.offset
-    if start is not None:
-        runs.append((start, int(unit.numel)))
-    return runs
 
 
 class DeviceState:
     """The device-state layers of an engine (see the module docstring).
 
     Args:
-        eng: the :class:`~megatrain.runtime.engine.core.Engine` (its store already filled).
+        eng: the :class:`~megatrain.runtime.engine.core.Engine` (its store already filled, unless ``exclusive``).
         units: the layer units to keep on the device (layers ``0 .. K-1``).
+        exclusive: ``units`` hold their fp32 state on the device only (the engine's store has no fp32
+            section for them); made before the store is filled, which writes them through the device
+            tier; their compute copy is taken from the host store by a later :meth:`add` of them.
 
     Raises:
         torch.cuda.OutOfMemoryError: the buffers do not fit (raised while wrapping).
     """
 
-    def __init__(self, eng, units: List):
+    def __init__(self, eng, units: List, exclusive: bool = False):
         self.eng = eng
         self.units = []
         impl = eng.options.device_adam
@@ -150,22 +81,35 @@ class DeviceState:
         # torch._fused_adamw_ on CUDA (what torch.optim.AdamW(fused=True) runs); the foreach
         # formulation of torch.optim.AdamW elsewhere. Both are torch's own AdamW math.
         self.impl = impl or ("fused" if eng.cuda else "foreach")
-        self.add(units)
+        self.add(units, exclusive=exclusive)
 
     @torch.no_grad()
-    def add(self, units: List) -> None:
-        """Put the training state of ``units`` (units whose state is in the host store) on the device too."""
+    def add(self, units: List, exclusive: bool = False) -> None:
+        """Put the training state of ``units`` (units whose state is in the host store) on the device too,
+        copied from the host store; units already here (exclusive ones) take their compute copy from it.
+        ``exclusive``: new units whose fp32 state has no host section (zeros; nothing copied)."""
         eng = self.eng
         for u in units:
+            if getattr(u, "device_state", None) is not None:
+                continue
             buf = eng.resident_buf if u.kind == "resident" else None  # the resident unit's existing compute copy
-            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf)
+            u.device_state = DeviceUnit(u, eng.device, eng.compute_dtype, eng.cuda, compute=buf, exclusive=exclusive)
             self.units.append(u)
-        self.from_host(units)
+        if not exclusive:
+            self.from_host(units)
 
     @torch.no_grad()
     def remove(self, units: List) -> None:
         """Give the training state of ``units`` back to the host store (copied there first) and free
-        their device buffers. Only between steps: no gradient of theirs may be accumulated or pending."""
+        their device buffers. Only between steps: no gradient of theirs may be accumulated or pending.
+
+        Raises:
+            RuntimeError: one of ``units`` is exclusive (its fp32 state has no place in the host store).
+        """
+        for u in units:
+            if u.device_state.exclusive:
+                raise RuntimeError(f"megatrain: unit {u.index} keeps its fp32 state on the device only (the host "
+                                   "store has no room for it): it cannot leave the device")
         for u in units:
             if u.device_state.host_dirty:  # optimizer.state[p] was handed out: the host sections are the newer
                 u.device_state.host_stale = u.device_state.host_master_stale = False
@@ -185,6 +129,11 @@ class DeviceState:
     def resident(self) -> bool:
         """Whether the resident unit's training state is on the device."""
         return any(u.kind == "resident" for u in self.units)
+
+    @property
+    def exclusive(self) -> List:
+        """The units among :attr:`units` whose fp32 state is on the device only."""
+        return [u for u in self.units if u.device_state.exclusive]
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +162,7 @@ class DeviceState:
             if not du.host_stale:
                 continue
             for name in ("master", "exp_avg", "exp_avg_sq"):
-                if u.state_numel and (name != "master" or du.host_master_stale):
+                if u.state_numel and not du.exclusive and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
             host = eng.store.section(u.index, "compute")
             if du.trained_runs is None:
@@ -236,7 +185,7 @@ class DeviceState:
             du = u.device_state
             if not du.host_master_stale:
                 continue
-            if u.state_numel:
+            if u.state_numel and not du.exclusive:
                 eng.store.section(u.index, "master").copy_(du.master)
             du.host_master_stale = False
 
@@ -251,7 +200,7 @@ class DeviceState:
                 opt.moments_written(u)
             du = u.device_state
             for name in ("master", "exp_avg", "exp_avg_sq"):
-                if u.state_numel:
+                if u.state_numel and not du.exclusive:  # an exclusive unit's are written through the device tier
                     getattr(du, name).copy_(eng.store.section(u.index, name))
             du.compute.copy_(eng.store.section(u.index, "compute"))
             du.host_stale = du.host_master_stale = False
@@ -259,9 +208,10 @@ class DeviceState:
 
     def mark_host_dirty(self, units=None) -> None:
         """The host sections of ``units`` (default all) were handed out writable (``optimizer.state[p]``):
-        the next update of such a unit first copies them back to the device (:meth:`from_host`)."""
+        the next update of such a unit first copies them back to the device (:meth:`from_host`). An
+        exclusive unit hands out its device buffers themselves: nothing to copy back."""
         for u in self._select(units):
-            u.device_state.host_dirty = True
+            u.device_state.host_dirty = not u.device_state.exclusive
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()

@@ -30,6 +30,7 @@ import torch
 from ...byte_units import format_bytes
 from ..._loader import load_extension
 from ...state.atomic import write_probe_error
+from .device_tier import scratch_bytes
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
 from .host_memory import host_budget_shortfall
 from .offload_plan import OffloadPlan
@@ -113,30 +114,54 @@ def free_bytes(directory: str) -> int:
     return int(_C.DiskTier.free_bytes(directory)) + stale_tier_bytes(directory)
 
 
-def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, offloaded, num_buffers, cuda,
-               with_accumulator) -> dict:
+def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk, num_buffers, cuda,
+               with_accumulator, exclusive=()) -> dict:
+    """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier and those of the
+    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them)."""
     from ..engine.units import plan_host_memory
 
+    offloaded = list(on_disk)
+    for k in exclusive:
+        offloaded[k] = True
     hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded)
     numel = hp["layout"]["unit_state_numel"]
-    disk = [k for k, o in enumerate(offloaded) if o]
+    disk = [k for k, o in enumerate(on_disk) if o]
     layouts = [state_layout(numel[k]) for k in disk]
     alayouts = [accum_layout(numel[k]) for k in disk]
     nb = min(num_buffers, len(disk))
     pool = _C.DiskTier.pool_bytes(layouts, nb) if disk else 0
     apool = _C.DiskTier.pool_bytes(alayouts, nb) if disk else 0
-    host = hp["store_bytes"] + hp["staging_bytes"] + pool
+    scratch = max((scratch_bytes(numel[k]) for k in exclusive), default=0)
+    host = hp["store_bytes"] + hp["staging_bytes"] + pool + scratch
     if with_accumulator:
         host += apool + (hp["accumulator_bytes"] if accumulator_mode is None else 0)
     return dict(host_plan=hp, disk=disk, layouts=layouts, alayouts=alayouts, pool=pool, apool=apool, host=host,
-                pinned=hp["store_bytes"] + hp["staging_bytes"] if cuda else 0, nb=nb)
+                pinned=hp["store_bytes"] + hp["staging_bytes"] if cuda else 0, nb=nb, exclusive=list(exclusive),
+                offloaded=offloaded, scratch=scratch)
+
+
+def _configs(layers, keep_layers: int, cands, exclusive_ok: bool) -> list:
+    """``(exclusive unit indices, disk candidates taken)`` to try, in order: everything in the host store;
+    the device-state layers' fp32 state on the device only; then deeper layers on disk, one more each."""
+    excl = layers[:keep_layers] if exclusive_ok else []
+    out = [([], 0)]
+    if excl:
+        out.append((excl, 0))
+    return out + [(excl, n) for n in range(1, len(cands) + 1)]
 
 
 def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[bool], staging_buffers: int, *,
                  offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
                  cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
-                 check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None) -> OffloadPlan:
-    """Choose the layers whose fp32 state goes to disk, before anything is allocated or written.
+                 check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None,
+                 exclusive_ok: bool = False) -> OffloadPlan:
+    """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
+    allocated or written.
+
+    When everything fits in the host store nothing moves. Otherwise, with ``exclusive_ok``, the
+    device-state layers ``0 .. keep_layers-1`` first become *exclusive*: their fp32 state is held on
+    the device alone (the host store keeps their compute copy; :mod:`.device_tier`); then, with
+    ``offload_dir``, deeper layers go to disk.
 
     The deepest decoder layers are moved first (never the resident unit, never layers
     ``0 .. keep_layers-1``, which stay host / device resident), as few as make the host part fit:
@@ -155,6 +180,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         limits: the host limits to fit in (:func:`~.host_memory.host_memory_limits`' dict), judged
             even with ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: another machine's, for
             ``megatrain.estimate(host_memory=)``. None: this machine's, read when first needed.
+        exclusive_ok: layers ``0 .. keep_layers-1`` are device-state layers that may hold their fp32
+            state on the device only (not under data parallel).
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer on disk, or
@@ -177,22 +204,23 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits,
                                      honour_skip=not given_limits) is None
 
-    chosen = None
-    for n in range(len(cands) + 1):
+    def need_of(excl, n):
         off = [False] * n_units
         for k in cands[:n]:
             off[k] = True
-        need = _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
-                          with_accumulator)
+        return _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
+                          with_accumulator, excl)
+
+    chosen = None
+    for excl, n in _configs(layers, keep_layers, cands, exclusive_ok):
+        need = need_of(excl, n)
         if fits(need):
             chosen = need
             break
     plan_need = chosen if chosen is not None else need
-    off = [False] * n_units
-    for k in plan_need["disk"]:
-        off[k] = True
     plan = OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=plan_need["nb"],
-                       disk_units=plan_need["disk"], offloaded=off, host_plan=plan_need["host_plan"],
+                       disk_units=plan_need["disk"], offloaded=plan_need["offloaded"], host_plan=plan_need["host_plan"],
+                       exclusive_units=plan_need["exclusive"], scratch_bytes=plan_need["scratch"],
                        state_layouts=plan_need["layouts"], accum_layouts=plan_need["alayouts"],
                        disk_bytes=_C.DiskTier.bytes_required(plan_need["layouts"]) if plan_need["disk"] else 0,
                        accum_disk_bytes=_C.DiskTier.bytes_required(plan_need["alayouts"]) if plan_need["disk"] else 0,
@@ -204,7 +232,13 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     if not check:
         return plan
     if chosen is None:
-        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers)
+        fewest = None  # the fewest device-state layers whose fp32 state on the device alone would fit
+        if offload_dir is None and exclusive_ok:
+            fewest = next((k for k in range(keep_layers + 1, len(layers) + 1) if fits(need_of(layers[:k], 0))),
+                          None)
+            if fewest is None and len(layers) > keep_layers:
+                plan.all_exclusive_bytes = need_of(layers, 0)["host"]
+        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers, fewest)
     if plan.disk_units and plan.disk_total_bytes > plan.free_bytes:
         _raise_disk_space(plan, offload_dir, where)
     return plan
@@ -224,7 +258,8 @@ def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:
     raise err
 
 
-def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0):
+def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0,
+                fewest: Optional[int] = None):
     need = plan.host_bytes
     if limit is not None and need > limit:
         avail, name = limit, "host_memory_limit"
@@ -232,18 +267,28 @@ def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int
         short = host_budget_shortfall(need, plan.pinned_bytes, credit)
         avail, name = (short["available_bytes"] + short.get("credit_bytes", 0), short["limit"]) if short else (limit, "?")
     if offload_dir is None:
-        msg = (f"{where}: the host store needs {need} bytes ({_gib(need)}) but the {name} allows {avail} bytes "
-               f"({_gib(avail)}); pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers "
-               "that do not fit there, or raise host_memory_limit")
+        k = len(plan.exclusive_units)
+        msg = (f"{where}: the host store needs {need} bytes ({_gib(need)})"
+               + (f" with the fp32 state of layers 0..{k - 1} on the device only (device_state_layers={k})" if k else "")
+               + f" but the {name} allows {avail} bytes ({_gib(avail)}); "
+               + (f"wrap with device_state_layers={fewest} (the fp32 state of layers 0..{fewest - 1} then lives on "
+                  "the device only), " if fewest else "")
+               + (f"even with every decoder layer's fp32 state on the device only it needs {plan.all_exclusive_bytes} "
+                  f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
+               + "pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not fit "
+               "there, or raise host_memory_limit. Nothing was allocated.")
     else:
         hp = plan.host_plan
-        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk, the host part needs {need} "
+        k = len(plan.exclusive_units)
+        msg = (f"{where}: even with the fp32 state of {n_cands} decoder layers on disk"
+               + (f" and of layers 0..{k - 1} on the device only (device_state_layers={k})" if k else "")
+               + f", the host part needs {need} "
                f"bytes ({_gib(need)}: store {_gib(hp['store_bytes'])} with every compute copy and the resident "
                f"unit's state, disk buffers {_gib(plan.pool_bytes + plan.accum_pool_bytes)}, gradient staging "
                f"{_gib(hp['staging_bytes'])}) but the {name} allows {avail} bytes ({_gib(avail)}); raise "
                "host_memory_limit, free host memory, or train a smaller model"
                + (f" (layers 0..{keep_layers - 1} never go to disk: device_state_layers={keep_layers}; lower it)"
-                  if keep_layers else "") + ". Nothing was allocated.")
+                  if keep_layers and not plan.exclusive_units else "") + ". Nothing was allocated.")
     e = _C.HostMemoryError(msg)
     e.needed_bytes, e.available_bytes, e.limit = int(need), int(avail or 0), name
     raise e

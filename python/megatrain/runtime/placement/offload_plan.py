@@ -16,12 +16,19 @@ class OffloadPlan:
 
     Attributes:
         disk_units: engine unit indices whose fp32 state is on disk (ascending; empty: none).
-        offloaded: per engine unit, whether it is one of them (``HostStore(offloaded=...)``).
+        exclusive_units: engine unit indices of the device-state layers whose fp32 state is on the device
+            only (exclusive; :mod:`.device_tier`), ascending; empty: none.
+        offloaded: per engine unit, whether its fp32 state is outside the host store (a disk unit or an
+            exclusive one: ``HostStore(offloaded=...)``).
         host_plan: :func:`~megatrain.runtime.engine.units.plan_host_memory` of the store without their fp32 sections.
         state_layouts / accum_layouts: per disk unit, the section bytes of its state / accumulator file.
         disk_bytes: files of the state tier; accum_disk_bytes: of the accumulator tier.
         pool_bytes / accum_pool_bytes: RAM of the tiers' buffer pools.
-        host_bytes: what the engine checks against the host budget (store + staging + pools [+ accumulators]).
+        scratch_bytes: the host scratch buffer of one exclusive unit's fp32 state (a device-tier window).
+        host_bytes: what the engine checks against the host budget (store + staging + pools + scratch
+            [+ accumulators]).
+        all_exclusive_bytes: (a refused plan only) host bytes with every layer exclusive, when even that
+            does not fit; else 0.
         pinned_bytes: the page-locked part (CUDA: store + staging).
         free_bytes: free bytes of ``offload_dir``'s filesystem (plus stale tier files), None without a directory.
         with_accumulator: whether the accumulator was counted (store section, or auto mode with accumulation).
@@ -31,6 +38,7 @@ class OffloadPlan:
     host_memory_limit: Optional[int]
     num_buffers: int
     disk_units: List[int] = field(default_factory=list)
+    exclusive_units: List[int] = field(default_factory=list)
     offloaded: List[bool] = field(default_factory=list)
     host_plan: dict = field(default_factory=dict)
     state_layouts: List[List[int]] = field(default_factory=list)
@@ -41,6 +49,8 @@ class OffloadPlan:
     accum_pool_bytes: int = 0
     host_bytes: int = 0
     pinned_bytes: int = 0
+    scratch_bytes: int = 0
+    all_exclusive_bytes: int = 0
     free_bytes: Optional[int] = None
     with_accumulator: bool = False
 

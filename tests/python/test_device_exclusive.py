@@ -1,0 +1,214 @@
+"""Exclusive device-state layers: a device-state layer whose fp32 state lives on the device only (the host
+store holds no master / exp_avg / exp_avg_sq / accumulator section for it), chosen at wrap when the host
+store of every unit does not fit ``host_memory_limit``. On the CPU backend the "device" is the CPU, so the
+whole path runs here: training is bit-identical to the same layers kept on the device with their host
+sections, and every reader (checkpoints, state dicts, export, optimizer state) sees the same values."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import megatrain
+from megatrain import _C
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at, train_reference  # noqa: E402
+from test_disk_offload import VOCAB, _assert_bits, _model, _state, _train  # noqa: E402
+
+K = 2  # device-state layers in these tests
+
+
+def _full_host(ga=1, model=None):
+    """Host bytes of the whole model with every section in the host store (what a wrap checks)."""
+    return megatrain.estimate(model if model is not None else _model(), device="cpu",
+                              gradient_accumulation_steps=ga).host_bytes
+
+
+def _wrap(exclusive=True, ga=1, model=None, **kw):
+    """The test model with ``K`` device-state layers; ``exclusive``: ``host_memory_limit`` one byte short of
+    the whole model's host need, so those layers' fp32 state must stay on the device only."""
+    m = model if model is not None else _model()
+    if ga > 1:
+        kw.setdefault("grad_accumulator", True)
+    if exclusive:
+        kw.setdefault("host_memory_limit", _full_host(ga, m) - 1)
+    return megatrain.wrap(m, device="cpu", device_state_layers=K, **kw)
+
+
+def test_exclusive_layers_leave_the_host_store():
+    ref, model = _wrap(False), _wrap()
+    eng = model.megatrain
+    assert [u.index for u in eng.device_state.units] == [0, 1]
+    assert all(u.device_state.exclusive for u in eng.device_state.units)
+    assert not any(u.device_state.exclusive for u in ref.megatrain.device_state.units)
+    # the host store lost exactly those layers' fp32 sections (master, exp_avg, exp_avg_sq: 12 B/param)
+    fp32 = sum(12 * u.state_numel for u in eng.device_state.units)
+    assert ref.megatrain.store.total_bytes - eng.store.total_bytes >= fp32
+    assert ref.megatrain.store.total_bytes - eng.store.total_bytes < fp32 + 4096 * 3 * K  # page padding at most
+    with pytest.raises(ValueError):
+        eng.store.section(0, "master")
+    pl = model.megatrain.placement()
+    assert pl["exclusive_layers"] == [0, 1] and pl["device_state_layers"] == K
+    assert pl["host_store_bytes"] == eng.store.total_bytes
+    assert ref.megatrain.placement()["exclusive_layers"] == []
+    # the replanner cannot give them back to the host store: they have no place there
+    eng.resize_device_state(0)
+    assert [u.index for u in eng.device_state.layers] == [0, 1]
+
+
+@pytest.mark.parametrize("ga,max_grad_norm", [(1, None), (2, 1.0), (3, None), (2, 0.05)])
+def test_training_is_bit_identical_to_device_state_with_host_sections(ga, max_grad_norm):
+    ref = _wrap(False)
+    ref_opt = _train(ref, 10, ga, max_grad_norm)
+    model = _wrap(ga=ga)
+    assert model.megatrain.placement()["exclusive_layers"] == [0, 1]
+    opt = _train(model, 10, ga, max_grad_norm)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+
+
+def test_parity_with_torch_adamw():
+    batches = make_batches(VOCAB, 10, 2, 2, 8, seed=5)
+    ref = train_reference(_model(), batches, lr=1e-3, wd=0.1, betas=(0.9, 0.95), max_grad_norm=1.0, groups="one")
+    model = _wrap(ga=2)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=PARITY_EPS,
+                                   max_grad_norm=1.0, gradient_accumulation_steps=2)
+    _train(model, 10, 2, 1.0, batches=batches, opt=opt)
+    got = megatrain.master_state_dict(model)
+    for name, want in ref.params.items():
+        assert_close_rel(got[name], want, 1e-5, name)
+
+
+def test_frozen_entries_and_nonfinite_skip_are_exact():
+    """An exclusive layer with frozen entries (no fp32 state), and a step whose exclusive layer's gradient is NaN."""
+    results = []
+    for exclusive in (False, True):
+        m = _model()
+        for n, p in m.named_parameters():
+            if "layernorm" in n and "layers.1." in n:
+                p.requires_grad_(False)
+        m = _wrap(exclusive, model=m)
+        assert m.megatrain.placement()["exclusive_layers"] == ([0, 1] if exclusive else [])
+        opt = megatrain.optim.CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=PARITY_EPS,
+                                       weight_decay=0.1)
+        for s, (x,) in enumerate(make_batches(VOCAB, 4, 1, 2, 8, seed=7)):
+            h = poison_gradient_at(m.model.layers[0]) if s == 2 else None
+            m(input_ids=x, labels=x).loss.backward()
+            if h is not None:
+                h.remove()
+            if s == 2:
+                with pytest.warns(RuntimeWarning, match="non-finite"):
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+        results.append((_state(m, opt), opt.skipped_steps, m.state_dict()))
+    assert results[0][1] == results[1][1] == 1
+    _assert_bits(results[1][0], results[0][0])
+    frozen = [k for k in results[0][2] if "layernorm" in k and "layers.1." in k]
+    assert frozen and all(torch.equal(results[1][2][k], results[0][2][k]) for k in frozen)
+
+
+def test_every_tier_at_once(tmp_path):
+    """Layers 0-1 exclusive on the device, the middle ones in the host store, the deepest on disk."""
+    ga = 2
+    excl_only = _wrap(ga=ga)
+    need = excl_only.megatrain.offload_plan.host_bytes
+    del excl_only
+    model = _wrap(ga=ga, offload_dir=str(tmp_path / "tier"), host_memory_limit=need - 1)
+    eng = model.megatrain
+    pl = eng.placement()
+    assert pl["exclusive_layers"] == [0, 1] and pl["disk_layers"] and min(pl["disk_layers"]) > 1
+    assert min(pl["disk_layers"]) > 2  # at least one layer still in the host store
+    ref = _wrap(False)
+    ref_opt = _train(ref, 8, ga, 1.0)
+    opt = _train(model, 8, ga, 1.0)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+    # and the state readers stream both tiers: a checkpoint resumes bit-identically
+    megatrain.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    _train(model, 2, ga, 1.0, opt=opt, start=8)
+    want = _state(model, opt)
+    model.megatrain.close()
+    del model, opt
+    fresh = _wrap(ga=ga, offload_dir=str(tmp_path / "tier2"), host_memory_limit=need - 1)
+    opt = megatrain.optim.CPUAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, eps=PARITY_EPS, max_grad_norm=1.0,
+                                   gradient_accumulation_steps=ga)
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), fresh, opt)
+    _train(fresh, 2, ga, 1.0, opt=opt, start=8)
+    _assert_bits(_state(fresh, opt), want)
+
+
+def test_checkpoint_resumes_bit_identically_and_reads_anywhere(tmp_path):
+    ref = _wrap(False)
+    ref_opt = _train(ref, 6, 2, 1.0)
+    model = _wrap(ga=2)
+    opt = _train(model, 3, 2, 1.0)
+    megatrain.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    del model, opt
+    model = _wrap(ga=2)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=PARITY_EPS, max_grad_norm=1.0,
+                                   gradient_accumulation_steps=2)
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    _train(model, 3, 2, 1.0, opt=opt, start=3)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+    # a host-only model reads the same checkpoint (the format does not depend on where the state lived)
+    plain = megatrain.wrap(_model(), device="cpu")
+    megatrain.load_checkpoint(str(tmp_path / "ckpt"), plain)
+    megatrain.export_pretrained(model, str(tmp_path / "export"))
+    model.save_pretrained(str(tmp_path / "pretrained"))
+    from transformers import LlamaForCausalLM
+
+    masters = megatrain.master_state_dict(model)
+    for d in ("export", "pretrained"):
+        got = dict(LlamaForCausalLM.from_pretrained(str(tmp_path / d)).named_parameters())
+        for k, v in masters.items():
+            assert torch.equal(got[k].detach(), v), (d, k)
+
+
+def test_state_dicts_and_optimizer_state_read_and_write_exclusive_layers():
+    model, ref = _wrap(), _wrap(False)
+    opt, ref_opt = _train(model, 2, 1, None), _train(ref, 2, 1, None)
+    name = next(e.name for e in model.megatrain.units[0].entries)  # a parameter of layer 0 (exclusive)
+    sd = model.state_dict()
+    assert torch.equal(sd[name], ref.state_dict()[name])
+    new = {k: v + 0.5 for k, v in sd.items()}
+    for m in (model, ref):
+        m.load_state_dict(new)
+    assert torch.equal(model.state_dict()[name], new[name])
+    # optimizer.state: reads show the current moments; an in-place write takes effect, as in torch
+    p, rp = dict(model.named_parameters())[name], dict(ref.named_parameters())[name]
+    assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[rp]["exp_avg"])
+    assert opt.state[p]["exp_avg"].abs().sum() > 0
+    for o, q in ((opt, p), (ref_opt, rp)):
+        o.state[q]["exp_avg"].mul_(0.5)
+        o.state[q]["exp_avg_sq"].add_(1e-4)
+    _train(model, 1, 1, None, opt=opt, start=2)
+    _train(ref, 1, 1, None, opt=ref_opt, start=2)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+    # optimizer.state_dict round trip, with a changed moment
+    osd = ref_opt.state_dict()
+    idx = [i for g in ref_opt.param_groups for i, q in enumerate(g["params"]) if q is rp][0]
+    osd["state"][idx]["exp_avg"] = torch.full(rp.shape, 0.25)
+    opt.load_state_dict(osd)
+    ref_opt.load_state_dict(osd)
+    assert torch.equal(opt.state[p]["exp_avg"], torch.full(p.shape, 0.25))
+    back = opt.state_dict()
+    assert torch.equal(back["state"][idx]["exp_avg"], torch.full(p.shape, 0.25))
+    _train(model, 2, 1, None, opt=opt, start=3)
+    _train(ref, 2, 1, None, opt=ref_opt, start=3)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+
+
+def test_a_limit_too_small_even_for_exclusive_layers_is_refused_before_allocating():
+    full = _full_host()
+    with pytest.raises(_C.HostMemoryError) as info:
+        _wrap(host_memory_limit=full // 10)
+    msg = str(info.value)
+    assert "\n" not in msg and "device_state_layers=2" in msg and "on the device only" in msg
+    assert "even with every decoder layer's fp32 state on the device only it needs" in msg
+    assert "offload_dir" in msg and "Nothing was allocated" in msg
+    # a limit that more device-state layers would meet: the message says how many
+    two = _wrap().megatrain.offload_plan.host_bytes
+    with pytest.raises(_C.HostMemoryError, match=r"wrap with device_state_layers=[3-6] \(the fp32 state of layers"):
+        _wrap(host_memory_limit=two - 1)
