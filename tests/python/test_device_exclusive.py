@@ -212,3 +212,59 @@ def test_a_limit_too_small_even_for_exclusive_layers_is_refused_before_allocatin
     two = _wrap().megatrain.offload_plan.host_bytes
     with pytest.raises(_C.HostMemoryError, match=r"wrap with device_state_layers=[3-6] \(the fp32 state of layers"):
         _wrap(host_memory_limit=two - 1)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_exclusive_layers_train_like_host_sections_and_resume(tmp_path):
+    """On the GPU (bf16 compute, clipping and not): layers 0..1 with their fp32 state on the GPU only
+    give the same losses and masters (to the GPU's run-to-run rounding) as the same layers with host sections, and a checkpoint of the
+    exclusive run resumes into a fresh exclusive wrap with the same next losses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(exclusive):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+        kw = {}
+        if exclusive:
+            kw["host_memory_limit"] = megatrain.estimate(m, device="cuda", compute_dtype=torch.bfloat16).host_bytes - 1
+        return megatrain.wrap(m, device="cuda", compute_dtype=torch.bfloat16, device_state_layers=K,
+                              activation_policy="recompute", **kw)
+
+    def run(model, opt, batches):
+        losses = []
+        for (x,) in batches:
+            x = x.cuda()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    batches = make_batches(512, 8, 1, 2, 128, seed=11)
+    for mgn in (None, 1.0):
+        out = []
+        for exclusive in (False, True):
+            model = build(exclusive)
+            assert model.megatrain.placement()["exclusive_layers"] == ([0, 1] if exclusive else [])
+            opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=mgn)
+            losses = run(model, opt, batches[:5])
+            if exclusive:
+                megatrain.save_checkpoint(str(tmp_path / f"ck{mgn}"), model, opt)
+            losses += run(model, opt, batches[5:])
+            out.append((losses, megatrain.master_state_dict(model)))
+            model.megatrain.close()
+        (la, pa), (lb, pb) = out
+        # the GPU kernels' reductions (attention backward) need not be bit-reproducible between two runs
+        for a, b in zip(la, lb):
+            assert abs(a - b) <= 1e-3 * abs(a), (mgn, la, lb)
+        for k in pa:
+            cos = torch.nn.functional.cosine_similarity(pa[k].flatten().double(), pb[k].flatten().double(), dim=0)
+            assert cos > 0.99999, (mgn, k, float(cos))
+        model = build(True)
+        opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=mgn)
+        megatrain.load_checkpoint(str(tmp_path / f"ck{mgn}"), model, optimizer=opt)
+        for a, b in zip(run(model, opt, batches[5:]), lb[5:]):
+            assert abs(a - b) <= 1e-3 * abs(a), mgn
+        model.megatrain.close()
