@@ -63,11 +63,27 @@ def label(row: dict) -> str:
     master-weight precision and whether they clipped."""
     base, _, opts = row["system"].partition(":")
     text = LABELS.get(base, f"`{base}`")
-    if opts:
-        text += f" (`{opts}`)"
+    rest = [o for o in opts.split(",") if o and o != "liger=1"]
+    if len(rest) < len([o for o in opts.split(",") if o]):
+        text += " + Liger-Kernel"
+    if rest:
+        text += f" (`{','.join(rest)}`)"
     if "precision" in row:
         text += f"; {row['precision']} master weights, {'clips' if row.get('clips') else 'does not clip'}"
+    loss = row.get("loss")
+    if isinstance(loss, float) and loss != loss:
+        text += "; its loss was NaN"
     return text
+
+
+def megatrain_label(row: dict) -> str:
+    """The headline row's name: ``megatrain:policy=default`` is what ``wrap(model)`` gives with no
+    option (with Liger-Kernel where the run applied it); another variant keeps its system name."""
+    liger = (row.get("settings") or {}).get("liger_kernel") if isinstance(row.get("settings"), dict) else None
+    if row["system"] == "megatrain:policy=default":
+        applied = isinstance(liger, dict) and liger.get("applied")
+        return "megatrain with no options (`wrap(model)`" + (", Liger-Kernel applied)" if applied else ")")
+    return f"`{row['system']}`"
 
 
 def compare(row: dict, mt: dict) -> str:
@@ -91,7 +107,7 @@ def table(rows: list) -> str:
     if mt is None:
         raise ValueError(f"no megatrain row with status ok among {[r.get('system') for r in rows]}: "
                          "the table compares every system with megatrain")
-    lines = [f"| `{mt['system']}` ({mt['step_s']:.3f} s/step, {_fmt_tflops(mt)} TFLOP/s) compared with "
+    lines = [f"| {megatrain_label(mt)} ({mt['step_s']:.3f} s/step, {_fmt_tflops(mt)} TFLOP/s) compared with "
              "| s/step | model TFLOP/s | megatrain is |", "|---|---|---|---|"]
     for r in rows:
         if r is mt:

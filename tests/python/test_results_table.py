@@ -56,7 +56,7 @@ def test_synthetic_rows_render_default_system_peers_skips_and_both_directions(tm
     assert lines[0] == ("NVIDIA H200, 16 CPU cores, 125.8 GiB host memory; 2026-12-05, commit abc1234; "
                         "0.12B-parameter Llama (`tiny` preset, 8 layers, hidden 512), 2 x 1024 = 2048 tokens per step, "
                         "bf16 compute, no gradient clipping; every system in one call ([synthetic.json](synthetic.json)):")
-    assert lines[2] == "| `megatrain:policy=default` (1.000 s/step, 100.0 TFLOP/s) compared with | s/step | model TFLOP/s | megatrain is |"
+    assert lines[2] == "| megatrain with no options (`wrap(model)`) (1.000 s/step, 100.0 TFLOP/s) compared with | s/step | model TFLOP/s | megatrain is |"
     assert lines[4:] == [
         "| MegaTrain's official code (github.com/DLYuanGod/MegaTrain); bf16 master weights, does not clip "
         "| 2.000 | 50.0 | **2.00x** faster |",
