@@ -16,10 +16,11 @@ unit's fp32 state.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
+
+from .unit_window import OneUnitWindow
 
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -35,7 +36,7 @@ def scratch_bytes(state_numel: int) -> int:
     return 4 * len(SECTIONS) * int(state_numel)
 
 
-class DeviceTier:
+class DeviceTier(OneUnitWindow):
     """Main-thread access to the exclusive device-state units' fp32 state (see the module docstring).
 
     Inside :meth:`window`, :meth:`section` / :meth:`view` of a unit copy its three fp32 device
@@ -45,49 +46,22 @@ class DeviceTier:
     (the one the device updates are enqueued on) and are synchronous for the host.
     """
 
+    tier_name = "device-tier"
+
     def __init__(self):
-        self._write: Optional[bool] = None  # None: no window open
+        self._init_window()
         self._held = None  # (unit, scratch [3, state_numel] fp32 CPU)
-        self._on_release = None
-
-    @contextlib.contextmanager
-    def window(self, write: bool, on_release=None):
-        """Within: :meth:`view` reaches one exclusive unit's fp32 state at a time (``write``: written back).
-
-        ``on_release(unit)``: called (writing windows) while a unit is still held, just before it is
-        written back (the fill rebuilds its compute copy from the masters there). Nested windows:
-        the outer one decides.
-
-        Raises:
-            RuntimeError: a writing window inside a reading one.
-        """
-        if self._write is not None:
-            if write and not self._write:
-                raise RuntimeError("megatrain: a writing device-tier window inside a reading one")
-            yield self
-            return
-        self._write, self._on_release = bool(write), on_release
-        ok = False
-        try:
-            yield self
-            ok = True
-        finally:
-            try:
-                self._release(run_callback=ok)
-            finally:
-                self._write = None
-                self._on_release = None
 
     @torch.no_grad()
-    def _release(self, run_callback: bool = True) -> None:
+    def _release_held(self, run_callback: bool = True) -> None:
         held = self._held
         if held is None:
             return
         unit, scratch = held
-        if run_callback and self._write and self._on_release is not None:
+        if run_callback and self._window_write and self._on_release is not None:
             self._on_release(unit)
         self._held = None
-        if self._write:
+        if self._window_write:
             du = unit.device_state
             for k, name in enumerate(SECTIONS):
                 getattr(du, name).copy_(scratch[k])
@@ -96,7 +70,7 @@ class DeviceTier:
     def _acquire(self, unit) -> torch.Tensor:
         if self._held is not None and self._held[0] is unit:
             return self._held[1]
-        self._release()
+        self._release_held()
         du = unit.device_state
         scratch = torch.empty((len(SECTIONS), int(unit.state_numel)), dtype=torch.float32)
         for k, name in enumerate(SECTIONS):
@@ -110,7 +84,7 @@ class DeviceTier:
         Raises:
             RuntimeError: outside a window. ValueError: another section name.
         """
-        if self._write is None:
+        if self._window_write is None:
             raise RuntimeError(f"megatrain: the {name} of unit {unit.index} is on the device only (an exclusive "
                                "device-state layer); read it through the engine's state accessors (checkpoint, "
                                "state_dict, optimizer.state)")

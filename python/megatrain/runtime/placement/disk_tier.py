@@ -11,16 +11,16 @@ unit's state file, and the accumulators' directory under ``offload_dir``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import weakref
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from ..._loader import load_extension
 from .host_memory import check_host_budget
 from .offload_plan import OffloadPlan
+from .unit_window import OneUnitWindow
 
 _C = load_extension()
 
@@ -43,7 +43,7 @@ def _close_tiers() -> None:
             pass
 
 
-class DiskOffload:
+class DiskOffload(OneUnitWindow):
     """The disk tiers of an engine (``Engine.disk``): the fp32 state, and the accumulators, of its disk units.
 
     Thread use: the CPU worker acquires units inside its tasks (no GIL); the main thread prefetches
@@ -62,6 +62,8 @@ class DiskOffload:
             files of another kind, free space gone since the plan); nothing is left behind.
     """
 
+    tier_name = "disk-tier"
+
     def __init__(self, eng, plan: OffloadPlan, io_threads: int = 4, fault=None):
         self.eng = eng
         self.plan = plan
@@ -76,8 +78,7 @@ class DiskOffload:
         _LIVE.add(self)
         self.accum = None  # the accumulators' tier (enable_accumulator)
         self._held = None  # the main thread's window: (tier unit, write) of the unit it holds
-        self._window_write: Optional[bool] = None
-        self._on_release = None
+        self._init_window()
         self._update_seq = 0
         self._queued = set()  # tier units whose update was queued since the last forward started
 
@@ -209,34 +210,11 @@ class DiskOffload:
             self.prefetch(list(reversed(self.units)))
 
     # ------------------------------------------------------------------ main-thread access
-    @contextlib.contextmanager
-    def window(self, write: bool, on_release=None):
-        """Within: :meth:`view` gives zero-copy views of one disk unit's state at a time.
-
-        Drains the CPU worker first (no task may hold a unit the main thread acquires). A
-        :meth:`view` of another unit releases the one held (dirty when ``write``), so each view is
-        valid only until the next :meth:`view` of another unit or the end of the block.
-        ``on_release(unit)``: called (writing windows) while a unit is still held, just before it
-        is released (the fill rebuilds its compute copy from the masters there).
-        """
-        if self._window_write is not None:  # nested: the outer window decides
-            if write and not self._window_write:
-                raise RuntimeError("megatrain: a writing disk-tier window inside a reading one")
-            yield self
-            return
+    def _before_window(self) -> None:
+        """No task may hold a unit the main thread acquires: the CPU worker is drained before a window
+        (:meth:`~.unit_window.OneUnitWindow.window`; a :meth:`view` of another unit releases the one
+        held, dirty when the window writes)."""
         self.eng.worker.drain()
-        self._window_write = write
-        self._on_release = on_release
-        ok = False
-        try:
-            yield self
-            ok = True
-        finally:
-            try:
-                self._release_held(run_callback=ok)
-            finally:
-                self._window_write = None
-                self._on_release = None
 
     def _release_held(self, run_callback: bool = True) -> None:
         held = self._held
