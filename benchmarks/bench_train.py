@@ -812,7 +812,7 @@ def ratios(rows: list) -> list:
     e.g. ``megatrain:policy=default``): tokens/s and GPU peak ratios."""
     ok = [r for r in rows if r.get("status") == "ok"]
     mt = next((r for r in ok if r["system"] == "megatrain"), None) or next(
-        (r for r in ok if r["system"].startswith("megatrain")), None)
+        (r for r in ok if r["system"].startswith("megatrain:")), None)  # not the megatrain_official peer
     out = []
     if mt is None:
         return out

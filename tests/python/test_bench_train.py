@@ -241,3 +241,12 @@ def test_megatrain_with_defaults_passes_no_option_to_wrap(tmp_path):
     assert mt["settings"]["grad_accumulator"] is None  # wrap's default, not the harness's True
     assert [x["megatrain"] for x in d["ratios"]] == ["megatrain:policy=default"]
     assert [x["peer"] for x in d["ratios"]] == ["torch_ckpt"]
+
+
+def test_ratios_compare_with_a_megatrain_variant_never_with_the_official_peer():
+    rows = [dict(system="megatrain_official", status="ok", tokens_per_s=1000.0, gpu_peak_gib=5.0),
+            dict(system="torch_ckpt", status="ok", tokens_per_s=2000.0, gpu_peak_gib=50.0),
+            dict(system="megatrain:policy=default", status="ok", tokens_per_s=4000.0, gpu_peak_gib=100.0)]
+    got = {r["peer"]: r for r in bench_train.ratios(rows)}
+    assert {r["megatrain"] for r in got.values()} == {"megatrain:policy=default"}
+    assert got["megatrain_official"]["throughput_ratio"] == 4.0 and got["torch_ckpt"]["throughput_ratio"] == 2.0
