@@ -196,6 +196,12 @@ PY
         if [ -f .peers/slideformer/offload_transformer.py ]; then
           ls .whl/liger_kernel*.whl >/dev/null 2>&1 && [ "${SLIDEFORMER_LIGER:-auto}" != 0 ] &&
             python3 -m pip install -q --no-index --no-deps .whl/liger_kernel*.whl
+          # SlideFormer's loss calls liger-kernel < 0.8 (see benchmarks/peers/slideformer.py): a wheel of one in
+          # .peers/_wheels goes to build/slideformer_site, first on the slideformer child's path only
+          if ls .peers/_wheels/liger_kernel-0.[67]*.whl >/dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --upgrade --target build/slideformer_site .peers/_wheels/liger_kernel-0.[67]*.whl &&
+              export SLIDEFORMER_SITE=$PWD/build/slideformer_site
+          fi
           run slideformer_build timeout 600 python3 -c "import sys; sys.path.insert(0, '.peers/slideformer')
 from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); print('slideformer cpu_adam built')"
         fi ;;

@@ -69,9 +69,24 @@ def _apply_liger(model) -> str:
         return f"off (apply failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
 
 
+def _liger_version() -> str | None:
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+        return version("liger-kernel")
+    except Exception:  # noqa: BLE001 - not installed: the row says so
+        return None
+
+
 def run(spec: dict, bench, src: str) -> dict:
     """One bench_train child: build, train ``warmup + steps`` steps, return the partial row."""
     import torch
+    # SlideFormer's fused linear cross-entropy calls liger-kernel's kernel with the 0.6-0.7 arguments
+    # (utils/legacy_fused_linear_cross_entropy.py; 0.8 added required ones): SLIDEFORMER_SITE, a folder
+    # holding such a liger-kernel (run_h200.sh installs one there), comes first on this child's path
+    site = os.environ.get("SLIDEFORMER_SITE")
+    if site and os.path.isdir(site) and site not in sys.path:
+        sys.path.insert(0, site)
     if src not in sys.path:
         sys.path.insert(0, src)
     from offload_transformer import SlideFormerOffloader
@@ -109,7 +124,7 @@ def run(spec: dict, bench, src: str) -> dict:
                       gradients="bf16 (offload_transformer.py cpu_grad_tensor)", adam_state="fp32",
                       optimizer="LayerAdam (SlideFormer's CPU Adam, adamw_mode=True)", **opt_cfg,
                       max_grad_norm=clip, clipping="not supported: runs unclipped" if clip else "off",
-                      grad_accum=ga, liger=liger, attention="sdpa, attention_mask=None (no padding)",
+                      grad_accum=ga, liger=liger, liger_version=_liger_version(), attention="sdpa, attention_mask=None (no padding)",
                       activations="SlidingCheckpoint: layer inputs offloaded to pinned CPU memory",
                       nvme_offload="off", model="bench_train seeded fp32 Llama (SlideFormer copies it into fp32 master)"))
     return r
