@@ -103,8 +103,10 @@ class Engine:
             :mod:`megatrain.runtime.placement.disk_plan` and docs/disk_tier.md.
         host_memory_limit: bytes of host memory the engine may use for the store, staging and
             the disk tier's buffers (None: the host budget check's limits alone).
-        keep_host_layers: layers ``0 .. keep_host_layers-1`` never go to disk (device-state layers); when the
-            host store of every unit does not fit, their fp32 state is held on the device only (exclusive).
+        keep_host_layers: ``wrap``'s ``device_state_layers``. An int K: layers ``0 .. K-1`` never go to disk;
+            when the host store of every unit does not fit, the fewest of them needed have their fp32 state held
+            on the device only (exclusive). ``"auto"`` / ``"boundary"``: as many leading layers may be exclusive
+            as the ``"auto"`` rule places in the free device memory (``free_device_bytes``).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -115,7 +117,7 @@ class Engine:
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
                  num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: Optional[bool] = True,
                  reclaimable_bytes: int = 0, offload_dir: Optional[str] = None,
-                 host_memory_limit: Optional[int] = None, keep_host_layers: int = 0):
+                 host_memory_limit: Optional[int] = None, keep_host_layers=0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         offload_dir = check_offload_args(offload_dir, host_memory_limit)
@@ -134,12 +136,15 @@ class Engine:
         self.options: Options = options()  # read once, here (see megatrain.runtime.options)
         self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
-        # Which layers' fp32 state goes to disk (none without offload_dir), and the host part without it.
+        # Which layers' fp32 state stays on the device only or goes to disk, and the host part without it.
+        explicit = isinstance(keep_host_layers, int)
+        self.planned_device_free = None if explicit else self.free_device_bytes()  # read before any reservation
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
-            keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
-            check=offload_dir is not None or host_memory_limit is not None)
+            keep_layers=keep_host_layers if explicit else 0, num_buffers=self.options.disk_buffers,
+            exclusive_ok=not data_parallel.active(), device_free=self.planned_device_free,
+            check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
         store_bytes = self.host_plan["store_bytes"]
         staging_bytes = self.host_plan["staging_bytes"]
