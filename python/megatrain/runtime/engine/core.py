@@ -103,10 +103,9 @@ class Engine:
             :mod:`megatrain.runtime.placement.disk_plan` and docs/disk_tier.md.
         host_memory_limit: bytes of host memory the engine may use for the store, staging and
             the disk tier's buffers (None: the host budget check's limits alone).
-        keep_host_layers: ``wrap``'s ``device_state_layers``. An int K: layers ``0 .. K-1`` never go to disk;
-            when the host store of every unit does not fit, the fewest of them needed have their fp32 state held
-            on the device only (exclusive). ``"auto"`` / ``"boundary"``: as many leading layers may be exclusive
-            as the ``"auto"`` rule places in the free device memory (``free_device_bytes``).
+        keep_host_layers: ``wrap``'s ``device_state_layers`` (int K: layers ``0 .. K-1`` never go to disk); when the
+            host store does not fit, the fewest leading ones needed (of K, or under ``"auto"`` / ``"boundary"`` of those
+            the ``"auto"`` rule places in ``free_device_bytes``) hold their fp32 state on the device only (exclusive).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -124,11 +123,8 @@ class Engine:
         if offload_dir is not None and data_parallel.active():
             raise ValueError("megatrain.wrap: offload_dir (the disk tier) is not supported with data parallel yet; "
                              "wrap without offload_dir, or run one process (MEGATRAIN_DATA_PARALLEL=0)")
-        self.units = units
-        self.num_slots = num_slots
+        self.units, self.num_slots, self.device, self.compute_dtype = units, num_slots, device, compute_dtype
         self.layers = [u for u in units if u.kind == "layer"]
-        self.device = device
-        self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
         tables, frozen = unit_tables(units)
         self._accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
@@ -136,14 +132,13 @@ class Engine:
         self.options: Options = options()  # read once, here (see megatrain.runtime.options)
         self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
-        # Which layers' fp32 state stays on the device only or goes to disk, and the host part without it.
-        explicit = isinstance(keep_host_layers, int)
+        explicit = isinstance(keep_host_layers, int)  # which layers' fp32 state is on the device only / on disk:
         self.planned_device_free = None if explicit else self.free_device_bytes()  # read before any reservation
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
-            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
-            keep_layers=keep_host_layers if explicit else 0, num_buffers=self.options.disk_buffers,
-            exclusive_ok=not data_parallel.active(), device_free=self.planned_device_free,
+            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
+            if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
+            device_free=self.planned_device_free,
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
         store_bytes = self.host_plan["store_bytes"]
