@@ -26,14 +26,28 @@ def _full_host(ga=1, model=None):
                               gradient_accumulation_steps=ga).host_bytes
 
 
+def _one_exclusive_host(ga=1, model=None, k=K):
+    """Host bytes of the whole model with layer 0's fp32 state on the device only (what the planner
+    chooses with ``host_memory_limit`` one byte short of the whole model's need)."""
+    m = model if model is not None else _model()
+    wrapped = megatrain.wrap(m, device="cpu", device_state_layers=k, host_memory_limit=_full_host(ga, m) - 1,
+                             **({"grad_accumulator": True} if ga > 1 else {}))
+    assert wrapped.megatrain.placement()["exclusive_layers"] == [0]  # the fewest: one layer is enough
+    need = wrapped.megatrain.offload_plan.host_bytes
+    wrapped.megatrain.close()
+    return need
+
+
 def _wrap(exclusive=True, ga=1, model=None, **kw):
     """The test model with ``K`` device-state layers; ``exclusive``: ``host_memory_limit`` one byte short of
-    the whole model's host need, so those layers' fp32 state must stay on the device only."""
-    m = model if model is not None else _model()
+    the host need with layer 0 alone exclusive, so both layers' fp32 state must stay on the device only
+    (the planner makes the fewest exclusive)."""
     if ga > 1:
         kw.setdefault("grad_accumulator", True)
-    if exclusive:
-        kw.setdefault("host_memory_limit", _full_host(ga, m) - 1)
+    if exclusive and "host_memory_limit" not in kw:
+        frozen = model is not None  # a caller's model: measured on a copy built the same way
+        kw["host_memory_limit"] = _one_exclusive_host(ga, _frozen_model() if frozen else None) - 1
+    m = model if model is not None else _model()
     return megatrain.wrap(m, device="cpu", device_state_layers=K, **kw)
 
 
@@ -80,15 +94,20 @@ def test_parity_with_torch_adamw():
         assert_close_rel(got[name], want, 1e-5, name)
 
 
+def _frozen_model():
+    """The test model with layer 1's norms frozen."""
+    m = _model()
+    for n, p in m.named_parameters():
+        if "layernorm" in n and "layers.1." in n:
+            p.requires_grad_(False)
+    return m
+
+
 def test_frozen_entries_and_nonfinite_skip_are_exact():
     """An exclusive layer with frozen entries (no fp32 state), and a step whose exclusive layer's gradient is NaN."""
     results = []
     for exclusive in (False, True):
-        m = _model()
-        for n, p in m.named_parameters():
-            if "layernorm" in n and "layers.1." in n:
-                p.requires_grad_(False)
-        m = _wrap(exclusive, model=m)
+        m = _wrap(exclusive, model=_frozen_model())
         assert m.megatrain.placement()["exclusive_layers"] == ([0, 1] if exclusive else [])
         opt = megatrain.optim.CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=PARITY_EPS,
                                        weight_decay=0.1)
@@ -212,6 +231,75 @@ def test_a_limit_too_small_even_for_exclusive_layers_is_refused_before_allocatin
     two = _wrap().megatrain.offload_plan.host_bytes
     with pytest.raises(_C.HostMemoryError, match=r"wrap with device_state_layers=[3-6] \(the fp32 state of layers"):
         _wrap(host_memory_limit=two - 1)
+
+
+def test_explicit_k_makes_only_the_fewest_layers_exclusive():
+    """device_state_layers=4 with a limit one byte short of the whole model: layer 0 alone is exclusive,
+    layers 1..3 keep their host sections (the replanner may still give them back)."""
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers=4, host_memory_limit=_full_host() - 1)
+    eng = model.megatrain
+    pl = eng.placement()
+    assert pl["exclusive_layers"] == [0] and pl["device_state_layers"] == 4
+    assert [u.index for u in eng.device_state.units] == [0, 1, 2, 3]
+    eng.store.section(1, "master")  # layer 1 has its host section (an exclusive one has none)
+    eng.resize_device_state(0)
+    assert [u.index for u in eng.device_state.layers] == [0]
+
+
+def _auto_room(monkeypatch, layers_room):
+    """``device_state_layers="auto"`` on the CPU backend sees room (the whole free "device" memory, fraction 1)
+    for the resident unit's state and ``layers_room`` layers' whole state: the device budget's test seam."""
+    import importlib
+
+    dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
+    core = importlib.import_module("megatrain.runtime.engine.core")
+    sizer = megatrain.wrap(_model(), device="cpu", device_state_layers=0).megatrain
+    res = next(u for u in sizer.units if u.kind == "resident")
+    room = dsp.unit_device_bytes(res, torch.float32, with_compute=False) + \
+        sum(dsp.unit_device_bytes(u, torch.float32) for u in sizer.layers[:layers_room])
+    sizer.close()
+    monkeypatch.setattr(dsp, "AUTO_DEVICE_STATE_FRACTION", 1.0)
+    monkeypatch.setattr(core.Engine, "free_device_bytes", lambda self: room)
+    return room
+
+
+@pytest.mark.parametrize("ga,max_grad_norm", [(1, None), (2, 1.0)])
+def test_auto_makes_the_fewest_layers_exclusive_and_trains_bit_identically(monkeypatch, ga, max_grad_norm):
+    """The default planner (device_state_layers="auto") over a host limit below the whole model's need:
+    layer 0 alone becomes exclusive, the other device-state layers keep host sections, and training is
+    bit-identical to the same placement with every section in the host store."""
+    _auto_room(monkeypatch, 3)
+    kw = dict(device="cpu", device_state_layers="auto", **({"grad_accumulator": True} if ga > 1 else {}))
+    ref = megatrain.wrap(_model(), **kw)
+    model = megatrain.wrap(_model(), host_memory_limit=_full_host(ga) - 1, **kw)
+    assert ref.megatrain.placement()["exclusive_layers"] == []
+    pl = model.megatrain.placement()
+    assert pl["exclusive_layers"] == [0] and pl["device_state_layers"] == 3 and pl["device_state_resident"]
+    ref_opt = _train(ref, 6, ga, max_grad_norm)
+    opt = _train(model, 6, ga, max_grad_norm)
+    _assert_bits(_state(model, opt), _state(ref, ref_opt))
+
+
+def test_auto_refusal_names_the_layers_the_device_budget_would_need(monkeypatch, tmp_path):
+    """"auto" with room for 1 layer and a limit that needs 2 exclusive: refused before anything is allocated,
+    naming the 2 layers, the device budget and the options; with offload_dir, layer 0 is exclusive (the
+    device budget) and the deepest layers go to disk."""
+    _auto_room(monkeypatch, 1)
+    one = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_full_host() - 1)
+    assert one.megatrain.placement()["exclusive_layers"] == [0]
+    need_one = one.megatrain.offload_plan.host_bytes
+    one.megatrain.close()
+    with pytest.raises(_C.HostMemoryError) as info:
+        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1)
+    msg = str(info.value)
+    assert "\n" not in msg and "Nothing was allocated" in msg
+    assert "holds the whole state of 1 decoder layers" in msg
+    assert "the fp32 state of 2 layers (0..1) would have to live on the device only" in msg
+    assert "gpu_memory_limit" in msg and "offload_dir" in msg and "host_memory_limit" in msg
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1,
+                           offload_dir=str(tmp_path / "tier"))
+    pl = model.megatrain.placement()
+    assert pl["exclusive_layers"] == [0] and pl["disk_layers"] and min(pl["disk_layers"]) > 1
 
 
 @pytest.mark.cuda

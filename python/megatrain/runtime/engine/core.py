@@ -103,8 +103,9 @@ class Engine:
             :mod:`megatrain.runtime.placement.disk_plan` and docs/disk_tier.md.
         host_memory_limit: bytes of host memory the engine may use for the store, staging and
             the disk tier's buffers (None: the host budget check's limits alone).
-        keep_host_layers: layers ``0 .. keep_host_layers-1`` never go to disk (device-state layers); when the
-            host store of every unit does not fit, their fp32 state is held on the device only (exclusive).
+        keep_host_layers: ``wrap``'s ``device_state_layers`` (int K: layers ``0 .. K-1`` never go to disk); when the
+            host store does not fit, the fewest leading ones needed (of K, or under ``"auto"`` / ``"boundary"`` of those
+            the ``"auto"`` rule places in ``free_device_bytes``) hold their fp32 state on the device only (exclusive).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -115,18 +116,15 @@ class Engine:
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
                  num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: Optional[bool] = True,
                  reclaimable_bytes: int = 0, offload_dir: Optional[str] = None,
-                 host_memory_limit: Optional[int] = None, keep_host_layers: int = 0):
+                 host_memory_limit: Optional[int] = None, keep_host_layers=0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         offload_dir = check_offload_args(offload_dir, host_memory_limit)
         if offload_dir is not None and data_parallel.active():
             raise ValueError("megatrain.wrap: offload_dir (the disk tier) is not supported with data parallel yet; "
                              "wrap without offload_dir, or run one process (MEGATRAIN_DATA_PARALLEL=0)")
-        self.units = units
-        self.num_slots = num_slots
+        self.units, self.num_slots, self.device, self.compute_dtype = units, num_slots, device, compute_dtype
         self.layers = [u for u in units if u.kind == "layer"]
-        self.device = device
-        self.compute_dtype = compute_dtype
         self.cuda = device.type == "cuda"
         tables, frozen = unit_tables(units)
         self._accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
@@ -134,12 +132,14 @@ class Engine:
         self.options: Options = options()  # read once, here (see megatrain.runtime.options)
         self.pin_after_fill = self.options.pin_after_fill
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
-        # Which layers' fp32 state goes to disk (none without offload_dir), and the host part without it.
+        explicit = isinstance(keep_host_layers, int)  # which layers' fp32 state is on the device only / on disk:
+        self.planned_device_free = None if explicit else self.free_device_bytes()  # read before any reservation
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
-            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda,
-            keep_layers=keep_host_layers, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
-            check=offload_dir is not None or host_memory_limit is not None)
+            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
+            if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
+            device_free=self.planned_device_free,
+            check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
         store_bytes = self.host_plan["store_bytes"]
         staging_bytes = self.host_plan["staging_bytes"]

@@ -180,14 +180,13 @@ class DeviceStateLayers:
         if layers == "boundary":  # the step boundary's units: resident, then layer 0, within a small share
             resident, layers = dsp.plan_boundary_units(eng.device_state_resident(), on_host[0] if on_host else None,
                                                        self.compute_dtype, eng.free_device_bytes())
-        elif layers == "auto":  # never a layer whose state is on disk
-            free = eng.free_device_bytes()
-            res = eng.device_state_resident()
-            if res is not None:  # what the next forward needs first; its compute copy is already on the device
-                need = dsp.unit_device_bytes(res, self.compute_dtype, with_compute=False)
-                if need <= dsp.AUTO_DEVICE_STATE_FRACTION * free:
-                    resident, free = [res], free - need / dsp.AUTO_DEVICE_STATE_FRACTION
-            layers = dsp.plan_device_state_layers(on_host, self.compute_dtype, free)
+        elif layers == "auto":  # never a layer whose state is on disk; with exclusive layers (their buffers already
+            # reserved) the free bytes their plan read, so that the same rule places them and the others
+            planned = getattr(eng, "planned_device_free", None)
+            free = planned if self.device_state is not None and planned is not None else eng.free_device_bytes()
+            resident, layers = dsp.plan_auto_units(eng.device_state_resident(), on_host, self.compute_dtype, free)
+        if self.device_state is not None and isinstance(layers, int):  # "auto" / "boundary": never fewer than
+            layers = max(layers, len(self.device_state.units))  # the exclusive layers (planned in the same budget)
         elif self.disk is not None and layers > len(on_host):
             raise ValueError(f"megatrain.wrap: device_state_layers={layers}, but layers {len(on_host)} and above keep "
                              f"their fp32 state on disk (offload_dir); use at most {len(on_host)}")

@@ -81,7 +81,7 @@ class WrappedEngine(Engine):
             e.numel * e.param.element_size() for u in units for e in u.entries if e.param.device.type == "cpu")
         super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
                          reclaimable_bytes=reclaim, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
-                         keep_host_layers=device_state_layers if isinstance(device_state_layers, int) else 0)
+                         keep_host_layers=device_state_layers)
         fill_store(self, units, source)
         self.finish_fill()
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it

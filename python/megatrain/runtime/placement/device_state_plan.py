@@ -80,6 +80,41 @@ def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int
     return k
 
 
+def plan_auto_units(resident, layers, compute_dtype: torch.dtype, free_bytes: int) -> tuple:
+    """The units of ``device_state_layers="auto"``: ``(resident_units, K)``.
+
+    The resident unit (``resident``, None when it cannot be placed) first, when its fp32 state fits in
+    ``AUTO_DEVICE_STATE_FRACTION`` of ``free_bytes``, then as many of ``layers`` (from the first) as fit
+    in what is left (:func:`plan_device_state_layers`). Units need ``numel`` / ``state_numel`` (padded
+    lengths of their compute copy and fp32 sections). The same rule sizes the exclusive device-state
+    layers at wrap (:func:`~.disk_plan.plan_offload`) and in ``megatrain.estimate``.
+    """
+    placed, free = [], max(0, int(free_bytes))
+    if resident is not None:  # what the next forward needs first; its compute copy is already on the device
+        need = unit_device_bytes(resident, compute_dtype, with_compute=False)
+        if need <= AUTO_DEVICE_STATE_FRACTION * free:
+            placed, free = [resident], free - need / AUTO_DEVICE_STATE_FRACTION
+    return placed, plan_device_state_layers(layers, compute_dtype, free)
+
+
+def exclusive_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: int) -> tuple:
+    """``(K, budget bytes)``: how many leading decoder layers of ``units`` the ``"auto"`` rule
+    (:func:`plan_auto_units`) places on the device in ``free_bytes``, from the store's ``layout``
+    (``HostStore.layout_required``: ``unit_numel`` / ``unit_state_numel``) before the store exists, and
+    the device bytes that rule lets the layers use (``AUTO_DEVICE_STATE_FRACTION`` of ``free_bytes``
+    less the resident unit's share). A resident unit with no trainable entry is not placed."""
+    from types import SimpleNamespace
+
+    view = [SimpleNamespace(kind=u.kind, numel=int(layout["unit_numel"][k]), state_numel=int(layout["unit_state_numel"][k]))
+            for k, u in enumerate(units)]
+    resident = next((v for v in view if v.kind != "layer" and v.state_numel), None)
+    placed, k = plan_auto_units(resident, [v for v in view if v.kind == "layer"], compute_dtype, free_bytes)
+    budget = AUTO_DEVICE_STATE_FRACTION * max(0, int(free_bytes))
+    if placed:
+        budget -= unit_device_bytes(placed[0], compute_dtype, with_compute=False)
+    return k, int(budget)
+
+
 def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_bytes: int,
                         fraction: Optional[float] = None) -> tuple:
     """The units of ``device_state_layers="boundary"``: ``(resident_units, layers)``.

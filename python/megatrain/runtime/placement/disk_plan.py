@@ -140,58 +140,60 @@ def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk,
                 offloaded=offloaded, scratch=scratch)
 
 
-def _configs(layers, keep_layers: int, cands, exclusive_ok: bool) -> list:
-    """``(exclusive unit indices, disk candidates taken)`` to try, in order: everything in the host store;
-    the device-state layers' fp32 state on the device only; then deeper layers on disk, one more each."""
-    excl = layers[:keep_layers] if exclusive_ok else []
-    out = [([], 0)]
-    if excl:
-        out.append((excl, 0))
-    return out + [(excl, n) for n in range(1, len(cands) + 1)]
+def _configs(layers, n_exclusive: int, n_cands: int) -> list:
+    """``(exclusive unit indices, disk candidates taken)`` to try, in order of preference: everything in the
+    host store; then the fp32 state of layer 0, of layers 0..1, ... (at most ``n_exclusive``) on the device
+    only; then, with every one of those exclusive, the deepest layers on disk, one more each."""
+    out = [([], 0)] + [(layers[:k], 0) for k in range(1, n_exclusive + 1)]
+    return out + [(layers[:n_exclusive], n) for n in range(1, n_cands + 1)]
 
 
 def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[bool], staging_buffers: int, *,
                  offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
                  cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
                  check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None,
-                 exclusive_ok: bool = False) -> OffloadPlan:
+                 exclusive_ok: bool = False, device_free: Optional[int] = None) -> OffloadPlan:
     """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
     allocated or written.
 
-    When everything fits in the host store nothing moves. Otherwise, with ``exclusive_ok``, the
-    device-state layers ``0 .. keep_layers-1`` first become *exclusive*: their fp32 state is held on
-    the device alone (the host store keeps their compute copy; :mod:`.device_tier`); then, with
-    ``offload_dir``, deeper layers go to disk.
+    Order of preference: everything in the host store; then *exclusive* device-state layers (their
+    fp32 state held on the device alone, the host store keeping their compute copy; :mod:`.device_tier`),
+    the fewest leading layers (0, then 0..1, ...) that make the host part fit; then, with ``offload_dir``
+    and every layer the device budget allows exclusive, the deepest layers' fp32 state on disk, as few
+    as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive one).
+    The device-state layers that need not be exclusive keep their host sections (the placement planner
+    may still move them).
 
-    The deepest decoder layers are moved first (never the resident unit, never layers
-    ``0 .. keep_layers-1``, which stay host / device resident), as few as make the host part fit:
-    ``store + staging + the tiers' RAM pools [+ accumulators]`` within ``host_memory_limit`` (if
-    given) and the host budget check's limits (MemAvailable, cgroup, RLIMIT_MEMLOCK; the same
-    rules as ``check_host_budget``, with ``reclaimable_bytes`` of credit). Without ``offload_dir``
-    nothing moves (``host_memory_limit`` is then only checked).
+    Fitting: ``store + staging + the tiers' RAM pools + one exclusive unit's scratch [+ accumulators]``
+    within ``host_memory_limit`` (if given) and the host budget check's limits (MemAvailable, cgroup,
+    RLIMIT_MEMLOCK; the same rules as ``check_host_budget``, with ``reclaimable_bytes`` of credit).
 
     Args:
         units: the engine's units (:func:`~megatrain.runtime.model.decoder_layers.model_units`).
         accumulator_mode: the engine's (True: store section; None: auto; False: none).
         with_accumulator: count the gradient accumulator (always with ``accumulator_mode=True``).
+        keep_layers: an explicit ``device_state_layers=K``: layers ``0 .. K-1`` never go to disk and, with
+            ``exclusive_ok`` and no ``device_free``, may be exclusive.
         num_buffers: RAM buffers per tier (``Options.disk_buffers``).
-        check: raise when it does not fit (False: return the plan of "every candidate on disk"
-            with ``host_bytes`` / ``free_bytes`` for :func:`megatrain.estimate` to report).
+        check: raise when it does not fit (False: return the plan of "every candidate exclusive / on disk"
+            with ``host_bytes`` / ``free_bytes`` / ``exclusive_needed`` for :func:`megatrain.estimate` to report).
         limits: the host limits to fit in (:func:`~.host_memory.host_memory_limits`' dict), judged
             even with ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: another machine's, for
             ``megatrain.estimate(host_memory=)``. None: this machine's, read when first needed.
-        exclusive_ok: layers ``0 .. keep_layers-1`` are device-state layers that may hold their fp32
-            state on the device only (not under data parallel).
+        exclusive_ok: device-state layers may hold their fp32 state on the device only (not under data parallel).
+        device_free: ``device_state_layers="auto"`` / ``"boundary"``: the free device bytes (capped by
+            ``gpu_memory_limit``) in which the ``"auto"`` rule (:func:`~.device_state_plan.exclusive_room`)
+            sizes how many leading layers may be exclusive. None: ``keep_layers`` of them may.
 
     Raises:
-        HostMemoryError: the host part does not fit even with every candidate layer on disk, or
-            ``host_memory_limit`` is exceeded without ``offload_dir`` (one line, bytes needed vs limit).
+        HostMemoryError: the host part does not fit even with every candidate layer exclusive / on disk, or
+            ``host_memory_limit`` is exceeded without ``offload_dir`` (one line, bytes needed vs limit, and
+            how many layers would have to be exclusive).
         DiskSpaceError: ``offload_dir``'s filesystem has less free space than the files need.
     """
     with_accumulator = with_accumulator or accumulator_mode is True
     n_units = len(units)
     layers = [u.index for u in units if u.kind == "layer"]
-    cands = list(reversed(layers[keep_layers:])) if offload_dir is not None else []  # deepest first
     given_limits = limits is not None
 
     def fits(need) -> bool:
@@ -204,44 +206,88 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits,
                                      honour_skip=not given_limits) is None
 
-    def need_of(excl, n):
+    def need_of(excl, n, cands=()):
         off = [False] * n_units
         for k in cands[:n]:
             off[k] = True
         return _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
                           with_accumulator, excl)
 
-    chosen = None
-    for excl, n in _configs(layers, keep_layers, cands, exclusive_ok):
-        need = need_of(excl, n)
+    need = need_of([], 0)
+    n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
+        units, need, compute_dtype, keep_layers, device_free)
+    cands = list(reversed(layers[max(keep_layers, n_excl):])) if offload_dir is not None else []  # deepest first
+    chosen = need if fits(need) else None
+    for excl, n in ([] if chosen is not None else _configs(layers, n_excl, len(cands))[1:]):
+        need = need_of(excl, n, cands)
         if fits(need):
             chosen = need
             break
-    plan_need = chosen if chosen is not None else need
-    plan = OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=plan_need["nb"],
-                       disk_units=plan_need["disk"], offloaded=plan_need["offloaded"], host_plan=plan_need["host_plan"],
-                       exclusive_units=plan_need["exclusive"], scratch_bytes=plan_need["scratch"],
-                       state_layouts=plan_need["layouts"], accum_layouts=plan_need["alayouts"],
-                       disk_bytes=_C.DiskTier.bytes_required(plan_need["layouts"]) if plan_need["disk"] else 0,
-                       accum_disk_bytes=_C.DiskTier.bytes_required(plan_need["alayouts"]) if plan_need["disk"] else 0,
-                       pool_bytes=plan_need["pool"], accum_pool_bytes=plan_need["apool"] if with_accumulator else 0,
-                       host_bytes=plan_need["host"], pinned_bytes=plan_need["pinned"],
-                       with_accumulator=with_accumulator)
+    plan = _plan_of(chosen if chosen is not None else need, offload_dir, host_memory_limit, with_accumulator)
+    plan.exclusive_max, plan.device_budget_bytes = n_excl, budget
     if offload_dir is not None:
         plan.free_bytes = free_bytes(offload_dir)
+    if chosen is None and offload_dir is None and exclusive_ok:  # how many exclusive layers would fit
+        plan.exclusive_needed = next((k for k in range(n_excl + 1, len(layers) + 1) if fits(need_of(layers[:k], 0))),
+                                     None)
+        if plan.exclusive_needed is None and len(layers) > n_excl:
+            plan.all_exclusive_bytes = need_of(layers, 0)["host"]
     if not check:
         return plan
     if chosen is None:
-        fewest = None  # the fewest device-state layers whose fp32 state on the device alone would fit
-        if offload_dir is None and exclusive_ok:
-            fewest = next((k for k in range(keep_layers + 1, len(layers) + 1) if fits(need_of(layers[:k], 0))),
-                          None)
-            if fewest is None and len(layers) > keep_layers:
-                plan.all_exclusive_bytes = need_of(layers, 0)["host"]
-        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers, fewest)
+        _raise_host(plan, host_memory_limit, offload_dir, len(cands), reclaimable_bytes, where, keep_layers,
+                    device_free is not None)
     if plan.disk_units and plan.disk_total_bytes > plan.free_bytes:
         _raise_disk_space(plan, offload_dir, where)
     return plan
+
+
+def _exclusive_max(units, need: dict, compute_dtype, keep_layers: int, device_free: Optional[int]) -> tuple:
+    """``(how many leading layers may be exclusive, the device bytes that rule allows or None)``."""
+    if device_free is None:
+        return keep_layers, None
+    from .device_state_plan import exclusive_room
+
+    return exclusive_room(units, need["host_plan"]["layout"], compute_dtype, device_free)
+
+
+def _plan_of(need: dict, offload_dir, host_memory_limit, with_accumulator: bool) -> OffloadPlan:
+    """The :class:`OffloadPlan` of one :func:`_host_need` answer."""
+    disk = need["disk"]
+    return OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=need["nb"],
+                       disk_units=disk, offloaded=need["offloaded"], host_plan=need["host_plan"],
+                       exclusive_units=need["exclusive"], scratch_bytes=need["scratch"],
+                       state_layouts=need["layouts"], accum_layouts=need["alayouts"],
+                       disk_bytes=_C.DiskTier.bytes_required(need["layouts"]) if disk else 0,
+                       accum_disk_bytes=_C.DiskTier.bytes_required(need["alayouts"]) if disk else 0,
+                       pool_bytes=need["pool"], accum_pool_bytes=need["apool"] if with_accumulator else 0,
+                       host_bytes=need["host"], pinned_bytes=need["pinned"], with_accumulator=with_accumulator)
+
+
+def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, auto: bool) -> str:
+    """The one-line refusal without ``offload_dir``: the host need, how many layers would have to keep their
+    fp32 state on the device only, what the device budget holds, and which option to change."""
+    k, fewest = len(plan.exclusive_units), plan.exclusive_needed
+    setting = "device_state_layers='auto'" if auto else f"device_state_layers={k}"
+    held = (f" with the fp32 state of layers 0..{k - 1} on the device only ({setting})" if k else "")
+    msg = f"{where}: the host store needs {need} bytes ({_gib(need)}){held} but the {name} allows {avail} bytes ({_gib(avail)}); "
+    if auto:
+        budget = plan.device_budget_bytes or 0
+        msg += (f"the device budget ({_gib(budget)}: device_state_layers='auto''s share of the free device memory, "
+                "capped by gpu_memory_limit) holds "
+                f"the whole state of {plan.exclusive_max} decoder layers, ")
+        msg += (f"but the fp32 state of {fewest} layers (0..{fewest - 1}) would have to live on the device only; "
+                "raise gpu_memory_limit or free device memory, " if fewest else
+                f"and even with every decoder layer's fp32 state on the device only the host needs "
+                f"{plan.all_exclusive_bytes} bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes
+                else "")
+    else:
+        msg += (f"wrap with device_state_layers={fewest} (the fp32 state of layers 0..{fewest - 1} then lives on "
+                "the device only), " if fewest else "")
+        msg += (f"even with every decoder layer's fp32 state on the device only it needs {plan.all_exclusive_bytes} "
+                f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
+    return msg + ("pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not "
+                  "fit there, or raise host_memory_limit. Nothing was allocated.")
 
 
 def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:
@@ -259,7 +305,7 @@ def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:
 
 
 def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int, where: str, keep_layers: int = 0,
-                fewest: Optional[int] = None):
+                auto: bool = False):
     need = plan.host_bytes
     if limit is not None and need > limit:
         avail, name = limit, "host_memory_limit"
@@ -267,16 +313,7 @@ def _raise_host(plan: OffloadPlan, limit, offload_dir, n_cands: int, credit: int
         short = host_budget_shortfall(need, plan.pinned_bytes, credit)
         avail, name = (short["available_bytes"] + short.get("credit_bytes", 0), short["limit"]) if short else (limit, "?")
     if offload_dir is None:
-        k = len(plan.exclusive_units)
-        msg = (f"{where}: the host store needs {need} bytes ({_gib(need)})"
-               + (f" with the fp32 state of layers 0..{k - 1} on the device only (device_state_layers={k})" if k else "")
-               + f" but the {name} allows {avail} bytes ({_gib(avail)}); "
-               + (f"wrap with device_state_layers={fewest} (the fp32 state of layers 0..{fewest - 1} then lives on "
-                  "the device only), " if fewest else "")
-               + (f"even with every decoder layer's fp32 state on the device only it needs {plan.all_exclusive_bytes} "
-                  f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
-               + "pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not fit "
-               "there, or raise host_memory_limit. Nothing was allocated.")
+        msg = _no_dir_message(plan, need, avail, name, where, auto)
     else:
         hp = plan.host_plan
         k = len(plan.exclusive_units)

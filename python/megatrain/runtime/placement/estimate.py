@@ -208,7 +208,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     rows = long_context_rows(module, shape, layers, tokens, dev.elem, rows_free, opts.chunked_loss, opts.tile_mlp)
     act, chosen = activation_bytes(shape, len(layers), tokens, dev.elem, opts.activation_policy, rows_free, rows[1])
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])
-    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + act + logits
+    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_bytes + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
     judged = run.machine.host_bytes is not None or not run_options().skip_host_memory_check
     checked = cuda or (tokens > 0 and judged and not host_short_cpu)
@@ -255,7 +255,9 @@ def _result(module, layers, opts, run: EstimateRun, hp: HostPart, dev: DevicePar
         chunked_loss=str(opts.chunked_loss).lower(), tile_mlp=str(opts.tile_mlp).lower(), loss_rows=rows[0],
         mlp_rows=rows[1], norm_rows=rows[2],
         device_name=run.machine.gpu_name if cuda and run.machine.gpu_bytes is not None else device_name(opts.device),
-        host_memory_given=run.machine.host_bytes, gpu_memory_given=run.machine.gpu_bytes)
+        host_memory_given=run.machine.host_bytes, gpu_memory_given=run.machine.gpu_bytes,
+        exclusive_layers=len(oplan.exclusive_units), exclusive_bytes=hp.exclusive_bytes,
+        exclusive_max=oplan.exclusive_max, exclusive_needed=oplan.exclusive_needed)
 
 
 def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, cpu_device_bytes: int,
@@ -278,6 +280,7 @@ def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPa
         est.reasons.append(f"the disk tier needs {_fmt(oplan.disk_total_bytes)} under {offload_dir} but its filesystem has "
                            f"{_fmt(oplan.free_bytes)} free")
         est.advice.append("free space there, point offload_dir at a larger disk, or raise host_memory_limit")
+    _exclusive_reasons(est, oplan)
     short = hp.short
     if short is None:
         return
@@ -301,6 +304,17 @@ def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPa
                               f"{est.num_layers} decoder layers goes there ({_fmt(disk[1])} on disk; "
                               "megatrain.wrap(..., offload_dir=...))")
     _smaller_store_advice(est, units, opts, run, hp, have, cpu_device_bytes, elem)
+
+
+def _exclusive_reasons(est: MemoryEstimate, oplan) -> None:
+    """When even the exclusive device-state layers the device budget holds do not make the host part fit: how
+    many would have to be exclusive (the same planning as wrap's, :func:`~.disk_plan.plan_offload`)."""
+    if oplan.exclusive_needed is None or est.host_fits:
+        return
+    est.reasons.append(f"the fp32 state of {oplan.exclusive_needed} decoder layers would have to live on the GPU only "
+                       f"for the host part to fit, but the device budget holds {oplan.exclusive_max}")
+    est.advice.append("raise gpu_memory_limit (or use a GPU with more memory), raise host_memory_limit / host memory, "
+                      "or pass offload_dir=<a local disk>")
 
 
 def _smaller_store_advice(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, have: int,

@@ -122,6 +122,42 @@ class HostPart:
     available: Optional[int]
     limit_name: Optional[str]
     machine: AssumedMachine = AssumedMachine()  # the machine judged (default: this one)
+    exclusive_bytes: int = 0  # the exclusive device-state layers' fp32 state, on the device instead of the host
+
+
+def gpu_free(opts, machine: AssumedMachine) -> tuple:
+    """``(free bytes, gpu_memory_limit bytes)`` of the CUDA device ``opts`` plans for (the given GPU, or this
+    machine's), capped as wrap caps them; ``(None, None)`` off CUDA; the free bytes None without a GPU here."""
+    from .device_state_plan import capped_free_bytes, resolve_gpu_memory_limit
+
+    device = opts.device
+    if device.type != "cuda":
+        return None, None
+    if machine.gpu_bytes is not None:  # the assumed GPU: its given free bytes, capped as wrap caps
+        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device, total_bytes=machine.gpu_bytes)
+        return capped_free_bytes(machine.gpu_bytes, 0, limit), limit
+    if torch.cuda.is_available():
+        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
+        return capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device),
+                                 limit), limit
+    if isinstance(opts.gpu_memory_limit, int):  # no GPU here: a cap in bytes is still known
+        return None, resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
+    return None, None
+
+
+def _exclusive_args(opts, machine: AssumedMachine) -> dict:
+    """:func:`~.disk_plan.plan_offload`'s exclusive-layer arguments as ``wrap`` would give them: an explicit
+    ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes."""
+    from .device_state_plan import resolve_device_state_layers
+
+    layers = resolve_device_state_layers(getattr(opts, "device_state_layers", None), opts.activation_policy,
+                                         opts.device)
+    if opts.device.type != "cuda":
+        return dict(keep_layers=layers if isinstance(layers, int) else 0)
+    if isinstance(layers, int):
+        return dict(keep_layers=layers, exclusive_ok=layers > 0)
+    free = gpu_free(opts, machine)[0]
+    return dict(exclusive_ok=free is not None, device_free=free)
 
 
 def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accumulation_steps: int,
@@ -142,12 +178,15 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, offload_dir=opts.offload_dir,
                          host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
                          num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
-                         limits=machine.host_limits() if machine.host_bytes is not None else None)
+                         limits=machine.host_limits() if machine.host_bytes is not None else None,
+                         **_exclusive_args(opts, machine))
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
     store, staging = plan["store_bytes"], plan["staging_bytes"]
     pools = oplan.pool_bytes + oplan.accum_pool_bytes
-    host = store + staging + accum + pools
+    per = 16 if oplan.with_accumulator else 12  # fp32 master, exp_avg, exp_avg_sq [, accumulator] per element
+    excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) for k in oplan.exclusive_units)
+    host = store + staging + accum + pools + oplan.scratch_bytes  # (a device-tier window's scratch buffer)
     pinned = store + staging if cuda else 0
     limits = machine.host_limits()
     short = machine.shortfall(host + margin, pinned, reclaim, limits)
@@ -170,7 +209,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                     reclaim=reclaim, accum=accum, store=store, staging=staging, pools=pools, host=host, pinned=pinned,
                     short=short, over_limit=opts.host_memory_limit is not None and host > opts.host_memory_limit,
                     tightest=cands[0] if cands else None, available=available, limit_name=limit_name,
-                    machine=machine)
+                    machine=machine, exclusive_bytes=excl)
 
 
 @dataclass
@@ -187,25 +226,14 @@ class DevicePart:
 
 def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     """The device part of ``units`` under ``opts``; the CPU device's free memory is what the host part leaves."""
-    from .device_state_plan import capped_free_bytes, resolve_gpu_memory_limit
-
-    device, cuda = opts.device, opts.device.type == "cuda"
     from .streamed_minimum import streamed_device_bytes
 
+    cuda = opts.device.type == "cuda"
     elem = torch.tensor([], dtype=opts.compute_dtype).element_size()
     slot_bytes, resident_bytes = streamed_device_bytes(units, hp.layout["unit_numel"], opts.compute_dtype,
                                                        opts.num_slots)
-    free, limit = None, None
-    if cuda and hp.machine.gpu_bytes is not None:  # the assumed GPU: its given free bytes, capped as wrap caps
-        given = hp.machine.gpu_bytes
-        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device, total_bytes=given)
-        free = capped_free_bytes(given, 0, limit)
-    elif cuda and torch.cuda.is_available():
-        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
-        free = capped_free_bytes(int(torch.cuda.mem_get_info(device)[0]), torch.cuda.memory_allocated(device), limit)
-    elif cuda and isinstance(opts.gpu_memory_limit, int):  # no GPU here: a cap in bytes is still known
-        limit = resolve_gpu_memory_limit(opts.gpu_memory_limit, device)
-    elif not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
+    free, limit = gpu_free(opts, hp.machine)
+    if not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
         free = max(0, hp.tightest[0] - hp.host - margin)  # and the margin leave under the tightest limit
     # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
     # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)

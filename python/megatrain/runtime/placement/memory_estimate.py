@@ -82,6 +82,10 @@ class MemoryEstimate:
     host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
     host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's)
     gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
+    exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
+    exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): in gpu_bytes, not host_bytes
+    exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
+    exclusive_needed: Optional[int] = None  # when that is too few: how many would make the host part fit
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
     notes: List[str] = field(default_factory=list)
@@ -123,6 +127,16 @@ class MemoryEstimate:
         d["assumed_machine"] = self.assumed_machine()
         return d
 
+    def _tiers_line(self) -> str:
+        """One line: where the fp32 state lives (host store, exclusive device-state layers, disk) and the verdict."""
+        k = self.exclusive_layers
+        host = self.num_layers - k - self.disk_layers
+        excl = (f"{k} (layers 0..{k - 1}, {_fmt(self.exclusive_bytes)} on the device)" if k else "none")
+        need = (f"; {self.exclusive_needed} would have to be, the device budget holds {self.exclusive_max}"
+                if self.exclusive_needed else "")
+        return (f"tiers: host store {host} layers' fp32 state; device-state exclusive layers {excl}{need}; disk "
+                f"{self.disk_layers} layers: host + device " + ("hold it" if self.fits else "DO NOT hold it"))
+
     def __str__(self) -> str:
         L = []
         L.append(f"megatrain estimate: {self.model_class}, {_count(self.num_params)} parameters "
@@ -159,6 +173,8 @@ class MemoryEstimate:
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
+        if self.exclusive_layers or self.exclusive_needed:
+            L.append(self._tiers_line())
         if self.offload_dir is not None:
             L.append(f"disk tier ({self.offload_dir}): fp32 state of {self.disk_layers} of {self.num_layers} decoder "
                      f"layers, {_fmt(self.disk_bytes)}; {_fmt(self.disk_free_bytes)} free: "

@@ -29,6 +29,11 @@ class OffloadPlan:
             [+ accumulators]).
         all_exclusive_bytes: (a refused plan only) host bytes with every layer exclusive, when even that
             does not fit; else 0.
+        exclusive_max: how many leading decoder layers may be exclusive: an explicit ``device_state_layers=K``,
+            or what the ``"auto"`` rule places in the free device memory (``device_budget_bytes``).
+        device_budget_bytes: the device bytes that rule lets the layers use (None: an explicit K, not sized).
+        exclusive_needed: (a refused plan only) the fewest leading layers that would have to be exclusive for
+            the host part to fit, None when even every layer would not.
         pinned_bytes: the page-locked part (CUDA: store + staging).
         free_bytes: free bytes of ``offload_dir``'s filesystem (plus stale tier files), None without a directory.
         with_accumulator: whether the accumulator was counted (store section, or auto mode with accumulation).
@@ -51,6 +56,9 @@ class OffloadPlan:
     pinned_bytes: int = 0
     scratch_bytes: int = 0
     all_exclusive_bytes: int = 0
+    exclusive_max: int = 0
+    device_budget_bytes: Optional[int] = None
+    exclusive_needed: Optional[int] = None
     free_bytes: Optional[int] = None
     with_accumulator: bool = False
 
