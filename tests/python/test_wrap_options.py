@@ -84,10 +84,13 @@ BAD = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kw,message", BAD, ids=[next(iter(kw)) + "=" + repr(next(iter(kw.values()))) for kw, _ in BAD])
+_IDS = [next(iter(kw)) + "=" + repr(next(iter(kw.values()))) for kw, _ in BAD]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=_IDS)
 def test_each_bad_option_gives_wraps_one_line_message(kw, message):
     with pytest.raises(ValueError) as info:
-        WrapOptions(**kw).check()
+        WrapOptions(**kw, where="megatrain.wrap")
     assert str(info.value) == message
     model = _tiny()
     with pytest.raises(ValueError) as info:  # wrap says exactly the same, before the model is touched
@@ -95,9 +98,37 @@ def test_each_bad_option_gives_wraps_one_line_message(kw, message):
     assert str(info.value) == message and getattr(model, "megatrain", None) is None
 
 
+@pytest.mark.parametrize("kw,message", [(kw, m) for kw, m in BAD if "chunked_loss" not in kw and "tile_mlp" not in kw],
+                         ids=[i for i in _IDS if not i.startswith(("chunked_loss", "tile_mlp"))])
+def test_construction_refuses_each_bad_option_with_the_same_line(kw, message):
+    """``WrapOptions(...)`` itself refuses a bad value (not only ``check()`` / ``wrap`` later), with wrap's line
+    naming ``megatrain.WrapOptions``."""
+    with pytest.raises(ValueError) as info:
+        WrapOptions(**kw)
+    assert str(info.value) == message.replace("megatrain.wrap:", "megatrain.WrapOptions:", 1)
+
+
+def test_construction_checks_no_filesystem_and_keeps_unresolved_values(tmp_path):
+    """The values ``resolve`` fills (None, "auto") and a directory that is not there yet (its parent missing:
+    ``check`` refuses that) construct; ``resolve`` / ``dataclasses.replace`` rebuild checked values."""
+    opts = WrapOptions(device=None, activation_policy="auto", device_state_layers="auto", chunked_loss="auto",
+                       offload_dir=str(tmp_path / "no" / "such"))
+    with pytest.raises(ValueError, match=r"^megatrain\.wrap: the parent of offload_dir="):
+        opts.check()
+    ok = dataclasses.replace(opts, offload_dir=None).resolve()
+    assert ok.device == torch.device("cpu") or ok.device.type == "cuda"
+    with pytest.raises(ValueError, match=r"^megatrain\.WrapOptions: num_slots must be"):
+        dataclasses.replace(ok, num_slots=0)
+    opts, rest = WrapOptions.split({"num_slots": 2, "dtype": torch.float32}, "megatrain.from_config")
+    with pytest.raises(ValueError, match=r"^megatrain\.from_config: num_slots must be"):
+        WrapOptions.split({"num_slots": 0}, "megatrain.from_config")
+
+
 def test_where_names_the_caller():
     with pytest.raises(ValueError, match=r"^megatrain\.estimate: activation_policy must be"):
-        WrapOptions(activation_policy="x").check("megatrain.estimate")
+        WrapOptions(activation_policy="x", where="megatrain.estimate")
+    with pytest.raises(ValueError, match=r"^megatrain\.from_config: activation_policy must be"):
+        megatrain.from_config(tiny_llama_config(), activation_policy="x")
 
 
 def test_resolve_fills_wraps_defaults_on_the_cpu():

@@ -182,7 +182,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         grad_accumulator=grad_accumulator, chunked_loss=chunked_loss, tile_mlp=tile_mlp,
         device_state_layers=device_state_layers, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
         reuse_attention=reuse_attention, lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit,
-        liger_kernel=liger_kernel))
+        liger_kernel=liger_kernel, where="megatrain.wrap"))
 
 
 def _wrap(model: nn.Module, options: WrapOptions, source=None):

@@ -59,11 +59,20 @@ def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.w
     return path
 
 
+def check_offload_dir_value(offload_dir, where: str = "megatrain.wrap") -> None:
+    """``offload_dir`` is None or a non-empty path (``str`` / ``os.PathLike``); the filesystem is not looked at.
+
+    Raises:
+        ValueError: one line naming the value.
+    """
+    if offload_dir is not None and (not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir)):
+        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
+
+
 def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
+    check_offload_dir_value(offload_dir, where)
     if offload_dir is None:
         return None
-    if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
-        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
     path = os.path.abspath(os.fspath(offload_dir))
     if os.path.exists(path):
         if not os.path.isdir(path):

@@ -164,7 +164,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     options = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
                           num_slots=num_slots, grad_accumulator=grad_accumulator, chunked_loss=chunked_loss,
                           tile_mlp=tile_mlp, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
-                          gpu_memory_limit=gpu_memory_limit)
+                          gpu_memory_limit=gpu_memory_limit, where="megatrain.estimate")
     run = EstimateRun(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                       trainable=trainable, transform=transform, micro_batch_size=micro_batch_size, seq_len=seq_len,
                       staging_buffers=staging_buffers, host_margin_bytes=host_margin_bytes, model_kwargs=model_kwargs,
