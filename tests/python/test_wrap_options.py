@@ -98,8 +98,7 @@ def test_each_bad_option_gives_wraps_one_line_message(kw, message):
     assert str(info.value) == message and getattr(model, "megatrain", None) is None
 
 
-@pytest.mark.parametrize("kw,message", [(kw, m) for kw, m in BAD if "chunked_loss" not in kw and "tile_mlp" not in kw],
-                         ids=[i for i in _IDS if not i.startswith(("chunked_loss", "tile_mlp"))])
+@pytest.mark.parametrize("kw,message", BAD, ids=_IDS)
 def test_construction_refuses_each_bad_option_with_the_same_line(kw, message):
     """``WrapOptions(...)`` itself refuses a bad value (not only ``check()`` / ``wrap`` later), with wrap's line
     naming ``megatrain.WrapOptions``."""
@@ -129,6 +128,16 @@ def test_where_names_the_caller():
         WrapOptions(activation_policy="x", where="megatrain.estimate")
     with pytest.raises(ValueError, match=r"^megatrain\.from_config: activation_policy must be"):
         megatrain.from_config(tiny_llama_config(), activation_policy="x")
+
+
+@pytest.mark.parametrize("kw", [dict(activation_policy="bogus"), dict(chunked_loss="x"), dict(tile_mlp=0),
+                                dict(num_slots=0)], ids=lambda kw: next(iter(kw)))
+def test_estimates_messages_name_estimate(kw):
+    """``megatrain.estimate``'s one-line message for a bad option names it, not ``megatrain.wrap``."""
+    with pytest.raises(ValueError) as info:
+        megatrain.estimate(tiny_llama_config(), device="cpu", **kw)
+    name = next(iter(kw))
+    assert str(info.value).startswith(f"megatrain.estimate: {name} must be") and "megatrain.wrap" not in str(info.value)
 
 
 def test_resolve_fills_wraps_defaults_on_the_cpu():

@@ -115,7 +115,8 @@ class WrapOptions:
         / ``tile_mlp`` normalised (None: False; an int: rows)."""
         self._check_values(where)
         offload_dir = check_offload_args(self.offload_dir, self.host_memory_limit, where)
-        return offload_dir, _check_mode(self.chunked_loss, "chunked_loss"), _check_mode(self.tile_mlp, "tile_mlp")
+        return offload_dir, _check_mode(self.chunked_loss, "chunked_loss", where), _check_mode(self.tile_mlp, "tile_mlp",
+                                                                                          where)
 
     def _check_values(self, where: str) -> None:
         """Each value's type and range (no filesystem access): the construction's check, and :meth:`check`'s first."""
@@ -140,8 +141,8 @@ class WrapOptions:
         check_gpu_memory_limit(self.gpu_memory_limit, f"{where}: gpu_memory_limit")
         check_offload_dir_value(self.offload_dir, where)
         check_offload_args(None, self.host_memory_limit, where)
-        _check_mode(self.chunked_loss, "chunked_loss")
-        _check_mode(self.tile_mlp, "tile_mlp")
+        _check_mode(self.chunked_loss, "chunked_loss", where)
+        _check_mode(self.tile_mlp, "tile_mlp", where)
 
     def with_defaults(self, where: str = "megatrain.wrap", need_device: bool = True) -> "WrapOptions":
         """These options with ``device`` a ``torch.device``, ``compute_dtype`` a dtype, ``activation_policy``
