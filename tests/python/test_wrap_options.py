@@ -76,8 +76,10 @@ BAD = [
     (dict(gpu_memory_limit=1.5), "megatrain.wrap: gpu_memory_limit must be a number of bytes (an int >= 1048576) or a "
                                  "fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
     (dict(offload_dir=""), "megatrain.wrap: offload_dir must be a directory path, got ''"),
-    (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int) or None, "
-                                "got 0"),
+    (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
+                                "string such as '100GiB' or '1.5TB') or None, got 0"),
+    (dict(host_memory_limit="lots"), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
+                                     "string such as '100GiB' or '1.5TB') or None, got 'lots'"),
     (dict(chunked_loss="x"), "megatrain.wrap: chunked_loss must be False, True, 'auto' or a positive number of rows, "
                              "got 'x'"),
     (dict(tile_mlp=0), "megatrain.wrap: tile_mlp must be False, True, 'auto' or a positive number of rows, got 0"),
@@ -138,6 +140,24 @@ def test_estimates_messages_name_estimate(kw):
         megatrain.estimate(tiny_llama_config(), device="cpu", **kw)
     name = next(iter(kw))
     assert str(info.value).startswith(f"megatrain.estimate: {name} must be") and "megatrain.wrap" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,n", [("100GiB", 100 * 2**30), ("1.5TB", 1_500_000_000_000), (2**33, 2**33),
+                                    ("512 MiB", 2**29)])
+def test_host_memory_limit_takes_a_size_string_as_estimate_does(text, n):
+    """``host_memory_limit`` takes what ``estimate(host_memory=)`` takes (``parse_bytes``), held in bytes;
+    wrap runs with the bytes."""
+    assert WrapOptions(host_memory_limit=text).host_memory_limit == n
+    assert WrapOptions(host_memory_limit=text).resolve().host_memory_limit == n
+    est = megatrain.estimate(tiny_llama_config(), device="cpu", host_memory_limit=text)
+    assert est.host_memory_limit == n
+
+
+def test_wrap_runs_with_a_size_string_limit():
+    m = megatrain.wrap(_tiny(), device="cpu", host_memory_limit="1GiB")
+    assert m.megatrain.offload_plan.host_memory_limit == 2**30
+    with pytest.raises(MemoryError, match="host_memory_limit"):  # HostMemoryError
+        megatrain.wrap(_tiny(), device="cpu", host_memory_limit="1KiB")
 
 
 def test_resolve_fills_wraps_defaults_on_the_cpu():

@@ -21,7 +21,7 @@ from .activations.long_context_ops import _check_mode
 from .model.fused_kernels import check_liger_kernel, resolve_liger_kernel
 from .placement.device_state_plan import check_device_state_layers, check_gpu_memory_limit, \
     resolve_device_state_layers, resolve_gpu_memory_limit
-from .placement.disk_plan import check_offload_args, check_offload_dir_value
+from .placement.disk_plan import check_host_memory_limit, check_offload_args, check_offload_dir_value
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
@@ -47,7 +47,8 @@ class WrapOptions:
         chunked_loss, tile_mlp: ``"auto"``, ``True``, ``False`` or rows per chunk / tile.
         device_state_layers: ``None`` (the planner's default), an int >= 0, ``"auto"`` or ``"boundary"``.
         offload_dir: a directory on a local disk for the fp32 state that does not fit in host memory, or None.
-        host_memory_limit: bytes of host memory megatrain may use (int > 0), or None.
+        host_memory_limit: bytes of host memory megatrain may use: an int > 0 or a string such as ``"100GiB"`` /
+            ``"1.5TB"`` (:func:`~megatrain.byte_units.parse_bytes`; held as the int), or None.
         reuse_attention: ``block:K`` keeps the attention outputs of the block re-run (bool).
         lean_activations: the lean RMSNorm / gated-MLP graphs (bool).
         gpu_memory_limit: None, bytes (int >= 1 MiB) or a fraction of the device's memory (float in (0, 1]).
@@ -70,7 +71,7 @@ class WrapOptions:
     tile_mlp: Any = "auto"
     device_state_layers: Optional[Union[int, str]] = None
     offload_dir: Optional[str] = None
-    host_memory_limit: Optional[int] = None
+    host_memory_limit: Optional[Union[int, str]] = None
     reuse_attention: bool = True
     lean_activations: bool = False
     gpu_memory_limit: Optional[Union[int, float]] = None
@@ -140,7 +141,7 @@ class WrapOptions:
         check_liger_kernel(self.liger_kernel, f"{where}: liger_kernel")
         check_gpu_memory_limit(self.gpu_memory_limit, f"{where}: gpu_memory_limit")
         check_offload_dir_value(self.offload_dir, where)
-        check_offload_args(None, self.host_memory_limit, where)
+        object.__setattr__(self, "host_memory_limit", check_host_memory_limit(self.host_memory_limit, where))
         _check_mode(self.chunked_loss, "chunked_loss", where)
         _check_mode(self.tile_mlp, "tile_mlp", where)
 
