@@ -361,7 +361,7 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
     with pytest.raises(ValueError, match="not a directory"):
         megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "file"))
     with pytest.raises(ValueError, match="host_memory_limit must be a number of bytes"):
-        megatrain.wrap(_model(), device="cpu", host_memory_limit="1GB")
+        megatrain.wrap(_model(), device="cpu", host_memory_limit="1 gigabyte")
     with pytest.raises(_C.HostMemoryError, match="pass offload_dir"):
         megatrain.wrap(_model(), device="cpu", host_memory_limit=_limit())
     with pytest.raises(_C.HostMemoryError, match="even with the fp32 state of 6 decoder layers on disk"):

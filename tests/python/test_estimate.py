@@ -318,3 +318,18 @@ def test_offload_dir_is_suggested_only_where_it_makes_the_model_fit(monkeypatch,
     on_disk = megatrain.estimate(cfg, device="cpu", seq_len=256, offload_dir=str(tmp_path), host_memory_limit=limit)
     assert on_disk.disk_layers == n and on_disk.host_fits and on_disk.gpu_fits, on_disk.reason()
     assert list(tmp_path.iterdir()) == []  # the estimate creates nothing
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("seq_len", [None, 16])
+def test_the_report_of_a_tiny_model_prints_no_zero_byte_line(device, seq_len):
+    """No "0 B alignment", "pinned 0 B" or "~0 B activations" line: a zero is left out or said in words
+    (nothing pinned on the CPU device; activations not counted without seq_len)."""
+    import re
+
+    est = megatrain.estimate(tiny_llama_config(), device=device, seq_len=seq_len, micro_batch_size=2)
+    text = str(est)
+    zero = re.compile(r"(?<![\d.])0(\.0+)? (B|KiB|MiB|GiB|TiB)\b")
+    assert not [line for line in text.splitlines() if zero.search(line)], text
+    assert ("nothing pinned (CPU device: no DMA)" in text) == (device == "cpu")
+    assert ("not counted  (pass seq_len=" in text) == (seq_len is None)

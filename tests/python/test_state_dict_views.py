@@ -256,3 +256,42 @@ def test_a_write_into_a_frozen_layer_after_backward_without_clipping_is_taken():
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert_close_rel(sd[LAYER0], ref_sd[LAYER0], 1e-6, LAYER0)
+
+
+@pytest.mark.parametrize("key", ["model.embed_tokens.weight", LAYER0])  # a resident entry, a streamed layer's
+def test_a_frozen_bf16_entry_written_in_place_is_told_to_use_load_state_dict(key):
+    """A frozen entry in a bf16 compute copy has no fp32 master and its ``state_dict()`` tensor is an fp32 copy:
+    a parameter written in place is refused at the next forward with advice that works for it
+    (``load_state_dict``), not ``state_dict()[name].copy_`` (refused too); following it sets the value."""
+    model = tiny("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].mlp.requires_grad_(False)
+    w = megatrain.wrap(model, device="cpu", compute_dtype=torch.bfloat16)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    param = dict(w.named_parameters())[key]
+    new = (w.state_dict()[key] + 1.0).bfloat16().float()
+    with torch.no_grad():
+        param.add_(1.0)
+    with pytest.raises(RuntimeError) as info:
+        w(input_ids=x, labels=x)
+    msg = str(info.value)
+    assert "\n" not in msg and f"megatrain: {key} was modified in place" in msg
+    assert "frozen (requires_grad=False at megatrain.wrap)" in msg and "model.load_state_dict(...)" in msg
+    assert "state_dict()[name].copy_" not in msg and "write the masters" not in msg
+    w.load_state_dict({key: new}, strict=False)  # the advice
+    assert torch.equal(w.state_dict()[key], new)
+    with torch.no_grad():
+        w(input_ids=x, labels=x)
+    sd = w.state_dict()
+    sd[key].add_(1.0)  # the other advice of a trainable entry: refused for this one, naming load_state_dict
+    with pytest.raises(RuntimeError, match=r"frozen .*fp32 copy.*model\.load_state_dict"):
+        w(input_ids=x, labels=x)
+
+
+def test_a_trainable_entry_written_in_place_keeps_its_advice():
+    w = megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        w.model.embed_tokens.weight.add_(1.0)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"model\.state_dict\(\)\[name\]\.copy_\(\.\.\.\) \(both write the masters\)"):
+        w(input_ids=x, labels=x)

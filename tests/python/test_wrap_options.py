@@ -76,18 +76,23 @@ BAD = [
     (dict(gpu_memory_limit=1.5), "megatrain.wrap: gpu_memory_limit must be a number of bytes (an int >= 1048576) or a "
                                  "fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
     (dict(offload_dir=""), "megatrain.wrap: offload_dir must be a directory path, got ''"),
-    (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int) or None, "
-                                "got 0"),
+    (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
+                                "string such as '100GiB' or '1.5TB') or None, got 0"),
+    (dict(host_memory_limit="lots"), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
+                                     "string such as '100GiB' or '1.5TB') or None, got 'lots'"),
     (dict(chunked_loss="x"), "megatrain.wrap: chunked_loss must be False, True, 'auto' or a positive number of rows, "
                              "got 'x'"),
     (dict(tile_mlp=0), "megatrain.wrap: tile_mlp must be False, True, 'auto' or a positive number of rows, got 0"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kw,message", BAD, ids=[next(iter(kw)) + "=" + repr(next(iter(kw.values()))) for kw, _ in BAD])
+_IDS = [next(iter(kw)) + "=" + repr(next(iter(kw.values()))) for kw, _ in BAD]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=_IDS)
 def test_each_bad_option_gives_wraps_one_line_message(kw, message):
     with pytest.raises(ValueError) as info:
-        WrapOptions(**kw).check()
+        WrapOptions(**kw, where="megatrain.wrap")
     assert str(info.value) == message
     model = _tiny()
     with pytest.raises(ValueError) as info:  # wrap says exactly the same, before the model is touched
@@ -95,9 +100,64 @@ def test_each_bad_option_gives_wraps_one_line_message(kw, message):
     assert str(info.value) == message and getattr(model, "megatrain", None) is None
 
 
+@pytest.mark.parametrize("kw,message", BAD, ids=_IDS)
+def test_construction_refuses_each_bad_option_with_the_same_line(kw, message):
+    """``WrapOptions(...)`` itself refuses a bad value (not only ``check()`` / ``wrap`` later), with wrap's line
+    naming ``megatrain.WrapOptions``."""
+    with pytest.raises(ValueError) as info:
+        WrapOptions(**kw)
+    assert str(info.value) == message.replace("megatrain.wrap:", "megatrain.WrapOptions:", 1)
+
+
+def test_construction_checks_no_filesystem_and_keeps_unresolved_values(tmp_path):
+    """The values ``resolve`` fills (None, "auto") and a directory that is not there yet (its parent missing:
+    ``check`` refuses that) construct; ``resolve`` / ``dataclasses.replace`` rebuild checked values."""
+    opts = WrapOptions(device=None, activation_policy="auto", device_state_layers="auto", chunked_loss="auto",
+                       offload_dir=str(tmp_path / "no" / "such"))
+    with pytest.raises(ValueError, match=r"^megatrain\.wrap: the parent of offload_dir="):
+        opts.check()
+    ok = dataclasses.replace(opts, offload_dir=None).resolve()
+    assert ok.device == torch.device("cpu") or ok.device.type == "cuda"
+    with pytest.raises(ValueError, match=r"^megatrain\.WrapOptions: num_slots must be"):
+        dataclasses.replace(ok, num_slots=0)
+    opts, rest = WrapOptions.split({"num_slots": 2, "dtype": torch.float32}, "megatrain.from_config")
+    with pytest.raises(ValueError, match=r"^megatrain\.from_config: num_slots must be"):
+        WrapOptions.split({"num_slots": 0}, "megatrain.from_config")
+
+
 def test_where_names_the_caller():
     with pytest.raises(ValueError, match=r"^megatrain\.estimate: activation_policy must be"):
-        WrapOptions(activation_policy="x").check("megatrain.estimate")
+        WrapOptions(activation_policy="x", where="megatrain.estimate")
+    with pytest.raises(ValueError, match=r"^megatrain\.from_config: activation_policy must be"):
+        megatrain.from_config(tiny_llama_config(), activation_policy="x")
+
+
+@pytest.mark.parametrize("kw", [dict(activation_policy="bogus"), dict(chunked_loss="x"), dict(tile_mlp=0),
+                                dict(num_slots=0)], ids=lambda kw: next(iter(kw)))
+def test_estimates_messages_name_estimate(kw):
+    """``megatrain.estimate``'s one-line message for a bad option names it, not ``megatrain.wrap``."""
+    with pytest.raises(ValueError) as info:
+        megatrain.estimate(tiny_llama_config(), device="cpu", **kw)
+    name = next(iter(kw))
+    assert str(info.value).startswith(f"megatrain.estimate: {name} must be") and "megatrain.wrap" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,n", [("100GiB", 100 * 2**30), ("1.5TB", 1_500_000_000_000), (2**33, 2**33),
+                                    ("512 MiB", 2**29)])
+def test_host_memory_limit_takes_a_size_string_as_estimate_does(text, n):
+    """``host_memory_limit`` takes what ``estimate(host_memory=)`` takes (``parse_bytes``), held in bytes;
+    wrap runs with the bytes."""
+    assert WrapOptions(host_memory_limit=text).host_memory_limit == n
+    assert WrapOptions(host_memory_limit=text).resolve().host_memory_limit == n
+    est = megatrain.estimate(tiny_llama_config(), device="cpu", host_memory_limit=text)
+    assert est.host_memory_limit == n
+
+
+def test_wrap_runs_with_a_size_string_limit():
+    m = megatrain.wrap(_tiny(), device="cpu", host_memory_limit="1GiB")
+    assert m.megatrain.offload_plan.host_memory_limit == 2**30
+    with pytest.raises(MemoryError, match="host_memory_limit"):  # HostMemoryError
+        megatrain.wrap(_tiny(), device="cpu", host_memory_limit="1KiB")
 
 
 def test_resolve_fills_wraps_defaults_on_the_cpu():

@@ -11,7 +11,7 @@ layers, GPU memory cap, Liger-Kernel) as ``wrap`` does before anything is alloca
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Iterable, Optional, Tuple, Union
 
 import torch
@@ -21,7 +21,7 @@ from .activations.long_context_ops import _check_mode
 from .model.fused_kernels import check_liger_kernel, resolve_liger_kernel
 from .placement.device_state_plan import check_device_state_layers, check_gpu_memory_limit, \
     resolve_device_state_layers, resolve_gpu_memory_limit
-from .placement.disk_plan import check_offload_args
+from .placement.disk_plan import check_host_memory_limit, check_offload_args, check_offload_dir_value
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
@@ -33,7 +33,9 @@ class WrapOptions:
     """Where ``megatrain.wrap`` puts a model's state and how it runs it; the defaults are ``wrap``'s.
 
     Each field is the ``wrap`` keyword of the same name; see :func:`megatrain.wrap` for what it does.
-    A value built by hand is checked by :meth:`check` (``wrap`` and the others call it).
+    Construction checks each value (type and range: the one-line messages ``wrap`` gives, starting with
+    ``where``); :meth:`check` adds the filesystem check of ``offload_dir`` (``wrap`` and the others call it).
+    The values left for :meth:`resolve` (``None``, ``"auto"``) are valid here.
 
     Attributes:
         device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
@@ -45,11 +47,19 @@ class WrapOptions:
         chunked_loss, tile_mlp: ``"auto"``, ``True``, ``False`` or rows per chunk / tile.
         device_state_layers: ``None`` (the planner's default), an int >= 0, ``"auto"`` or ``"boundary"``.
         offload_dir: a directory on a local disk for the fp32 state that does not fit in host memory, or None.
-        host_memory_limit: bytes of host memory megatrain may use (int > 0), or None.
+        host_memory_limit: bytes of host memory megatrain may use: an int > 0 or a string such as ``"100GiB"`` /
+            ``"1.5TB"`` (:func:`~megatrain.byte_units.parse_bytes`; held as the int), or None.
         reuse_attention: ``block:K`` keeps the attention outputs of the block re-run (bool).
         lean_activations: the lean RMSNorm / gated-MLP graphs (bool).
         gpu_memory_limit: None, bytes (int >= 1 MiB) or a fraction of the device's memory (float in (0, 1]).
         liger_kernel: ``None`` (when installed and on CUDA), ``True`` (required) or ``False``.
+
+    Args:
+        where: starts each error message of the construction (not a field): ``"megatrain.WrapOptions"``;
+            ``wrap`` passes ``"megatrain.wrap"``, ``estimate`` ``"megatrain.estimate"``.
+
+    Raises:
+        ValueError: a bad value, one line naming the option, the rule and the value (as :meth:`check`).
     """
 
     device: Optional[Union[torch.device, str]] = None
@@ -61,11 +71,15 @@ class WrapOptions:
     tile_mlp: Any = "auto"
     device_state_layers: Optional[Union[int, str]] = None
     offload_dir: Optional[str] = None
-    host_memory_limit: Optional[int] = None
+    host_memory_limit: Optional[Union[int, str]] = None
     reuse_attention: bool = True
     lean_activations: bool = False
     gpu_memory_limit: Optional[Union[int, float]] = None
     liger_kernel: Optional[bool] = None
+    where: InitVar[str] = "megatrain.WrapOptions"
+
+    def __post_init__(self, where: str):
+        self._check_values(where)
 
     @classmethod
     def names(cls) -> Tuple[str, ...]:
@@ -73,11 +87,12 @@ class WrapOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def split(cls, kwargs: dict) -> Tuple["WrapOptions", dict]:
-        """``(options, rest)``: the keywords of ``kwargs`` that are options (not checked yet), and the others
-        (``from_pretrained`` / ``from_config`` pass those to ``AutoModelForCausalLM.from_config``)."""
+    def split(cls, kwargs: dict, where: str = "megatrain.WrapOptions") -> Tuple["WrapOptions", dict]:
+        """``(options, rest)``: the keywords of ``kwargs`` that are options (their values checked, messages
+        starting with ``where``), and the others (``from_pretrained`` / ``from_config`` pass those to
+        ``AutoModelForCausalLM.from_config``)."""
         names = set(cls.names())
-        return (cls(**{k: v for k, v in kwargs.items() if k in names}),
+        return (cls(**{k: v for k, v in kwargs.items() if k in names}, where=where),
                 {k: v for k, v in kwargs.items() if k not in names})
 
     def as_kwargs(self, names: Optional[Iterable[str]] = None) -> dict:
@@ -99,6 +114,13 @@ class WrapOptions:
     def _check(self, where: str) -> tuple:
         """:meth:`check`; returns ``offload_dir`` as an absolute path (None: no disk tier) and ``chunked_loss``
         / ``tile_mlp`` normalised (None: False; an int: rows)."""
+        self._check_values(where)
+        offload_dir = check_offload_args(self.offload_dir, self.host_memory_limit, where)
+        return offload_dir, _check_mode(self.chunked_loss, "chunked_loss", where), _check_mode(self.tile_mlp, "tile_mlp",
+                                                                                          where)
+
+    def _check_values(self, where: str) -> None:
+        """Each value's type and range (no filesystem access): the construction's check, and :meth:`check`'s first."""
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"{where}: num_slots must be an int >= 1 (device slots per layer shape; 2 prefetches "
                              f"the next layer), got {self.num_slots!r}")
@@ -118,8 +140,10 @@ class WrapOptions:
         check_device_state_layers(self.device_state_layers, f"{where}: device_state_layers")
         check_liger_kernel(self.liger_kernel, f"{where}: liger_kernel")
         check_gpu_memory_limit(self.gpu_memory_limit, f"{where}: gpu_memory_limit")
-        offload_dir = check_offload_args(self.offload_dir, self.host_memory_limit, where)
-        return offload_dir, _check_mode(self.chunked_loss, "chunked_loss"), _check_mode(self.tile_mlp, "tile_mlp")
+        check_offload_dir_value(self.offload_dir, where)
+        object.__setattr__(self, "host_memory_limit", check_host_memory_limit(self.host_memory_limit, where))
+        _check_mode(self.chunked_loss, "chunked_loss", where)
+        _check_mode(self.tile_mlp, "tile_mlp", where)
 
     def with_defaults(self, where: str = "megatrain.wrap", need_device: bool = True) -> "WrapOptions":
         """These options with ``device`` a ``torch.device``, ``compute_dtype`` a dtype, ``activation_policy``
@@ -146,7 +170,7 @@ class WrapOptions:
             compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         policy = (ActivationPolicy.default(device) if self.activation_policy is None
                   else ActivationPolicy.parse(self.activation_policy))
-        return dataclasses.replace(self, device=device, compute_dtype=compute_dtype, activation_policy=policy,
+        return dataclasses.replace(self, where=where, device=device, compute_dtype=compute_dtype, activation_policy=policy,
                                    offload_dir=offload_dir, chunked_loss=chunked_loss, tile_mlp=tile_mlp)
 
     def resolve(self, where: str = "megatrain.wrap") -> "WrapOptions":
@@ -158,7 +182,7 @@ class WrapOptions:
         """
         opts = self.with_defaults(where)
         return dataclasses.replace(
-            opts, gpu_memory_limit=resolve_gpu_memory_limit(opts.gpu_memory_limit, opts.device),
+            opts, where=where, gpu_memory_limit=resolve_gpu_memory_limit(opts.gpu_memory_limit, opts.device),
             liger_kernel=resolve_liger_kernel(opts.liger_kernel, opts.device, f"{where}: liger_kernel"),
             device_state_layers=resolve_device_state_layers(opts.device_state_layers, opts.activation_policy,
                                                             opts.device))

@@ -228,7 +228,7 @@ def from_pretrained(path: str, **kwargs) -> nn.Module:
         raise CheckpointError(f"megatrain.from_pretrained: {path} is not a local directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"megatrain.from_pretrained: {path} has no config.json")
-    options, model_kwargs = WrapOptions.split(kwargs)
+    options, model_kwargs = WrapOptions.split(kwargs, "megatrain.from_pretrained")
     _check_offload(options, "megatrain.from_pretrained")
     index = CheckpointIndex(path)
     config = _load_config(path)
@@ -265,7 +265,7 @@ def from_config(config, seed: Optional[int] = None, init_device="cpu", transform
             computed during construction, or creates parameters on an explicit device).
         ValueError, HostMemoryError: as :func:`megatrain.wrap`.
     """
-    options, model_kwargs = WrapOptions.split(kwargs)
+    options, model_kwargs = WrapOptions.split(kwargs, "megatrain.from_config")
     _check_offload(options, "megatrain.from_config")  # before the RNG is seeded or anything is built
     config = _load_config(config)
     if seed is not None:

@@ -29,15 +29,16 @@ MASK_FRACTION = 1 / 8
 _local = threading.local()  # _local.bypass: inside a tile re-run (the tiled forward calls the original one)
 
 
-def _check_mode(value, what: str):
-    """``False`` | ``True`` | ``"auto"`` | a positive int (rows per chunk/tile). Returns it normalised."""
+def _check_mode(value, what: str, where: str = "megatrain.wrap"):
+    """``False`` | ``True`` | ``"auto"`` | a positive int (rows per chunk/tile). Returns it normalised.
+    ``where`` starts the one-line ``ValueError`` (``megatrain.estimate``, ``megatrain.WrapOptions``, ...)."""
     if value is None or value is False:
         return False
     if value is True or value == "auto":
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return int(value)
-    raise ValueError(f"megatrain.wrap: {what} must be False, True, 'auto' or a positive number of rows, got {value!r}")
+    raise ValueError(f"{where}: {what} must be False, True, 'auto' or a positive number of rows, got {value!r}")
 
 
 def _rows_for(budget_bytes: float, bytes_per_row: float) -> int:

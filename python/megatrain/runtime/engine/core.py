@@ -57,7 +57,7 @@ import torch
 
 from ..._loader import load_extension
 from .. import data_parallel
-from ..placement.disk_plan import DiskOffload, check_offload_args, plan_offload
+from ..placement.disk_plan import DiskOffload, check_host_memory_limit, check_offload_args, plan_offload
 from ..placement.host_memory import check_host_budget
 from ..options import Options, options
 from .context import EngineContext, forward_to, part_attribute
@@ -119,7 +119,7 @@ class Engine:
                  host_memory_limit: Optional[int] = None, keep_host_layers=0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        offload_dir = check_offload_args(offload_dir, host_memory_limit)
+        offload_dir, host_memory_limit = check_offload_args(offload_dir, None), check_host_memory_limit(host_memory_limit)
         if offload_dir is not None and data_parallel.active():
             raise ValueError("megatrain.wrap: offload_dir (the disk tier) is not supported with data parallel yet; "
                              "wrap without offload_dir, or run one process (MEGATRAIN_DATA_PARALLEL=0)")

@@ -4,6 +4,7 @@ in place, given new storage or replaced since ``wrap``, or unfrozen (:class:`~.w
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -15,7 +16,7 @@ def record_params(units, resident) -> list:
             for u in units for e in u.entries]
 
 
-def check_params(recorded: list, where: str, overwritten=()) -> None:
+def check_params(recorded: list, where: str, overwritten=(), compute_dtype=torch.float32) -> None:
     """Raise if a parameter was written in place since ``recorded`` (:func:`record_params`): a resident one
     (embedding, final norm, LM head) or a decoder layer's placeholder (``torch.nn.init.zeros_(layer.weight)``,
     ``p.copy_``), or a resident one was given new storage (``p.data = tensor``), or a module's parameter was
@@ -26,6 +27,8 @@ def check_params(recorded: list, where: str, overwritten=()) -> None:
     optimizer updates, checkpoints and ``state_dict()`` read) keeps its value, so the change
     would be lost or kept by half. ``overwritten``: names a ``model.load_state_dict`` is about to
     write (those may have changed). ``where``: named in the message (``"the forward"``, ...).
+    ``compute_dtype``: the engine's; a frozen entry (no fp32 master) in a bf16 compute copy can be set
+    through ``load_state_dict`` only (its ``state_dict()`` tensor is an fp32 copy), and the message says so.
 
     Raises:
         RuntimeError: one line naming up to three parameters, ``where``, and how to set weights instead.
@@ -52,6 +55,15 @@ def check_params(recorded: list, where: str, overwritten=()) -> None:
     changed = [e.name for e, pid, v, _ in recorded if id(e.param) == pid and e.param._version != v]
     if changed and all(n in overwritten for n in changed):  # model.load_state_dict replaces them all
         return
+    frozen = [e.name for e, pid, v, _ in recorded if id(e.param) == pid and e.param._version != v and e.frozen]
+    if frozen and compute_dtype != torch.float32:  # no master: state_dict()[name] is a copy a write does not reach
+        dt = str(compute_dtype).replace("torch.", "")
+        raise RuntimeError(
+            f"megatrain: {', '.join(frozen[:3])}{' ...' if len(frozen) > 3 else ''} was modified in place after "
+            f"megatrain.wrap (seen at {where}), but it is frozen (requires_grad=False at megatrain.wrap): the host "
+            f"store holds only its {dt} compute copy (no fp32 master), which did not change, and its "
+            "model.state_dict() tensor is an fp32 copy that an in-place write does not reach. Set it with "
+            f"model.load_state_dict(...) (it converts the value to {dt}), or change it before megatrain.wrap")
     if changed:
         raise RuntimeError(
             f"megatrain: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} was modified in place after "

@@ -17,7 +17,7 @@ so autograd sums both contributions before the hook fires).
 from __future__ import annotations
 
 import gc
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from .wrapped_engine import WrappedEngine
 def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_dtype: torch.dtype = None,
          activation_policy: Optional[str] = None, num_slots: int = 2, grad_accumulator: Optional[bool] = None,
          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
-         host_memory_limit: Optional[int] = None, reuse_attention: bool = True,
+         host_memory_limit: Optional[Union[int, str]] = None, reuse_attention: bool = True,
          lean_activations: bool = False, gpu_memory_limit=None, liger_kernel: Optional[bool] = None) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
@@ -117,7 +117,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             only durable state. The directory (or its parent) must exist and be writable, and its
             filesystem must have room: checked before anything is written. None (default): no disk.
         host_memory_limit: bytes of host memory megatrain may use for the store, the gradient
-            staging and the disk tier's buffers (an int). None: the host budget check's limits
+            staging and the disk tier's buffers: an int, or a string with a unit as ``megatrain.estimate``'s
+            ``host_memory`` takes it (``"100GiB"``, ``"1.5TB"``; KiB..TiB powers of 1024, KB..TB of 1000). None: the host budget check's limits
             (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit,
             even with the fp32 state of the device-state layers on the device only, raises
             ``HostMemoryError`` (it names the ``device_state_layers`` that would fit).
@@ -182,7 +183,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         grad_accumulator=grad_accumulator, chunked_loss=chunked_loss, tile_mlp=tile_mlp,
         device_state_layers=device_state_layers, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
         reuse_attention=reuse_attention, lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit,
-        liger_kernel=liger_kernel))
+        liger_kernel=liger_kernel, where="megatrain.wrap"))
 
 
 def _wrap(model: nn.Module, options: WrapOptions, source=None):

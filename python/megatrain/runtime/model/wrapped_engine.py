@@ -229,7 +229,7 @@ class WrappedEngine(Engine):
         recorded = getattr(self, "_resident_versions", None)
         if self.resident is None or recorded is None:  # (not before wrap has finished)
             return
-        check_params(recorded, where, overwritten)
+        check_params(recorded, where, overwritten, self.compute_dtype)
 
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit, for ``device_state_layers="auto"``: when it has trainable entries and the

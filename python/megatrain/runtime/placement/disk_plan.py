@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import torch
 
-from ...byte_units import format_bytes
+from ...byte_units import format_bytes, parse_bytes
 from ..._loader import load_extension
 from ...state.atomic import write_probe_error
 from .device_tier import scratch_bytes
@@ -52,18 +52,40 @@ def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.w
         ValueError: one line naming what is wrong.
     """
     path = _check_offload_dir(offload_dir, where)
-    if host_memory_limit is not None and (isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, int)
-                                          or host_memory_limit <= 0):
-        raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int) or None, got "
-                         f"{host_memory_limit!r}")
+    check_host_memory_limit(host_memory_limit, where)
     return path
 
 
+def check_host_memory_limit(host_memory_limit, where: str = "megatrain.wrap") -> Optional[int]:
+    """``host_memory_limit`` in bytes: None, or a number of bytes as :func:`~megatrain.byte_units.parse_bytes`
+    reads it (an int > 0, or a string such as ``"100GiB"`` / ``"1.5TB"``; KiB..TiB powers of 1024, KB..TB of 1000).
+
+    Raises:
+        ValueError: one line naming the value (a bool, a number <= 0, a string that is not a size).
+    """
+    if host_memory_limit is None:
+        return None
+    try:
+        return parse_bytes(host_memory_limit)
+    except ValueError:
+        raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int, or a string such as "
+                         f"'100GiB' or '1.5TB') or None, got {host_memory_limit!r}") from None
+
+
+def check_offload_dir_value(offload_dir, where: str = "megatrain.wrap") -> None:
+    """``offload_dir`` is None or a non-empty path (``str`` / ``os.PathLike``); the filesystem is not looked at.
+
+    Raises:
+        ValueError: one line naming the value.
+    """
+    if offload_dir is not None and (not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir)):
+        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
+
+
 def _check_offload_dir(offload_dir, where: str) -> Optional[str]:
+    check_offload_dir_value(offload_dir, where)
     if offload_dir is None:
         return None
-    if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
-        raise ValueError(f"{where}: offload_dir must be a directory path, got {offload_dir!r}")
     path = os.path.abspath(os.fspath(offload_dir))
     if os.path.exists(path):
         if not os.path.isdir(path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -87,7 +87,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
              staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
-             host_memory_limit: Optional[int] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
+             host_memory_limit: Optional[Union[int, str]] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
              host_memory=None, gpu_memory=None, **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
@@ -164,7 +164,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     options = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
                           num_slots=num_slots, grad_accumulator=grad_accumulator, chunked_loss=chunked_loss,
                           tile_mlp=tile_mlp, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
-                          gpu_memory_limit=gpu_memory_limit)
+                          gpu_memory_limit=gpu_memory_limit, where="megatrain.estimate")
     run = EstimateRun(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                       trainable=trainable, transform=transform, micro_batch_size=micro_batch_size, seq_len=seq_len,
                       staging_buffers=staging_buffers, host_margin_bytes=host_margin_bytes, model_kwargs=model_kwargs,

@@ -156,12 +156,13 @@ class MemoryEstimate:
                 else:
                     L.append(f"  {label:<28}{'none':>12}  (one backward per step)")
         pad = self.store_bytes - sum(self.host_sections.values())
-        L.append(f"  {'store total':<28}{_fmt(self.store_bytes):>12}  (incl. {_fmt(pad)} alignment)")
+        L.append(f"  {'store total':<28}{_fmt(self.store_bytes):>12}" + (f"  (incl. {_fmt(pad)} alignment)" if pad else ""))
         L.append(f"  {'gradient staging':<28}{_fmt(self.staging_bytes):>12}")
         if self.offload_dir is not None:
             L.append(f"  {'disk tier buffers':<28}{_fmt(self.disk_pool_bytes):>12}  (RAM)")
-        L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; pinned "
-                 f"{_fmt(self.pinned_bytes)}")
+        pinned = f"pinned {_fmt(self.pinned_bytes)}" if self.pinned_bytes else \
+            "nothing pinned" + (" (CPU device: no DMA)" if self.device == "cpu" else "")
+        L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; {pinned}")
         if self.host_available_bytes is None:
             L.append("  host check: skipped (MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 or no limit found)")
         else:
@@ -188,8 +189,9 @@ class MemoryEstimate:
         if self.device_state_bytes:
             L.append(f"  {'boundary units fp32 state':<28}{_fmt(self.device_state_bytes):>12}  (resident unit, layer 0: "
                      "device_state_layers='boundary')")
-        L.append(f"  {'activations':<28}{'~' + _fmt(self.activation_bytes):>12}")
-        L.append(f"  {'logits + loss':<28}{'~' + _fmt(self.logits_bytes):>12}")
+        for label, n in (("activations", self.activation_bytes), ("logits + loss", self.logits_bytes)):
+            L.append(f"  {label:<28}{'~' + _fmt(n):>12}" if self.seq_len else
+                     f"  {label:<28}{'not counted':>12}  (pass seq_len= and micro_batch_size=)")
         if self.seq_len:
             loss = (f"loss over chunks of {self.loss_rows:,} rows, no full logits" if self.loss_rows
                     else "full logits")
