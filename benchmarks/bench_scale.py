@@ -8,13 +8,18 @@ the parent writes them to docs/benchmarks/scale_<part>_<machine>.json with the m
   python benchmarks/bench_scale.py lora    # PEFT LoRA r=16 (q,k,v,o) on a frozen ~30B Llama base
   python benchmarks/bench_scale.py disk --dir DIR   # a 10B Llama (fp32 state 130 GiB > host) with the
                                            # deepest layers' state on DIR (the disk tier), 16K and 64K tokens/step
+  python benchmarks/bench_scale.py pool    # the largest Llama of the 14B shape this machine's host + GPU hold
+                                           # (host store + exclusive device-state layers), as a user gets it
 
 Options: --steps N (default 5), --batch B --seq T (default 4 x 4096), --dir DIR (load: where the
 checkpoint goes; default $TMPDIR; disk: the offload_dir), --pin-after-fill 0|1 (load:
 MEGATRAIN_PIN_AFTER_FILL of the child), --small (tiny shapes: checks the script end to end on any
 machine, CPU included). disk: --host-limit-gib G (host_memory_limit, default 110: the layers whose
 state does not fit go to DIR), --tokens 16384,65536 (tokens per step, batches of --seq), --steps
-(timed steps per token count after one warm-up step, default 2).
+(timed steps per token count after one warm-up step, default 2). pool: --layers N (default: the largest
+N that megatrain.estimate says fits, searched with estimate alone and printed before anything is built),
+--steps (timed steps after one warm-up, default 3), --host-margin-gib / --gpu-margin-gib (memory the
+search leaves to the child's Python, CUDA context and allocator: default 4 / 1).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ SHAPES = {
 }
 SMALL = dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=256)
 SMALL_DISK = dict(hidden=64, layers=6, inter=128, heads=4, kv_heads=2, vocab=256)  # >= 3 layers: some go to disk
+# pool: the 14B Llama shape (~275M parameters per layer); its layer count is --layers or the largest that fits
+POOL_SHAPE = dict(hidden=5120, inter=13824, heads=40, kv_heads=8, vocab=32000)
+SMALL_POOL = dict(hidden=64, layers=4, inter=128, heads=4, kv_heads=2, vocab=256)
 
 
 def _config(m: dict, seq: int):
@@ -344,6 +352,12 @@ def child_disk(spec):
                 peak_rss_gib=_peak_rss() / GiB, per_tokens=rows)
 
 
+def child_pool(spec):
+    """The pool part's child (benchmarks/bench_scale_pool.py)."""
+    from bench_scale_pool import child_pool as run
+    return run(spec)
+
+
 def spawn(spec: dict, env_extra: dict | None = None, timeout: float = 600, stream_stderr: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
@@ -372,7 +386,7 @@ def child_main(spec):
     row = dict(case=spec["case"], status="ok")
     try:
         row.update({"train": child_train, "save": child_save, "load": child_load, "lora": child_lora,
-                    "disk": child_disk}[spec["kind"]](spec))
+                    "disk": child_disk, "pool": child_pool}[spec["kind"]](spec))
     except Exception as e:  # reported as the row's status
         traceback.print_exc()
         row["status"] = f"error: {type(e).__name__}: {str(e).strip()[:300]}"
@@ -381,7 +395,7 @@ def child_main(spec):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", nargs="?", choices=["train", "load", "lora", "disk"])
+    ap.add_argument("part", nargs="?", choices=["train", "load", "lora", "disk", "pool"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
@@ -392,6 +406,9 @@ def main():
     ap.add_argument("--shapes", default=None, help="train: comma-separated names from SHAPES")
     ap.add_argument("--host-limit-gib", type=float, default=110.0, help="disk: host_memory_limit in GiB")
     ap.add_argument("--tokens", default="16384,65536", help="disk: tokens per step, comma-separated")
+    ap.add_argument("--layers", type=int, default=None, help="pool: decoder layers (default: the largest that fits)")
+    ap.add_argument("--host-margin-gib", type=float, default=4.0, help="pool: host memory the search leaves free")
+    ap.add_argument("--gpu-margin-gib", type=float, default=1.0, help="pool: GPU memory the search leaves free")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds the child may run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--_child", default=None)
@@ -399,9 +416,12 @@ def main():
     if a._child:
         return child_main(json.loads(a._child))
     if a.part is None:
-        ap.error("name a part: train, load, lora or disk")
+        ap.error("name a part: train, load, lora, disk or pool")
     if a.part == "disk":
         return main_disk(a)
+    if a.part == "pool":
+        from bench_scale_pool import main_pool
+        return main_pool(a)
     base = dict(steps=a.steps, batch=a.batch, seq=a.seq, lora_r=a.lora_r)
     if a.small:
         base.update(batch=2, seq=64, steps=2)

@@ -15,6 +15,9 @@
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
 #                                                 DISK_TRAIN_ARGS: extra bench_scale.py disk flags, e.g. --host-limit-gib 105)
+#                                               pool (the largest Llama of the 14B shape host + GPU hold, as a user gets it: the layer count
+#                                                 searched with megatrain.estimate, then built and trained, max_grad_norm 1.0, 4 x 4096 tokens;
+#                                                 docs/benchmarks/scale_pool_h200.json; POOL_ARGS: extra bench_scale.py pool flags, e.g. --layers 48)
 #                                               sched_ab (SCHED_CLIPS, SCHED_SYSTEMS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
 #                                               bg_start (BG_CMD: a command longer than one call, in the background) / bg_wait (BG_WAIT:
 #                                                 collect it in a later call while the machine is still held)
@@ -178,6 +181,8 @@ PY
       run disk_train timeout ${DISK_TRAIN_TIMEOUT:-590} python3 benchmarks/bench_scale.py disk \
         --dir "${DISK_DIR:-$PWD/build/disk_train}" --timeout 570 ${DISK_TRAIN_ARGS:-}
       rm -rf "${DISK_DIR:-$PWD/build/disk_train}/megatrain_tier" ;;
+    pool)  # search (~10 s), build straight into the host store, 1 warm-up + 3 timed steps; JSON + PNG
+      run pool timeout ${POOL_TIMEOUT:-590} python3 benchmarks/bench_scale.py pool --timeout 560 ${POOL_ARGS:-} ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
       run disk timeout 120 python3 benchmarks/bench_disk.py --dir "$PWD/build" --out docs/benchmarks/disk_h200 ${DISK_ARGS:-} ;;
     peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm PEERS_CLIP (default 1.0, the trainers' default;

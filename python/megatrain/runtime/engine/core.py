@@ -138,7 +138,7 @@ class Engine:
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
             if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
-            device_free=self.planned_device_free,
+            device_free=self.planned_device_free, num_slots=num_slots,
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
         store_bytes = self.host_plan["store_bytes"]

@@ -185,6 +185,8 @@ class DeviceStateLayers:
             planned = getattr(eng, "planned_device_free", None)
             free = planned if self.device_state is not None and planned is not None else eng.free_device_bytes()
             resident, layers = dsp.plan_auto_units(eng.device_state_resident(), on_host, self.compute_dtype, free)
+            if eng.offload_plan.exclusive_share == "capacity":  # the capacity share holds the exclusive layers
+                resident, layers = [], 0  # alone: nothing more of the device goes to state (the rest: activations)
         if self.device_state is not None and isinstance(layers, int):  # "auto" / "boundary": never fewer than
             layers = max(layers, len(self.device_state.units))  # the exclusive layers (planned in the same budget)
         elif self.disk is not None and layers > len(on_host):

@@ -93,7 +93,9 @@ def placement_report(eng) -> dict:
     Returns ``device_state_layers`` (layers ``0 .. K-1`` whose whole training state is on the
     device), ``device_state_resident`` (the resident unit's too: ``device_state_layers="auto"``),
     ``device_state_bytes``, ``exclusive_layers`` (indices of the device-state layers whose fp32 state is
-    on the device only: the host store has no fp32 section for them), ``host_store_bytes`` (the host
+    on the device only: the host store has no fp32 section for them), ``exclusive_share`` (which rule made
+    them: ``"auto"``, ``"capacity"`` (beyond the ``"auto"`` share, because the host would not hold the model
+    otherwise: :func:`~..placement.device_state_plan.capacity_room`), ``"explicit"``, None: none), ``host_store_bytes`` (the host
     store's arena), ``streamed_layers`` (layers whose weights stream from the
     host store), ``layers``, ``disk_layers`` (indices of the layers whose fp32 state is in the
     disk tier), ``disk_bytes`` (its files), ``offload_dir``, and ``activations``: per input shape seen by ``activation_policy="auto"``,
@@ -116,6 +118,7 @@ def placement_report(eng) -> dict:
                 device_state_bytes=eng.device_state.nbytes if eng.device_state else 0,
                 device_state_resident=bool(eng.device_state and eng.device_state.resident),
                 exclusive_layers=[u.index for u in eng.device_state.exclusive] if eng.device_state else [],
+                exclusive_share=getattr(getattr(eng, "offload_plan", None), "exclusive_share", None),
                 host_store_bytes=int(eng.store.total_bytes), streamed_layers=len(eng.layers) - k, activation_policy=getattr(eng, "activation_policy", None),
                 activations=acts, disk_layers=[u.index for u in disk.units] if disk else [],
                 disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,

@@ -7,7 +7,9 @@ device size of one unit's state; :func:`plan_device_state_layers` counts the lay
 whose state fits in ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory (``"auto"`` at wrap;
 the placement planner, :mod:`.replan`, places once more after the first step);
 :func:`plan_boundary_units` chooses the units of ``"boundary"`` (the default of the streamed
-policies on CUDA). :func:`check_gpu_memory_limit` / :func:`resolve_gpu_memory_limit` /
+policies on CUDA); :func:`exclusive_room` / :func:`capacity_room` size the exclusive device-state layers (the
+``"auto"`` share, and the capacity share beyond it when the host store would not fit otherwise).
+:func:`check_gpu_memory_limit` / :func:`resolve_gpu_memory_limit` /
 :func:`capped_free_bytes`: ``megatrain.wrap``'s ``gpu_memory_limit``, the cap on the device memory
 every placement decision counts as free.
 """
@@ -113,6 +115,51 @@ def exclusive_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: 
     if placed:
         budget -= unit_device_bytes(placed[0], compute_dtype, with_compute=False)
     return k, int(budget)
+
+
+# The capacity share: when the exclusive device-state layers the "auto" share holds do not make the host
+# store fit, the planner may make more leading layers exclusive, in the free device memory (capped by
+# gpu_memory_limit) less the streamed schedule's minimum (streamed_minimum.streamed_device_bytes) less an
+# activation reserve. A capacity choice, taken only when the host would otherwise not hold the model: the
+# kept graphs of activation_policy="auto" then get what the reserve leaves. With a batch known
+# (megatrain.estimate) the reserve is the estimate's own activation + logits bytes; without one (wrap) it
+# is this fraction of the free device memory: a guess, to be measured on the H200 (the estimate gives
+# ~16 GiB, 11% of 141 GiB, for a 14B Llama at 4 x 4096 tokens under recompute).
+CAPACITY_ACTIVATION_RESERVE_FRACTION = 0.2
+
+
+def capacity_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: int, num_slots: int,
+                  reserve_bytes: Optional[int] = None) -> dict:
+    """The capacity share of the device for exclusive device-state layers (see
+    ``CAPACITY_ACTIVATION_RESERVE_FRACTION``): how many leading decoder layers of ``units`` have their whole
+    device state (compute copy + 4 fp32 sections, :func:`unit_device_bytes`) in it.
+
+    Args:
+        units: the engine's units (``kind``, ``template``, ``entries``), in forward order.
+        layout: the store's layout (``HostStore.layout_required``: ``unit_numel`` / ``unit_state_numel``).
+        free_bytes: free device bytes (capped by ``gpu_memory_limit``).
+        num_slots: the streamed schedule's device slots per layer shape.
+        reserve_bytes: device bytes kept for activations and logits (None: the fraction of ``free_bytes``).
+
+    Returns:
+        dict: ``layers`` (K), ``budget_bytes`` (``free_bytes - streamed_bytes - reserve_bytes``, >= 0),
+        ``free_bytes``, ``streamed_bytes`` (layer slots + resident unit with its gradients),
+        ``reserve_bytes`` and ``reserve`` (``"batch"``: given; ``"fraction"``: the default share).
+    """
+    from types import SimpleNamespace
+
+    from .streamed_minimum import streamed_device_bytes
+
+    free = max(0, int(free_bytes))
+    slots, resident = streamed_device_bytes(units, layout["unit_numel"], compute_dtype, num_slots)
+    source = "fraction" if reserve_bytes is None else "batch"
+    reserve = int(CAPACITY_ACTIVATION_RESERVE_FRACTION * free) if reserve_bytes is None else int(reserve_bytes)
+    budget = max(0, free - slots - resident - reserve)
+    view = [SimpleNamespace(numel=int(layout["unit_numel"][k]), state_numel=int(layout["unit_state_numel"][k]))
+            for k, u in enumerate(units) if u.kind == "layer"]
+    k = plan_device_state_layers(view, compute_dtype, budget, fraction=1.0)
+    return dict(layers=k, budget_bytes=budget, free_bytes=free, streamed_bytes=slots + resident,
+                reserve_bytes=reserve, reserve=source)
 
 
 def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_bytes: int,

@@ -30,6 +30,7 @@ import torch
 from ...byte_units import format_bytes, parse_bytes
 from ..._loader import load_extension
 from ...state.atomic import write_probe_error
+from .device_state_plan import CAPACITY_ACTIVATION_RESERVE_FRACTION
 from .device_tier import scratch_bytes
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
 from .host_memory import host_budget_shortfall
@@ -174,13 +175,17 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
                  offload_dir: Optional[str], host_memory_limit: Optional[int], reclaimable_bytes: int = 0,
                  cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
                  check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None,
-                 exclusive_ok: bool = False, device_free: Optional[int] = None) -> OffloadPlan:
+                 exclusive_ok: bool = False, device_free: Optional[int] = None, num_slots: int = 2,
+                 activation_reserve: Optional[int] = None) -> OffloadPlan:
     """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
     allocated or written.
 
     Order of preference: everything in the host store; then *exclusive* device-state layers (their
     fp32 state held on the device alone, the host store keeping their compute copy; :mod:`.device_tier`),
-    the fewest leading layers (0, then 0..1, ...) that make the host part fit; then, with ``offload_dir``
+    the fewest leading layers (0, then 0..1, ...) that make the host part fit: under ``device_free``, first of
+    those the ``"auto"`` share holds, and when that is too few, of those the *capacity share* holds
+    (:func:`~.device_state_plan.capacity_room`: the free device bytes less the streamed schedule's minimum
+    and an activation reserve; ``plan.exclusive_share`` says which); then, with ``offload_dir``
     and every layer the device budget allows exclusive, the deepest layers' fp32 state on disk, as few
     as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive one).
     The device-state layers that need not be exclusive keep their host sections (the placement planner
@@ -205,7 +210,11 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         exclusive_ok: device-state layers may hold their fp32 state on the device only (not under data parallel).
         device_free: ``device_state_layers="auto"`` / ``"boundary"``: the free device bytes (capped by
             ``gpu_memory_limit``) in which the ``"auto"`` rule (:func:`~.device_state_plan.exclusive_room`)
-            sizes how many leading layers may be exclusive. None: ``keep_layers`` of them may.
+            sizes how many leading layers may be exclusive, and in which the capacity share is taken when
+            that is too few. None: ``keep_layers`` of them may.
+        num_slots: the engine's device slots per layer shape (the streamed schedule's minimum).
+        activation_reserve: device bytes the capacity share keeps for activations and logits (the estimate's,
+            when the batch is known); None: ``CAPACITY_ACTIVATION_RESERVE_FRACTION`` of ``device_free``.
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer exclusive / on disk, or
@@ -238,6 +247,13 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     need = need_of([], 0)
     n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
         units, need, compute_dtype, keep_layers, device_free)
+    n_auto, capacity = n_excl, None
+    if exclusive_ok and device_free is not None and n_excl < len(layers) and not fits(need_of(layers[:n_excl], 0)):
+        from .device_state_plan import capacity_room  # the auto share holds too few: the capacity share
+
+        capacity = capacity_room(units, need["host_plan"]["layout"], compute_dtype, device_free, num_slots,
+                                 activation_reserve)
+        n_excl = max(n_excl, capacity["layers"])
     cands = list(reversed(layers[max(keep_layers, n_excl):])) if offload_dir is not None else []  # deepest first
     chosen = need if fits(need) else None
     for excl, n in ([] if chosen is not None else _configs(layers, n_excl, len(cands))[1:]):
@@ -246,7 +262,9 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
             chosen = need
             break
     plan = _plan_of(chosen if chosen is not None else need, offload_dir, host_memory_limit, with_accumulator)
-    plan.exclusive_max, plan.device_budget_bytes = n_excl, budget
+    plan.exclusive_max, plan.device_budget_bytes, plan.capacity = n_auto, budget, capacity
+    k = len(plan.exclusive_units)
+    plan.exclusive_share = None if not k else "explicit" if device_free is None else "auto" if k <= n_auto else "capacity"
     if offload_dir is not None:
         plan.free_bytes = free_bytes(offload_dir)
     if chosen is None and offload_dir is None and exclusive_ok:  # how many exclusive layers would fit
@@ -297,7 +315,7 @@ def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, 
         budget = plan.device_budget_bytes or 0
         msg += (f"the device budget ({_gib(budget)}: device_state_layers='auto''s share of the free device memory, "
                 "capped by gpu_memory_limit) holds "
-                f"the whole state of {plan.exclusive_max} decoder layers, ")
+                f"the whole state of {plan.exclusive_max} decoder layers, " + capacity_words(plan.capacity))
         msg += (f"but the fp32 state of {fewest} layers (0..{fewest - 1}) would have to live on the device only; "
                 "raise gpu_memory_limit or free device memory, " if fewest else
                 f"and even with every decoder layer's fp32 state on the device only the host needs "
@@ -310,6 +328,18 @@ def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, 
                 f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
     return msg + ("pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not "
                   "fit there, or raise host_memory_limit. Nothing was allocated.")
+
+
+def capacity_words(capacity: Optional[dict]) -> str:
+    """The capacity share's numbers for a message (``''`` when it was not sized): its budget, how it is made
+    and how many decoder layers' whole state it holds."""
+    if not capacity:
+        return ""
+    why = "the batch's activation estimate" if capacity["reserve"] == "batch" else (
+        f"{CAPACITY_ACTIVATION_RESERVE_FRACTION:.0%} of the free memory, no batch known")
+    return (f"its capacity share ({_gib(capacity['budget_bytes'])}: {_gib(capacity['free_bytes'])} free less "
+            f"{_gib(capacity['streamed_bytes'])} for the streamed schedule and a {_gib(capacity['reserve_bytes'])} "
+            f"activation reserve, {why}) the whole state of {capacity['layers']} decoder layers, ")
 
 
 def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:

@@ -19,8 +19,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from .assumed_machine import AssumedMachine
-from .estimate_bytes import (DevicePart, HostPart, activation_bytes, activation_floor_bytes, all_frozen, device_part,
-                             host_part, logits_bytes, long_context_rows, offload_would_fit)
+from .estimate_bytes import (DevicePart, HostPart, activation_bytes, activation_floor_bytes, activation_reserve,
+                             all_frozen, device_part, host_part, logits_bytes, long_context_rows, offload_would_fit)
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
 from .model_shape import WEIGHT_FILES, ModelShape, has_weight_files, model_to_plan  # noqa: F401 - WEIGHT_FILES: public here
 from .streamed_minimum import check_streamed_minimum
@@ -194,10 +194,12 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
                 e.frozen = not run.trainable(e.name)
     cuda = opts.device.type == "cuda"
     margin = run.host_margin_bytes
-    hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine)
-    dev = device_part(units, hp, opts, margin)
     tokens = run.tokens
     shape = ModelShape.of(config)
+    reserve = activation_reserve(module, shape, layers, tokens, opts, run.machine)  # the capacity share's
+    hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine,
+                   reserve)
+    dev = device_part(units, hp, opts, margin)
     # a cap that cannot hold even the streamed schedule is refused, as wrap refuses it
     check_streamed_minimum(options.gpu_memory_limit, dev.limit_bytes, dev.slot_bytes, dev.resident_bytes,
                            opts.num_slots, activation_floor_bytes(shape, tokens, dev.elem), "megatrain.estimate")
@@ -205,10 +207,12 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     # the rows and the policy are then those of ample memory, and the device part is not checked.
     host_short_cpu = not cuda and hp.short is not None
     rows_free = None if host_short_cpu else dev.free
+    if cuda and rows_free is not None:  # the exclusive layers' state is on the device before any activation
+        rows_free = max(0, rows_free - hp.exclusive_device_bytes)
     rows = long_context_rows(module, shape, layers, tokens, dev.elem, rows_free, opts.chunked_loss, opts.tile_mlp)
     act, chosen = activation_bytes(shape, len(layers), tokens, dev.elem, opts.activation_policy, rows_free, rows[1])
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])
-    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_bytes + act + logits
+    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_device_bytes + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
     judged = run.machine.host_bytes is not None or not run_options().skip_host_memory_check
     checked = cuda or (tokens > 0 and judged and not host_short_cpu)
@@ -257,7 +261,11 @@ def _result(module, layers, opts, run: EstimateRun, hp: HostPart, dev: DevicePar
         device_name=run.machine.gpu_name if cuda and run.machine.gpu_bytes is not None else device_name(opts.device),
         host_memory_given=run.machine.host_bytes, gpu_memory_given=run.machine.gpu_bytes,
         exclusive_layers=len(oplan.exclusive_units), exclusive_bytes=hp.exclusive_bytes,
-        exclusive_max=oplan.exclusive_max, exclusive_needed=oplan.exclusive_needed)
+        exclusive_max=oplan.exclusive_max, exclusive_needed=oplan.exclusive_needed,
+        exclusive_device_bytes=hp.exclusive_device_bytes, exclusive_share=oplan.exclusive_share,
+        capacity_max=oplan.capacity["layers"] if oplan.capacity else None,
+        capacity_budget_bytes=oplan.capacity["budget_bytes"] if oplan.capacity else None,
+        activation_reserve_bytes=oplan.capacity["reserve_bytes"] if oplan.capacity else None)
 
 
 def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, cpu_device_bytes: int,
@@ -311,8 +319,10 @@ def _exclusive_reasons(est: MemoryEstimate, oplan) -> None:
     many would have to be exclusive (the same planning as wrap's, :func:`~.disk_plan.plan_offload`)."""
     if oplan.exclusive_needed is None or est.host_fits:
         return
+    cap = (f" ('auto' share) and its capacity share {oplan.capacity['layers']} ({_fmt(oplan.capacity['budget_bytes'])} "
+           f"with a {_fmt(oplan.capacity['reserve_bytes'])} activation reserve)" if oplan.capacity else "")
     est.reasons.append(f"the fp32 state of {oplan.exclusive_needed} decoder layers would have to live on the GPU only "
-                       f"for the host part to fit, but the device budget holds {oplan.exclusive_max}")
+                       f"for the host part to fit, but the device budget holds {oplan.exclusive_max}{cap}")
     est.advice.append("raise gpu_memory_limit (or use a GPU with more memory), raise host_memory_limit / host memory, "
                       "or pass offload_dir=<a local disk>")
 

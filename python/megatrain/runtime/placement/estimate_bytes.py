@@ -123,6 +123,7 @@ class HostPart:
     limit_name: Optional[str]
     machine: AssumedMachine = AssumedMachine()  # the machine judged (default: this one)
     exclusive_bytes: int = 0  # the exclusive device-state layers' fp32 state, on the device instead of the host
+    exclusive_device_bytes: int = 0  # their whole device state: compute copy + 4 fp32 sections (18 B/param in bf16)
 
 
 def gpu_free(opts, machine: AssumedMachine) -> tuple:
@@ -145,9 +146,27 @@ def gpu_free(opts, machine: AssumedMachine) -> tuple:
     return None, None
 
 
-def _exclusive_args(opts, machine: AssumedMachine) -> dict:
+def activation_reserve(module, shape: Optional[ModelShape], layers, tokens: int, opts,
+                       machine: AssumedMachine) -> Optional[int]:
+    """Device bytes the capacity share of exclusive device-state layers keeps for one micro-batch of ``tokens``
+    tokens (:func:`~.device_state_plan.capacity_room`): activations and logits under ``opts``' policy, under
+    ``auto`` those of ``recompute`` (what it falls back to when the state leaves no room for graphs), the loss
+    chunks and MLP tiles chosen in the whole free GPU memory. None (the default fraction is used then): no
+    batch, no model shape, or no CUDA device."""
+    if not tokens or shape is None or opts.device.type != "cuda":
+        return None
+    free = gpu_free(opts, machine)[0]
+    elem = torch.tensor([], dtype=opts.compute_dtype).element_size()
+    rows = long_context_rows(module, shape, layers, tokens, elem, free, opts.chunked_loss, opts.tile_mlp)
+    policy = ActivationPolicy("recompute") if opts.activation_policy.is_auto else opts.activation_policy
+    act, _ = activation_bytes(shape, len(layers), tokens, elem, policy, free, rows[1])
+    return act + logits_bytes(shape, tokens, elem, rows[0])
+
+
+def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None) -> dict:
     """:func:`~.disk_plan.plan_offload`'s exclusive-layer arguments as ``wrap`` would give them: an explicit
-    ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes."""
+    ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes, with
+    ``num_slots`` and the capacity share's activation ``reserve`` (:func:`activation_reserve`)."""
     from .device_state_plan import resolve_device_state_layers
 
     layers = resolve_device_state_layers(getattr(opts, "device_state_layers", None), opts.activation_policy,
@@ -157,13 +176,14 @@ def _exclusive_args(opts, machine: AssumedMachine) -> dict:
     if isinstance(layers, int):
         return dict(keep_layers=layers, exclusive_ok=layers > 0)
     free = gpu_free(opts, machine)[0]
-    return dict(exclusive_ok=free is not None, device_free=free)
+    return dict(exclusive_ok=free is not None, device_free=free, num_slots=opts.num_slots, activation_reserve=reserve)
 
 
 def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accumulation_steps: int,
-              margin: int, machine: AssumedMachine = AssumedMachine()) -> HostPart:
+              margin: int, machine: AssumedMachine = AssumedMachine(), reserve: Optional[int] = None) -> HostPart:
     """The host store, staging, accumulator and disk-tier buffers ``wrap`` would allocate (the engine's
-    own planning), and the budget check's verdict with ``margin`` bytes kept free on ``machine``."""
+    own planning), and the budget check's verdict with ``margin`` bytes kept free on ``machine``;
+    ``reserve``: the capacity share's activation reserve (:func:`activation_reserve`)."""
     from .disk_plan import plan_offload
     from ..options import options
 
@@ -179,13 +199,16 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                          host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
                          num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
                          limits=machine.host_limits() if machine.host_bytes is not None else None,
-                         **_exclusive_args(opts, machine))
+                         **_exclusive_args(opts, machine, reserve))
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
     store, staging = plan["store_bytes"], plan["staging_bytes"]
     pools = oplan.pool_bytes + oplan.accum_pool_bytes
     per = 16 if oplan.with_accumulator else 12  # fp32 master, exp_avg, exp_avg_sq [, accumulator] per element
     excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) for k in oplan.exclusive_units)
+    elem = torch.tensor([], dtype=opts.compute_dtype).element_size()  # their device state (DeviceUnit's buffers)
+    excl_dev = sum(elem * int(plan["layout"]["unit_numel"][k]) + 16 * int(plan["layout"]["unit_state_numel"][k])
+                   for k in oplan.exclusive_units)
     host = store + staging + accum + pools + oplan.scratch_bytes  # (a device-tier window's scratch buffer)
     pinned = store + staging if cuda else 0
     limits = machine.host_limits()
@@ -209,7 +232,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                     reclaim=reclaim, accum=accum, store=store, staging=staging, pools=pools, host=host, pinned=pinned,
                     short=short, over_limit=opts.host_memory_limit is not None and host > opts.host_memory_limit,
                     tightest=cands[0] if cands else None, available=available, limit_name=limit_name,
-                    machine=machine, exclusive_bytes=excl)
+                    machine=machine, exclusive_bytes=excl, exclusive_device_bytes=excl_dev)
 
 
 @dataclass

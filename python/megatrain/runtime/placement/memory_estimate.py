@@ -83,8 +83,13 @@ class MemoryEstimate:
     host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's)
     gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
-    exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): in gpu_bytes, not host_bytes
+    exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): out of host_bytes
     exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
+    exclusive_device_bytes: int = 0  # their whole device state (compute copy + 4 fp32 sections): in gpu_bytes
+    exclusive_share: Optional[str] = None  # "auto" / "capacity" / "explicit" (placement()'s), None: none
+    capacity_max: Optional[int] = None  # how many the capacity share holds (sized when the "auto" share is too few)
+    capacity_budget_bytes: Optional[int] = None  # its device bytes: free - streamed schedule - activation reserve
+    activation_reserve_bytes: Optional[int] = None  # the reserve it kept (this batch's estimate, or a default share)
     exclusive_needed: Optional[int] = None  # when that is too few: how many would make the host part fit
     reasons: List[str] = field(default_factory=list)  # why it does not fit (one line each)
     advice: List[str] = field(default_factory=list)  # what to change
@@ -131,8 +136,11 @@ class MemoryEstimate:
         """One line: where the fp32 state lives (host store, exclusive device-state layers, disk) and the verdict."""
         k = self.exclusive_layers
         host = self.num_layers - k - self.disk_layers
-        excl = (f"{k} (layers 0..{k - 1}, {_fmt(self.exclusive_bytes)} on the device)" if k else "none")
-        need = (f"; {self.exclusive_needed} would have to be, the device budget holds {self.exclusive_max}"
+        share = " beyond the 'auto' share: the capacity share" if self.exclusive_share == "capacity" else ""
+        excl = (f"{k} (layers 0..{k - 1}, {_fmt(self.exclusive_device_bytes)} on the device{share})" if k else "none")
+        cap = (f" ('auto' share), {self.capacity_max} (capacity share: {_fmt(self.capacity_budget_bytes)} with a "
+               f"{_fmt(self.activation_reserve_bytes)} activation reserve)" if self.capacity_max is not None else "")
+        need = (f"; {self.exclusive_needed} would have to be, the device budget holds {self.exclusive_max}{cap}"
                 if self.exclusive_needed else "")
         return (f"tiers: host store {host} layers' fp32 state; device-state exclusive layers {excl}{need}; disk "
                 f"{self.disk_layers} layers: host + device " + ("hold it" if self.fits else "DO NOT hold it"))

@@ -32,6 +32,12 @@ class OffloadPlan:
         exclusive_max: how many leading decoder layers may be exclusive: an explicit ``device_state_layers=K``,
             or what the ``"auto"`` rule places in the free device memory (``device_budget_bytes``).
         device_budget_bytes: the device bytes that rule lets the layers use (None: an explicit K, not sized).
+        capacity: when the ``"auto"`` share holds too few exclusive layers for the host part to fit, the
+            capacity share (:func:`~.device_state_plan.capacity_room`'s dict: ``layers``, ``budget_bytes``,
+            ``free_bytes``, ``streamed_bytes``, ``reserve_bytes``, ``reserve``); else None.
+        exclusive_share: which rule made the exclusive layers: ``"auto"`` (the ``"auto"`` share),
+            ``"capacity"`` (more than it: the capacity share), ``"explicit"`` (of ``device_state_layers=K``),
+            None (no exclusive layer).
         exclusive_needed: (a refused plan only) the fewest leading layers that would have to be exclusive for
             the host part to fit, None when even every layer would not.
         pinned_bytes: the page-locked part (CUDA: store + staging).
@@ -58,6 +64,8 @@ class OffloadPlan:
     all_exclusive_bytes: int = 0
     exclusive_max: int = 0
     device_budget_bytes: Optional[int] = None
+    capacity: Optional[dict] = None
+    exclusive_share: Optional[str] = None
     exclusive_needed: Optional[int] = None
     free_bytes: Optional[int] = None
     with_accumulator: bool = False
