@@ -205,6 +205,7 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
     cfg = getattr(model, "config", None)
     long_context.check(model, layers, opts.chunked_loss, opts.tile_mlp)
     check_wrap_gpu_memory_limit(units, opts, options.gpu_memory_limit)  # a cap below the streamed schedule's need
+    del units  # their entries hold the parameters: the engine's fill frees each layer's weights as it copies them
     # Liger's kernels bound on the modules before the engine swaps their classes (megatrain.runtime.model.fused_kernels)
     liger = apply_liger_kernel(model, layers, required=options.liger_kernel is True) if opts.liger_kernel else None
     # A KV cache updated inside a recomputed layer would be updated twice. A multimodal wrapper's text
