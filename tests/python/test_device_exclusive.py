@@ -356,3 +356,23 @@ def test_cuda_bf16_exclusive_layers_train_like_host_sections_and_resume(tmp_path
         for a, b in zip(run(model, opt, batches[5:]), lb[5:]):
             assert abs(a - b) <= 1e-3 * abs(a), mgn
         model.megatrain.close()
+
+
+def test_a_write_into_an_exclusive_layers_state_dict_copy_is_refused_not_lost():
+    """``model.state_dict()`` of an exclusive layer is a copy of the device master (there is no host view):
+    an in-place write into it cannot reach the weights, so the next forward refuses it in one line naming
+    the way that works (``load_state_dict``) instead of training on as if it had been applied."""
+    model = _wrap()
+    assert model.megatrain.placement()["exclusive_layers"] == [0, 1]
+    name = "model.layers.0.mlp.down_proj.weight"
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
+    sd = model.state_dict()
+    sd[name].mul_(0)
+    with pytest.raises(RuntimeError, match=r"exclusive device-state layer.*model\.load_state_dict") as ei:
+        model(input_ids=x, labels=x)
+    assert "\n" not in str(ei.value)
+    assert model.state_dict()[name].abs().sum() > 0  # nothing applied
+    model(input_ids=x, labels=x)  # refused once: the next forward runs
+    model.load_state_dict({name: torch.zeros_like(sd[name])}, strict=False)  # the way that works
+    assert model.state_dict()[name].abs().sum() == 0
+    model.megatrain.close()
