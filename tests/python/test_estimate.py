@@ -85,6 +85,14 @@ def test_estimate_of_a_module_with_frozen_parameters_equals_wrap():
         megatrain.estimate(wrapped)
 
 
+def test_unknown_keywords_with_a_module_are_refused():
+    """A misspelt option (``host_memroy=``) or one ``estimate`` does not take was ignored for an ``nn.Module``
+    (it goes to ``from_config`` only for a config or a directory), so the estimate judged another setting."""
+    model = AutoModelForCausalLM.from_config(_llama())
+    with pytest.raises(TypeError, match=r"^megatrain.estimate: unexpected keyword argument\(s\) host_memroy "):
+        megatrain.estimate(model, device="cpu", host_memroy="1B")
+
+
 def test_trainable_and_transform_freeze_like_from_config_does():
     cfg = _llama()
 

@@ -76,6 +76,7 @@ def model_to_plan(model, model_kwargs: dict, transform):
 
     Raises:
         ValueError: an already wrapped module, or ``transform`` with a module.
+        TypeError: ``model_kwargs`` with a module (nothing to pass them to: a misspelt option).
         CheckpointError: a path that is not a local directory, without ``config.json``, or whose
             safetensors lack a parameter of the model.
         TypeError: anything else than a module, a config or a path.
@@ -89,6 +90,9 @@ def model_to_plan(model, model_kwargs: dict, transform):
         if transform is not None:
             raise ValueError("megatrain.estimate: transform= applies to a config or a model directory; transform "
                              "the module before estimating it")
+        if model_kwargs:  # they would go to AutoModelForCausalLM.from_config: a module has none, a typo is not ignored
+            raise TypeError(f"megatrain.estimate: unexpected keyword argument(s) {', '.join(sorted(model_kwargs))} "
+                            "(model keyword arguments apply to a config or a model directory, not an nn.Module)")
         return model, getattr(model, "config", None), True
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
