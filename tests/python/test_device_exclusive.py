@@ -376,3 +376,38 @@ def test_a_write_into_an_exclusive_layers_state_dict_copy_is_refused_not_lost():
     model.load_state_dict({name: torch.zeros_like(sd[name])}, strict=False)  # the way that works
     assert model.state_dict()[name].abs().sum() == 0
     model.megatrain.close()
+
+
+@pytest.mark.parametrize("placement", ["host", "device", "exclusive"])
+def test_replacing_a_moment_tensor_is_the_state_from_then_on_as_in_torch(placement):
+    """``optimizer.state[p]["exp_avg"] = t`` makes ``t``'s values the moment the next update reads, and
+    ``optimizer.state[p]`` / ``state_dict()`` keep returning them (before: the update kept the old moment
+    while the dict returned ``t``), for a layer in the host store, on the device, and exclusive there."""
+    batches = make_batches(VOCAB, 4, 1, 2, 8, seed=7)
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=PARITY_EPS, weight_decay=0.0)
+    if placement == "host":
+        model = megatrain.wrap(_model(), device="cpu")
+    else:
+        model = _wrap(exclusive=placement == "exclusive")
+        assert bool(model.megatrain.placement()["exclusive_layers"]) == (placement == "exclusive")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, eps=PARITY_EPS, weight_decay=0.0)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    p, rp = dict(model.named_parameters())[name], dict(ref.named_parameters())[name]
+    for k, (x,) in enumerate(batches):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(input_ids=x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad()
+        if k == 1:
+            ref_opt.state[rp]["exp_avg"] = torch.full_like(ref_opt.state[rp]["exp_avg"], 1e-3)
+            opt.state[p]["exp_avg"] = torch.full(p.shape, 1e-3)
+    got = megatrain.master_state_dict(model)
+    for n, want in ref.named_parameters():
+        assert_close_rel(got[n], want.detach(), 1e-5, n)
+    assert_close_rel(opt.state[p]["exp_avg"], ref_opt.state[rp]["exp_avg"], 1e-5, "exp_avg")
+    saved = opt.state_dict()["state"]
+    assert any(torch.equal(s["exp_avg"], opt.state[p]["exp_avg"]) for s in saved.values())
+    with pytest.raises(ValueError, match="must keep its shape"):
+        opt.state[p]["exp_avg"] = torch.zeros(3)
+    model.megatrain.close()

@@ -45,6 +45,32 @@ class ParamState(dict):
         self._wait()
         return value_of(super().__getitem__(k))
 
+    def __setitem__(self, k, v):
+        """``optimizer.state[p]["exp_avg"] = t`` (or ``exp_avg_sq``): as in torch, ``t`` is the state from now
+        on: its values are copied into the moment the update reads (the store's, or the device's), which
+        ``optimizer.state[p][k]`` keeps returning. Other keys (``step``) are set as given.
+
+        Raises:
+            RuntimeError: the parameter's state is in the disk tier (use ``optimizer.load_state_dict``).
+            ValueError: ``t`` does not have the moment's shape.
+        """
+        import torch
+
+        cur = super().get(k) if k in ("exp_avg", "exp_avg_sq") else None
+        if cur is None:
+            return super().__setitem__(k, v)
+        if isinstance(cur, TierValue):
+            raise RuntimeError(f"megatrain: optimizer.state[p][{k!r}] of a parameter whose state is in the disk tier "
+                               "cannot be replaced (its values are read from the tier at each access); set it with "
+                               "optimizer.load_state_dict(...)")
+        cur = self[k]  # waits for the update in flight; hands the sections out writable
+        v = torch.as_tensor(v)
+        if tuple(v.shape) != tuple(cur.shape):
+            raise ValueError(f"megatrain: optimizer.state[p][{k!r}] must keep its shape {tuple(cur.shape)}, "
+                             f"got {tuple(v.shape)}")
+        with torch.no_grad():
+            cur.copy_(v)
+
     def get(self, k, default=None):
         self._wait()
         return value_of(super().get(k, default))
