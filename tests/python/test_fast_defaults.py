@@ -96,7 +96,8 @@ def test_cpu_default_is_the_streamed_recompute_engine_as_before():
         model.megatrain.close()
 
 
-@pytest.mark.parametrize("limit, want", [(0.5, int(0.5 * 141 * GiB)), (1.0, 141 * GiB), (40 * GiB, 40 * GiB)])
+@pytest.mark.parametrize("limit, want", [(0.5, int(0.5 * 141 * GiB)), (1.0, 141 * GiB), (40 * GiB, 40 * GiB),
+                                         ("40GiB", 40 * GiB), ("1.5TB", 1_500_000_000_000)])
 def test_gpu_memory_limit_reaches_the_engine_in_bytes(fake_cuda, limit, want):
     with pytest.raises(_Built):
         megatrain.wrap(_tiny_llama(), gpu_memory_limit=limit)
@@ -110,7 +111,7 @@ def test_estimate_on_cuda_defaults_to_auto_and_takes_the_cap():
 
 
 @pytest.mark.parametrize("bad", [0, -1, 100, (1 << 20) - 1, 0.0, -0.5, 1.5, 2.0, float("nan"), float("inf"), True,
-                                 "40GiB", "0.5", [1]])
+                                 "40 gigs", "0.5", "1KiB", [1]])
 def test_bad_gpu_memory_limit_raises_one_line_before_anything_is_built(bad):
     model = _tiny_llama()
     before = type(model.model.layers[0])

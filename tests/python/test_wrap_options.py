@@ -73,8 +73,8 @@ BAD = [
                                    "whole training state on the device), 'auto' or 'boundary', got -1"),
     (dict(liger_kernel="on"), "megatrain.wrap: liger_kernel must be None (on when liger-kernel is installed and the "
                               "device is CUDA), True (required) or False (off), got 'on'"),
-    (dict(gpu_memory_limit=1.5), "megatrain.wrap: gpu_memory_limit must be a number of bytes (an int >= 1048576) or a "
-                                 "fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
+    (dict(gpu_memory_limit=1.5), "megatrain.wrap: gpu_memory_limit must be a number of bytes (an int >= 1048576, or a "
+                                 "string such as '40GiB') or a fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
     (dict(offload_dir=""), "megatrain.wrap: offload_dir must be a directory path, got ''"),
     (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
                                 "string such as '100GiB' or '1.5TB') or None, got 0"),

@@ -51,7 +51,8 @@ class WrapOptions:
             ``"1.5TB"`` (:func:`~megatrain.byte_units.parse_bytes`; held as the int), or None.
         reuse_attention: ``block:K`` keeps the attention outputs of the block re-run (bool).
         lean_activations: the lean RMSNorm / gated-MLP graphs (bool).
-        gpu_memory_limit: None, bytes (int >= 1 MiB) or a fraction of the device's memory (float in (0, 1]).
+        gpu_memory_limit: None, bytes (int >= 1 MiB, or a string such as ``"40GiB"``) or a fraction of the
+            device's memory (float in (0, 1]).
         liger_kernel: ``None`` (when installed and on CUDA), ``True`` (required) or ``False``.
 
     Args:
@@ -74,7 +75,7 @@ class WrapOptions:
     host_memory_limit: Optional[Union[int, str]] = None
     reuse_attention: bool = True
     lean_activations: bool = False
-    gpu_memory_limit: Optional[Union[int, float]] = None
+    gpu_memory_limit: Optional[Union[int, float, str]] = None
     liger_kernel: Optional[bool] = None
     where: InitVar[str] = "megatrain.WrapOptions"
 
@@ -139,7 +140,8 @@ class WrapOptions:
             ActivationPolicy.parse(self.activation_policy, f"{where}: activation_policy")
         check_device_state_layers(self.device_state_layers, f"{where}: device_state_layers")
         check_liger_kernel(self.liger_kernel, f"{where}: liger_kernel")
-        check_gpu_memory_limit(self.gpu_memory_limit, f"{where}: gpu_memory_limit")
+        object.__setattr__(self, "gpu_memory_limit",
+                           check_gpu_memory_limit(self.gpu_memory_limit, f"{where}: gpu_memory_limit"))
         check_offload_dir_value(self.offload_dir, where)
         object.__setattr__(self, "host_memory_limit", check_host_memory_limit(self.host_memory_limit, where))
         _check_mode(self.chunked_loss, "chunked_loss", where)

@@ -187,31 +187,44 @@ def plan_boundary_units(resident, first_layer, compute_dtype: torch.dtype, free_
 MIN_GPU_MEMORY_LIMIT_BYTES = 1 << 20
 
 
-def check_gpu_memory_limit(value, what: str = "megatrain.wrap: gpu_memory_limit") -> None:
-    """Raise ``ValueError`` (one line) unless ``value`` is None, an int of bytes >= 1 MiB, or a float in (0, 1]
-    (a fraction of the device's memory)."""
+def check_gpu_memory_limit(value, what: str = "megatrain.wrap: gpu_memory_limit"):
+    """``value`` checked and normalised: None, an int of bytes >= 1 MiB (a string such as ``"40GiB"`` is read
+    by :func:`~megatrain.byte_units.parse_bytes`, as ``host_memory_limit``'s is), or a float in (0, 1] (a
+    fraction of the device's memory). Returns None, the int of bytes, or the float.
+
+    Raises:
+        ValueError: one line naming the value.
+    """
     if value is None:
-        return
+        return None
+    given = value
+    if isinstance(value, str):
+        from ...byte_units import parse_bytes
+        try:
+            value = parse_bytes(value)
+        except ValueError:
+            pass  # refused below, with the value as given
     if isinstance(value, float) and 0.0 < value <= 1.0:
-        return
+        return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= MIN_GPU_MEMORY_LIMIT_BYTES:
-        return
+        return value
     hint = " (an int is bytes: for a share of the device write a float, e.g. 1.0)" if (
         isinstance(value, int) and not isinstance(value, bool) and 0 < value < MIN_GPU_MEMORY_LIMIT_BYTES) else ""
-    raise ValueError(f"{what} must be a number of bytes (an int >= {MIN_GPU_MEMORY_LIMIT_BYTES}) or a fraction of the "
-                     f"device's memory (a float in (0, 1], e.g. 0.5), got {value!r}{hint}")
+    raise ValueError(f"{what} must be a number of bytes (an int >= {MIN_GPU_MEMORY_LIMIT_BYTES}, or a string such as "
+                     f"'40GiB') or a fraction of the device's memory (a float in (0, 1], e.g. 0.5), got {given!r}{hint}")
 
 
 def resolve_gpu_memory_limit(value, device: torch.device, total_bytes: Optional[int] = None) -> Optional[int]:
     """``gpu_memory_limit`` in bytes (checked by :func:`check_gpu_memory_limit`), or None (no cap).
 
     Args:
-        value: None, an int (bytes) or a float in (0, 1] (a fraction of the device's memory).
+        value: None, an int (bytes), a size string (``"40GiB"``) or a float in (0, 1] (a fraction of the
+            device's memory).
         device: the compute device. On the CPU backend the cap does not apply (None): the "device"
             memory there is host memory, bounded by ``host_memory_limit`` instead.
         total_bytes: the device's memory; default ``torch.cuda.get_device_properties(device).total_memory``.
     """
-    check_gpu_memory_limit(value)
+    value = check_gpu_memory_limit(value)
     if value is None or torch.device(device).type != "cuda":
         return None
     if isinstance(value, float):
