@@ -12,6 +12,24 @@ from parity import assert_close_rel
 from test_parity_cpu import RTOL, tiny
 
 
+
+def _forward_in_another_thread(model, x) -> list:
+    """Run ``model(input_ids=x, labels=x)`` on a new thread (waiting up to 30 s): ``["ran"]``, ``[the
+    RuntimeError's message]``, or ``[]`` when it hangs."""
+    outcome = []
+
+    def forward():
+        try:
+            model(input_ids=x, labels=x)
+            outcome.append("ran")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    t.join(30)
+    return outcome
+
 def test_worker_failure_during_backward_leaves_no_unit_waiting_forever():
     # The LM head's eager update fails on the worker (a step count the Adam kernel refuses); the
     # failure surfaces at the next resident entry's hand-over (its update was already planned).
@@ -39,18 +57,7 @@ def test_worker_failure_during_backward_leaves_no_unit_waiting_forever():
     assert eng.worker.unfinished == 0
     stuck = [u.index for u in eng.units if not u.update_settled]
     assert not stuck, f"units {stuck} wait for an update that was never queued"
-    outcome = []
-
-    def forward():
-        try:
-            model(input_ids=x, labels=x)
-            outcome.append("ran")
-        except RuntimeError as e:
-            outcome.append(str(e))
-
-    t = threading.Thread(target=forward, daemon=True)
-    t.start()
-    t.join(30)
+    outcome = _forward_in_another_thread(model, x)
     assert outcome, "the next forward hangs"
     assert "CPU worker failed" in outcome[0] and "cannot train on" in outcome[0]  # sticky, not a hang
 
@@ -262,17 +269,6 @@ def test_worker_failure_is_what_another_thread_sees_while_the_failed_graph_is_st
     loss = model(input_ids=x, labels=x).loss  # held: its graph stays alive
     with pytest.raises(RuntimeError, match="CPU worker failed"):
         loss.backward()
-    outcome = []
-
-    def forward():
-        try:
-            model(input_ids=x, labels=x)
-            outcome.append("ran")
-        except RuntimeError as e:
-            outcome.append(str(e))
-
-    t = threading.Thread(target=forward, daemon=True)
-    t.start()
-    t.join(30)
+    outcome = _forward_in_another_thread(model, x)
     assert outcome and "CPU worker failed" in outcome[0], outcome
     del loss
