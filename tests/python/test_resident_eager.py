@@ -12,7 +12,6 @@ from parity import assert_close_rel
 from test_parity_cpu import RTOL, tiny
 
 
-
 def _forward_in_another_thread(model, x) -> list:
     """Run ``model(input_ids=x, labels=x)`` on a new thread (waiting up to 30 s): ``["ran"]``, ``[the
     RuntimeError's message]``, or ``[]`` when it hangs."""
@@ -29,6 +28,7 @@ def _forward_in_another_thread(model, x) -> list:
     t.start()
     t.join(30)
     return outcome
+
 
 def test_worker_failure_during_backward_leaves_no_unit_waiting_forever():
     # The LM head's eager update fails on the worker (a step count the Adam kernel refuses); the
