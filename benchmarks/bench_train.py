@@ -109,6 +109,9 @@ PRESETS = {
     "1b": dict(hidden=2048, layers=22, inter=5632, vocab=32000, heads=32, kv_heads=4, batch=4, seq=4096),
     # 6.74B params (Llama-2-7B shape).
     "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv_heads=32, batch=4, seq=4096),
+    # 8.47B params: the Llama-3-8B shape with 34 decoder layers (GQA, vocab 128256); its fp32 copy beside the host
+    # store would not fit a 125 GiB host, so megatrain builds it straight into the store (--mt-build from_config).
+    "8b": dict(hidden=4096, layers=34, inter=14336, vocab=128256, heads=32, kv_heads=8, batch=4, seq=4096),
     # ~4M params: CPU smoke test.
     "tiny": dict(hidden=256, layers=4, inter=704, vocab=2048, heads=4, kv_heads=2, batch=2, seq=128),
 }
@@ -147,6 +150,17 @@ def model_flops_per_step(n_params: int, m: dict, batch: int, seq: int) -> float:
     return 6.0 * n_params * batch * seq + 6.0 * m["layers"] * batch * seq ** 2 * m["heads"] * head_dim
 
 
+def llama_config(m: dict, seq: int):
+    """The ``transformers.LlamaConfig`` of shape ``m`` (untied embeddings, SDPA attention, no KV cache)."""
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["inter"],
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+        max_position_embeddings=max(seq, 2048), tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
 def build_model(m: dict, seq: int, init_device: str = "cpu"):
     """fp32 Llama on the CPU, seeded (identical initial weights in every child of a run).
 
@@ -156,11 +170,7 @@ def build_model(m: dict, seq: int, init_device: str = "cpu"):
     """
     import torch
     import transformers
-    cfg = transformers.LlamaConfig(
-        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["inter"],
-        num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
-        max_position_embeddings=max(seq, 2048), tie_word_embeddings=False, use_cache=False)
-    cfg._attn_implementation = "sdpa"
+    cfg = llama_config(m, seq)
     torch.manual_seed(0)
     with torch.device(init_device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -380,11 +390,17 @@ def run_megatrain(spec):
                     fused_grad_norms=mo.fused_grad_norms, cpp_slots=mo.cpp_slots, adam_threads=mo.adam_threads or "torch default",
                     optimizer="megatrain.optim.CPUAdamW", max_grad_norm=clip, grad_accum=ga, **OPT,
                     state="fp32 master + Adam m/v in host memory, layers streamed to GPU")
-    model = build_model(spec["model"], spec["seq"], spec["device"])
-    n_params = sum(p.numel() for p in model.parameters())
-    model = megatrain.wrap(model, device=dev, compute_dtype=cdt, **wrap_kw)
+    if spec.get("mt_build") == "from_config":  # straight into the host store (no fp32 copy on the host first)
+        cfg = llama_config(spec["model"], spec["seq"])
+        model = megatrain.from_config(cfg, seed=0, init_device=dev, device=dev, compute_dtype=cdt, **wrap_kw)
+        n_params = model.megatrain.stats()["num_params"]
+    else:
+        model = build_model(spec["model"], spec["seq"], spec["device"])
+        n_params = sum(p.numel() for p in model.parameters())
+        model = megatrain.wrap(model, device=dev, compute_dtype=cdt, **wrap_kw)
     eng = model.megatrain
     settings.update(wrap_kwargs={k: str(v) for k, v in wrap_kw.items()}, activation_policy=eng.activation_policy,
+                    build=spec.get("mt_build", "wrap"),
                     liger_kernel=eng.placement().get("liger_kernel"))
     if default:
         settings.update(num_slots=eng.num_slots, grad_accumulator=eng.accumulator_mode)
@@ -910,6 +926,10 @@ def main() -> None:
                          f"{' and '.join(PEER_SYSTEMS)} run only when named, from their public source at "
                          "$MEGATRAIN_PEERS_DIR/<name> (default .peers/<name>; missing: a skipped row)")
     ap.add_argument("--mt-policy", default="recompute", help="megatrain activation_policy: recompute | block:K")
+    ap.add_argument("--mt-build", choices=["wrap", "from_config"], default=None,
+                    help="megatrain rows: wrap(model) of the fp32 model built on the host (default), or "
+                         "megatrain.from_config straight into the host store (default for --preset 8b, whose fp32 "
+                         "copy beside the store would not fit a 125 GiB host)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"],
                     help="compute dtype of megatrain / autocast of torch_* (default: bf16 on cuda, fp32 on cpu, "
                          "where bf16 matmuls are emulated and very slow); fsdp2/deepspeed always bf16")
@@ -951,7 +971,8 @@ def main() -> None:
     if args.grad_accum < 1 or (args.max_grad_norm is not None and not args.max_grad_norm > 0):
         ap.error("--grad-accum must be >= 1 and --max-grad-norm > 0")
     base = dict(device=args.device, dtype=dtype, steps=args.steps, warmup=args.warmup, seed=args.seed, mt_policy=args.mt_policy,
-                profile=args.profile, max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, lr=args.lr)
+                profile=args.profile, max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, lr=args.lr,
+                mt_build=args.mt_build or ("from_config" if preset == "8b" else "wrap"))
 
     peak, gpu = args.peak_tflops, None
     if cuda:
