@@ -15,6 +15,7 @@
 #                                               disk_train (a 10B Llama, fp32 state 130 GiB > host, the deepest layers' state in
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
 #                                                 DISK_TRAIN_ARGS: extra bench_scale.py disk flags, e.g. --host-limit-gib 105)
+#                                               clip_tax (CLIP_PRESET, default 8b: wrap(model) with max_grad_norm 1.0, profiled, and without)
 #                                               pool (the largest Llama of the 14B shape host + GPU hold, as a user gets it: the layer count
 #                                                 searched with megatrain.estimate, then built and trained, max_grad_norm 1.0, 4 x 4096 tokens;
 #                                                 docs/benchmarks/scale_pool_h200.json; POOL_ARGS: extra bench_scale.py pool flags, e.g. --layers 48)
@@ -181,6 +182,14 @@ PY
       run disk_train timeout ${DISK_TRAIN_TIMEOUT:-590} python3 benchmarks/bench_scale.py disk \
         --dir "${DISK_DIR:-$PWD/build/disk_train}" --timeout 570 ${DISK_TRAIN_ARGS:-}
       rm -rf "${DISK_DIR:-$PWD/build/disk_train}/megatrain_tier" ;;
+    clip_tax)  # the clipping tax at CLIP_PRESET (default 8b: 8.47B, built straight into the host store): wrap(model) as a
+               # user gets it (Liger-Kernel when installed), max_grad_norm 1.0 with one profiled step, then without clipping
+      for clip in 1.0 0; do
+        extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip --profile"
+        run clip_tax_clip$clip timeout ${CLIP_TIMEOUT:-280} python3 benchmarks/bench_train.py --preset ${CLIP_PRESET:-8b} \
+          --systems megatrain:policy=default --steps 3 --warmup 1 $extra \
+          --out docs/benchmarks/clip_tax_${CLIP_PRESET:-8b}_clip${clip}_h200.json
+      done ;;
     pool)  # search (~10 s), build straight into the host store, 1 warm-up + 3 timed steps; JSON + PNG
       run pool timeout ${POOL_TIMEOUT:-590} python3 benchmarks/bench_scale.py pool --timeout 560 ${POOL_ARGS:-} ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
