@@ -20,7 +20,8 @@ import torch
 
 from .assumed_machine import AssumedMachine
 from .estimate_bytes import (DevicePart, HostPart, activation_bytes, activation_floor_bytes, activation_reserve,
-                             all_frozen, device_part, host_part, logits_bytes, long_context_rows, offload_would_fit)
+                             all_frozen, device_part, gpu_free, host_part, logits_bytes, long_context_rows,
+                             offload_would_fit)
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
 from .model_shape import WEIGHT_FILES, ModelShape, has_weight_files, model_to_plan  # noqa: F401 - WEIGHT_FILES: public here
 from .streamed_minimum import check_streamed_minimum
@@ -196,7 +197,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     margin = run.host_margin_bytes
     tokens = run.tokens
     shape = ModelShape.of(config)
-    reserve = activation_reserve(module, shape, layers, tokens, opts, run.machine)  # the capacity share's
+    reserve = activation_reserve(module, shape, layers, tokens, opts, gpu_free(opts, run.machine)[0])  # capacity share's
     hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine,
                    reserve)
     dev = device_part(units, hp, opts, margin)
