@@ -25,7 +25,7 @@ from .placement.disk_plan import check_host_memory_limit, check_offload_args, ch
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                    "tile_mlp", "offload_dir", "host_memory_limit", "gpu_memory_limit")
+                    "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "gpu_memory_limit")
 # The batch (wrap's micro_batch_size / seq_len): megatrain.estimate takes them too, as the batch it estimates for.
 BATCH_OPTIONS = ("micro_batch_size", "seq_len")
 

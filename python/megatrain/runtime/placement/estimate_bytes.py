@@ -180,12 +180,12 @@ def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None
     ``num_slots`` and the capacity share's activation ``reserve`` (:func:`activation_reserve`)."""
     from .device_state_plan import resolve_device_state_layers
 
-    layers = resolve_device_state_layers(getattr(opts, "device_state_layers", None), opts.activation_policy,
+    layers = resolve_device_state_layers(opts.device_state_layers, opts.activation_policy,
                                          opts.device)
-    if opts.device.type != "cuda":
-        return dict(keep_layers=layers if isinstance(layers, int) else 0)
-    if isinstance(layers, int):
+    if isinstance(layers, int):  # on the CPU backend too: wrap makes them exclusive there as well
         return dict(keep_layers=layers, exclusive_ok=layers > 0)
+    if opts.device.type != "cuda":
+        return dict(keep_layers=0)
     free = gpu_free(opts, machine)[0]
     return dict(exclusive_ok=free is not None, device_free=free, num_slots=opts.num_slots, activation_reserve=reserve)
 
@@ -269,9 +269,18 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     free, limit = gpu_free(opts, hp.machine)
     if not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
         free = max(0, hp.tightest[0] - hp.host - margin)  # and the margin leave under the tightest limit
-    # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
-    # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)
-    boundary = boundary_state_bytes(units, hp.layout, elem, free) if cuda and not opts.activation_policy.is_auto else 0
+    # "boundary" (wrap's default on CUDA outside activation_policy="auto"): the step boundary's units (resident, then
+    # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan); an int K:
+    # layers 0..K-1 (those not exclusive: theirs is exclusive_device_bytes)
+    from .device_state_plan import resolve_device_state_layers
+
+    layers = resolve_device_state_layers(opts.device_state_layers, opts.activation_policy, opts.device)
+    boundary = boundary_state_bytes(units, hp.layout, elem, free) if cuda and layers == "boundary" else 0
+    if cuda and isinstance(layers, int):
+        excl = set(hp.oplan.exclusive_units)
+        first = [k for k, u in enumerate(units) if u.kind == "layer"][:layers]
+        boundary = sum(elem * hp.layout["unit_numel"][k] + 16 * hp.layout["unit_state_numel"][k]
+                       for k in first if k not in excl)
     return DevicePart(elem=elem, slot_bytes=slot_bytes, resident_bytes=resident_bytes, free=free,
                       boundary_bytes=boundary, limit_bytes=limit)
 
