@@ -4,8 +4,8 @@ The shape: hidden 5120, intermediate 13824, 40 heads, 8 KV heads, vocab 32000 (~
 decoder layer); the layer count is ``--layers`` or the largest N for which ``megatrain.estimate`` says it
 fits this machine's host and GPU memory at the given batch, found by a search over N with the estimate
 alone (printed before anything is built). The model is built by ``megatrain.from_config`` straight into
-the host store with no placement option (the defaults: what a user gets; when the host store does not
-fit, the planner makes the fewest leading layers exclusive device-state layers, docs/placement.md) and
+the host store with no placement option, only the batch (the defaults: what a user gets; when the host store
+does not fit, the planner makes the fewest leading layers exclusive device-state layers, docs/placement.md) and
 trained with ``CPUAdamW(max_grad_norm=1.0)``: one warm-up step, then ``--steps`` timed steps of
 ``--batch`` x ``--seq`` tokens. The row: parameters, layers, s/step, model TFLOP/s (bench_train's
 formula), peak host RSS (the child's VmHWM), peak GPU memory, the placement (exclusive layers and their
@@ -15,10 +15,9 @@ prediction beside the measurement.
 The parent never touches CUDA (its context would take host memory from the child's budget): it reads
 the host's available memory (``host_memory_limits``: MemAvailable, the cgroup limit) and the GPU's free
 memory (``nvidia-smi``), less the margins, and judges the estimate against them (``host_memory=`` /
-``gpu_memory=``). The search asks for both what the estimate plans with this batch (its activation
-estimate as the capacity share's reserve) and what ``wrap``, which does not know the batch, would plan
-(the estimate without ``seq_len``: 20% of the free GPU memory reserved), so that the default N is one
-``wrap`` takes. ``--small``: a tiny shape on the CPU with a ``host_memory_limit`` one byte short of the
+``gpu_memory=``). The child gives ``from_config`` the batch (``micro_batch_size=`` / ``seq_len=``), so the
+capacity share keeps this batch's activation estimate as ``megatrain.estimate`` does, and the search asks the
+estimate with the batch alone: the N it finds is one ``wrap`` plans the same way. ``--small``: a tiny shape on the CPU with a ``host_memory_limit`` one byte short of the
 whole model's need, so one layer is exclusive (on the CPU backend the default places no device state:
 ``device_state_layers="auto"`` is passed there, what CUDA's default is); it checks the script end to end.
 """
@@ -38,10 +37,10 @@ from bench_scale import GiB, POOL_SHAPE, SMALL_POOL, _config, _peak_rss, _train_
 MAX_LAYERS = 512  # the search's upper bound
 
 
-def _estimate(m: dict, spec: dict, with_batch: bool = True):
-    """``megatrain.estimate`` of the pool model ``m`` as the child will build it (nothing allocated)."""
+def _estimate(m: dict, spec: dict):
+    """``megatrain.estimate`` of the pool model ``m`` as the child will build it, with its batch (nothing allocated)."""
     import megatrain
-    kw = dict(seq_len=spec["seq"], micro_batch_size=spec["batch"]) if with_batch else {}
+    kw = dict(seq_len=spec["seq"], micro_batch_size=spec["batch"])
     if spec["cuda"]:
         return megatrain.estimate(_config(m, spec["seq"]), host_memory=spec["host_memory"],
                                   gpu_memory=spec["gpu_memory"], max_grad_norm=1.0, **kw)
@@ -51,7 +50,7 @@ def _estimate(m: dict, spec: dict, with_batch: bool = True):
 
 def _fits(layers: int, spec: dict) -> bool:
     m = dict(spec["shape"], layers=layers)
-    return _estimate(m, spec).fits and _estimate(m, spec, with_batch=False).fits
+    return _estimate(m, spec).fits
 
 
 def largest_layers(spec: dict) -> int:
@@ -84,7 +83,9 @@ def child_pool(spec: dict) -> dict:
     from bench_train import model_flops_per_step
     m = spec["model"]
     dev = torch.device("cuda" if spec["cuda"] else "cpu")
-    kw = {} if spec["cuda"] else dict(host_memory_limit=spec["host_limit"], device_state_layers="auto")
+    kw = dict(micro_batch_size=spec["batch"], seq_len=spec["seq"])  # the batch: the estimate's activation reserve
+    if not spec["cuda"]:
+        kw.update(host_memory_limit=spec["host_limit"], device_state_layers="auto")
     t0 = time.perf_counter()
     model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if spec["cuda"] else "cpu",
                                   device=dev, **kw)
@@ -109,7 +110,9 @@ def child_pool(spec: dict) -> dict:
                                device_state_layers=pl["device_state_layers"],
                                device_state_resident=pl["device_state_resident"],
                                device_state_bytes=pl["device_state_bytes"], host_store_bytes=pl["host_store_bytes"],
-                               activations=pl["activations"], replan=pl["replan"]),
+                               activations=pl["activations"], replan=pl["replan"],
+                               activation_reserve=pl["activation_reserve"],
+                               activation_reserve_bytes=pl["activation_reserve_bytes"]),
                 host_stored_params=host_params, exclusive_params=excl_params,
                 host_store_bytes_per_host_param=pl["host_store_bytes"] / host_params if host_params else None,
                 peak_rss_bytes_per_host_param=peak / host_params if host_params else None,
@@ -170,7 +173,6 @@ def main_pool(a) -> None:
     spec = _spec(a)
     m = spec["model"]
     est = _estimate(m, spec)
-    wrap_est = _estimate(m, spec, with_batch=False) if spec["cuda"] else None
     judged = (f"host {spec['host_memory'] / GiB:.1f} GiB, GPU {spec.get('gpu_memory', 0) / GiB:.1f} GiB"
               if "host_memory" in spec else f"host_memory_limit {spec['host_limit']} bytes, CPU")
     what = "the tiny shape (the CPU's estimate plans no exclusive layer: it says the limit does not fit)" \
@@ -180,8 +182,6 @@ def main_pool(a) -> None:
     env = {"MEGATRAIN_SKIP_HOST_MEMORY_CHECK": "0"}  # the engine checks the host as a user's run does
     row = spawn(spec, env_extra=env, timeout=a.timeout, stream_stderr=True)
     row["predicted"] = _prediction(est)
-    if wrap_est is not None:
-        row["predicted_without_batch"] = _prediction(wrap_est)
     result = dict(benchmark="bench_scale pool", date=datetime.date.today().isoformat(), commit=git_commit(),
                   machine=dict(host=platform.node(), cpu_count=os.cpu_count(), gpu=row.get("gpu"),
                                host_ram_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB),

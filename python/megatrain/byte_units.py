@@ -44,7 +44,7 @@ def format_bytes(n: Optional[float], decimals: int = 2, largest: str = "GiB", sm
     raise AssertionError("unreachable: the loop ends at smallest")
 
 
-def parse_bytes(value: Any) -> int:
+def parse_bytes(value: Any, saturate: bool = False) -> int:
     """A byte count > 0 from an int, an integral float or a string with an optional unit.
 
     Units (case-insensitive): ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000),
@@ -52,13 +52,22 @@ def parse_bytes(value: Any) -> int:
     ``"141GB"`` 141000000000. A fraction of a byte is refused (``"0.5"``), a fraction of a unit
     rounds down to whole bytes. At most ``MAX_BYTES`` (2**63 - 1: what the C++ core's byte counts hold).
 
+    Args:
+        value: the count (int, float or string).
+        saturate: a count above ``MAX_BYTES`` (``1e30``, ``float("inf")``) reads as ``MAX_BYTES`` instead of
+            being refused: for a limit, where that much means no limit beyond the machine's.
+
     Raises:
-        ValueError: a bool, a number <= 0 or > ``MAX_BYTES``, a non-integral float, or a string that is
-            not a size (the message names the value; callers put their own name in front).
+        ValueError: a bool, a number <= 0 or (unless ``saturate``) > ``MAX_BYTES``, a non-integral float, or a
+            string that is not a size (the message names the value; callers put their own name in front).
     """
     if isinstance(value, bool):
         raise ValueError(f"not a number of bytes: {value!r}")
+    if saturate and isinstance(value, float) and value == float("inf"):
+        return MAX_BYTES
     n = _parse(value)
+    if n is not None and n > MAX_BYTES and saturate:
+        return MAX_BYTES
     if n is None or n > MAX_BYTES:
         raise ValueError(f"not a number of bytes > 0 and <= 2**63 - 1: {value!r}")
     return n

@@ -26,6 +26,8 @@ def test_pool_benchmark_runs_end_to_end_small(tmp_path):
     assert row["status"] == "ok" and row["layers"] == 4 and len(row["step_times_s"]) == 2
     pl = row["placement"]
     assert pl["exclusive_layers"] == [0] and pl["exclusive_share"] == "auto" and pl["host_store_bytes"] > 0
+    settings = result["settings"]
+    assert pl["activation_reserve"] == f"batch {settings['batch']} x {settings['seq']}"  # from_config got the batch
     assert row["host_stored_params"] + row["exclusive_params"] == row["n_params"] and row["exclusive_params"] > 0
     assert row["host_store_bytes_per_host_param"] == pl["host_store_bytes"] / row["host_stored_params"]
     m = result["model"]

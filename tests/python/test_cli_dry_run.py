@@ -255,3 +255,14 @@ def test_dry_run_of_a_70b_config_on_the_cpu_suggests_only_what_would_fit(tmp_pat
     assert "smaller model" in line
     assert "on this CPU" in stdout and "chunks of 1 rows" not in stdout and "tiles of 1 rows" not in stdout
     assert not out.exists()
+
+
+def test_the_run_wraps_with_its_batch_and_estimates_the_same_one():
+    """``megatrain train`` gives wrap its batch (train.micro_batch_size x data.seq_len), the one ``--dry-run``
+    estimates, so the capacity share of exclusive device-state layers keeps that batch's activation estimate."""
+    from megatrain.train.wrap_args import estimate_kwargs, wrap_options
+
+    cfg = build_config(overrides=[("train", "micro_batch_size", 3), ("data", "seq_len", 96)])
+    kw = wrap_options(cfg, torch.device("cpu"), torch.float32).as_kwargs()  # what model_build passes to wrap
+    assert kw["micro_batch_size"] == 3 and kw["seq_len"] == 96
+    assert "micro_batch_size" not in estimate_kwargs(wrap_options(cfg, torch.device("cpu"), torch.float32))

@@ -100,12 +100,10 @@ def create_optimizer(model, args, max_grad_norm: Optional[float] = None) -> CPUA
     _engine(model)
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    groups = [g for g in ({"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                          {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}) if g["params"]]
     mgn = args.max_grad_norm if max_grad_norm is None else max_grad_norm
-    # gradient_accumulation_steps: without clipping, a layer's update starts during the last
-    # micro-batch's backward.
+    # gradient_accumulation_steps: without clipping, a layer's update starts during the last micro-batch's backward.
     return CPUAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                     weight_decay=args.weight_decay, max_grad_norm=mgn if mgn and mgn > 0 else None,
                     gradient_accumulation_steps=int(args.gradient_accumulation_steps))
@@ -287,8 +285,10 @@ _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 class MegatrainTrainer(Trainer):
     """A ``transformers.Trainer`` for models wrapped by ``megatrain.wrap`` (see the module docstring).
 
-    Takes exactly the Trainer's arguments. Pass ``optimizers=(CPUAdamW, scheduler)`` to use your
-    own optimizer; otherwise ``CPUAdamW`` is built from the TrainingArguments.
+    Takes exactly the Trainer's arguments. Pass ``optimizers=(CPUAdamW, scheduler)`` to use your own optimizer;
+    otherwise ``CPUAdamW`` is built from the TrainingArguments. The model is wrapped before, so the batch cannot
+    reach ``wrap`` from here: pass ``wrap(model, micro_batch_size=args.per_device_train_batch_size, seq_len=...)``
+    yourself, ``seq_len`` only when known (docs/hf_trainer.md); without both ``wrap`` reserves 20% of the free GPU.
     """
 
     def __init__(self, *args, **kwargs):

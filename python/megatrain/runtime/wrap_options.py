@@ -25,7 +25,9 @@ from .placement.disk_plan import check_host_memory_limit, check_offload_args, ch
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                    "tile_mlp", "offload_dir", "host_memory_limit", "gpu_memory_limit")
+                    "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "gpu_memory_limit")
+# The batch (wrap's micro_batch_size / seq_len): megatrain.estimate takes them too, as the batch it estimates for.
+BATCH_OPTIONS = ("micro_batch_size", "seq_len")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class WrapOptions:
         gpu_memory_limit: None, bytes (int >= 1 MiB, or a string such as ``"40GiB"``) or a fraction of the
             device's memory (float in (0, 1]).
         liger_kernel: ``None`` (when installed and on CUDA), ``True`` (required) or ``False``.
+        micro_batch_size, seq_len: the batch trained on (sequences per micro-batch, tokens per sequence; ints >= 1,
+            or None): with both, the capacity share of exclusive device-state layers keeps this batch's activation
+            estimate (``megatrain.estimate``'s) instead of a share of the free device memory.
 
     Args:
         where: starts each error message of the construction (not a field): ``"megatrain.WrapOptions"``;
@@ -77,6 +82,8 @@ class WrapOptions:
     lean_activations: bool = False
     gpu_memory_limit: Optional[Union[int, float, str]] = None
     liger_kernel: Optional[bool] = None
+    micro_batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
     where: InitVar[str] = "megatrain.WrapOptions"
 
     def __post_init__(self, where: str):
@@ -146,6 +153,15 @@ class WrapOptions:
         object.__setattr__(self, "host_memory_limit", check_host_memory_limit(self.host_memory_limit, where))
         _check_mode(self.chunked_loss, "chunked_loss", where)
         _check_mode(self.tile_mlp, "tile_mlp", where)
+        for name, what in (("micro_batch_size", "sequences per micro-batch"), ("seq_len", "tokens per sequence")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{where}: {name} must be an int >= 1 ({what}) or None, got {v!r}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per micro-batch, ``micro_batch_size x seq_len`` (0 unless both are given)."""
+        return self.micro_batch_size * self.seq_len if self.micro_batch_size and self.seq_len else 0
 
     def with_defaults(self, where: str = "megatrain.wrap", need_device: bool = True) -> "WrapOptions":
         """These options with ``device`` a ``torch.device``, ``compute_dtype`` a dtype, ``activation_policy``

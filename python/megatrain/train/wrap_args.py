@@ -15,15 +15,18 @@ from megatrain.train.config import Config, wrap_auto_switch, wrap_device_state_l
 
 def wrap_options(cfg: Config, device, compute_dtype) -> WrapOptions:
     """The options ``megatrain train`` wraps its model with: ``cfg.runtime`` (already checked by the config)
-    converted to ``wrap``'s types, on ``device`` (a ``torch.device``) in ``compute_dtype``. With the disk tier
-    and gradient accumulation the accumulator is planned at wrap (``grad_accumulator=True``): the disk
-    layers leave room for it."""
+    converted to ``wrap``'s types, on ``device`` (a ``torch.device``) in ``compute_dtype``, with the run's batch
+    (``micro_batch_size=train.micro_batch_size``: each process's rows per micro-batch, ``seq_len=data.seq_len``):
+    the capacity share of exclusive device-state layers then keeps the activation estimate ``--dry-run`` counts for
+    it. With the disk tier and gradient accumulation the accumulator is planned at wrap
+    (``grad_accumulator=True``): the disk layers leave room for it."""
     r = cfg.runtime
     opts = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=r.activation_policy,
                        chunked_loss=wrap_rows_mode(r.chunked_loss), tile_mlp=wrap_rows_mode(r.tile_mlp),
                        offload_dir=r.offload_dir, host_memory_limit=r.host_memory_limit,
                        device_state_layers=wrap_device_state_layers(r.device_state_layers),
                        gpu_memory_limit=r.gpu_memory_limit, liger_kernel=wrap_auto_switch(r.liger_kernel),
+                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                        where="runtime")  # the config checked each value: a message here names its section
     if r.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
         opts = dataclasses.replace(opts, grad_accumulator=True)

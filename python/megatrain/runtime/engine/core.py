@@ -40,11 +40,10 @@ other's public methods only:
   :class:`~megatrain.runtime.data_parallel.strategy.DataParallelStrategy`): the strategy whose hooks the
   parts call where ranks share the work (``dp``: its ``DataParallel`` group, or None).
 
-The engine's own methods: host-store state (``sync_host`` / ``host_written``,
-``take_state_dict_writes`` / ``refresh_state_dict_views``), the attached optimizer
-(``attach_optimizer``, ``register_param``, :func:`locate`: :mod:`.optimizer_link`),
-``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations to the parts
-(:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
+The engine's own methods: host-store state (``sync_host`` / ``host_written``, ``take_state_dict_writes`` /
+``refresh_state_dict_views``), the attached optimizer (``attach_optimizer``, ``register_param``, :func:`locate`:
+:mod:`.optimizer_link`), ``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations
+to the parts (:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
 
 Source: MegaTrain (arXiv 2604.05091) sections 3-4; docs/architecture.md.
 """
@@ -105,7 +104,8 @@ class Engine:
             the disk tier's buffers (None: the host budget check's limits alone).
         keep_host_layers: ``wrap``'s ``device_state_layers`` (int K: layers ``0 .. K-1`` never go to disk); when the
             host store does not fit, the fewest leading ones needed (of K, or under ``"auto"`` / ``"boundary"`` of those
-            the ``"auto"`` rule places in ``free_device_bytes``) hold their fp32 state on the device only (exclusive).
+            the ``"auto"`` rule or the capacity share, less ``activation_reserve_of(free)`` when set, places in
+            ``free_device_bytes``) hold their fp32 state on the device only (exclusive).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -124,8 +124,7 @@ class Engine:
             raise ValueError("megatrain.wrap: offload_dir (the disk tier) is not supported with data parallel yet; "
                              "wrap without offload_dir, or run one process (MEGATRAIN_DATA_PARALLEL=0)")
         self.units, self.num_slots, self.device, self.compute_dtype = units, num_slots, device, compute_dtype
-        self.layers = [u for u in units if u.kind == "layer"]
-        self.cuda = device.type == "cuda"
+        self.layers, self.cuda = [u for u in units if u.kind == "layer"], device.type == "cuda"
         tables, frozen = unit_tables(units)
         self._accumulator_mode = None if grad_accumulator is None else bool(grad_accumulator)
         in_store = self._accumulator_mode is True
@@ -134,15 +133,15 @@ class Engine:
         credit = int(reclaimable_bytes) if self.pin_after_fill else 0
         explicit = isinstance(keep_host_layers, int)  # which layers' fp32 state is on the device only / on disk:
         self.planned_device_free = None if explicit else self.free_device_bytes()  # read before any reservation
+        reserve = self.activation_reserve_of(self.planned_device_free) if self.activation_reserve_of else None
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
             if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
-            device_free=self.planned_device_free, num_slots=num_slots,
+            device_free=self.planned_device_free, num_slots=num_slots, activation_reserve=reserve,
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
-        store_bytes = self.host_plan["store_bytes"]
-        staging_bytes = self.host_plan["staging_bytes"]
+        store_bytes, staging_bytes = self.host_plan["store_bytes"], self.host_plan["staging_bytes"]
         check_host_budget(self.offload_plan.host_bytes, store_bytes + staging_bytes if self.cuda else 0,
                           "host store", reclaimable_bytes=credit)
         # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
@@ -347,6 +346,7 @@ class Engine:
             self.store.pin()
 
     gpu_memory_limit_bytes: Optional[int] = None  # wrap(gpu_memory_limit=) in bytes (None: the whole device)
+    activation_reserve_of = None  # wrap's batch: free device bytes -> the capacity share's activation reserve
 
     def free_device_bytes(self) -> int:
         """Device bytes free for new tensors, at most ``gpu_memory_limit_bytes`` (:func:`~.memory.free_device_bytes`)."""

@@ -82,10 +82,7 @@ class Accumulator:
             total = plan.host_bytes + need + (_C.DiskTier.pool_bytes(plan.accum_layouts, plan.num_buffers)
                                               if plan.disk_units else 0)
             if total > plan.host_memory_limit:
-                e = _C.HostMemoryError(
-                    f"megatrain: the fp32 gradient accumulator needs {need} more bytes of host memory ({total} in all) "
-                    f"but host_memory_limit is {plan.host_memory_limit}: wrap with grad_accumulator=True (then the "
-                    "layers put on disk leave room for it), or raise host_memory_limit")
+                e = _C.HostMemoryError(accumulator_refusal(plan, need, total))
                 e.needed_bytes, e.available_bytes, e.limit = total, plan.host_memory_limit, "host_memory_limit"
                 raise e
         if self.disk is not None:  # the disk units' accumulators: a tier of their own (offload_dir/grad_accum)
@@ -265,3 +262,21 @@ def free_device_bytes(device: torch.device, gpu_memory_limit_bytes: Optional[int
                                  gpu_memory_limit_bytes)
     from ..placement.host_memory import host_memory_limits
     return int(host_memory_limits().get("mem_available_bytes") or 0)
+
+
+def accumulator_refusal(plan, need: int, total: int) -> str:
+    """The one-line refusal of an fp32 accumulator over ``host_memory_limit`` (``plan``: the engine's
+    :class:`~..placement.offload_plan.OffloadPlan`): the options that make room for it. With
+    ``grad_accumulator=True`` the wrap plans it: more leading layers exclusive (their accumulator is on the
+    device too) where the device-state layers allow it, more of the deepest on disk with ``offload_dir``."""
+    where = []
+    if plan.exclusive_units:  # the planner already made layers exclusive: it can make more
+        where.append("more leading layers keep their fp32 state and accumulator on the device only, within "
+                     "device_state_layers and gpu_memory_limit")
+    if plan.offload_dir is not None:
+        where.append("more of the deepest layers' fp32 state goes to offload_dir")
+    how = f" (the planner then counts it: {'; '.join(where)})" if where else ""
+    disk = "" if plan.offload_dir is not None else ", or pass offload_dir=<a local disk> with grad_accumulator=True"
+    return (f"megatrain: the fp32 gradient accumulator needs {need} more bytes of host memory ({total} in all) but "
+            f"host_memory_limit is {plan.host_memory_limit}: wrap with grad_accumulator=True{how}, raise "
+            f"host_memory_limit{disk}")

@@ -105,7 +105,11 @@ def placement_report(eng) -> dict:
     for the other policies (``activation_policy`` says what every layer does); ``replan``: what
     the planner measured in the first step and chose after it (``megatrain.runtime.placement.replan``), or None;
     ``gpu_memory_limit_bytes``: ``wrap(gpu_memory_limit=)`` in bytes (None: no cap); ``liger_kernel``:
-    the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None.
+    the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None;
+    ``activation_reserve``: what the capacity share of exclusive device-state layers keeps for activations, and
+    why (``"batch 4 x 4096"``: ``wrap(micro_batch_size=4, seq_len=4096)``, the activation estimate of
+    ``megatrain.estimate`` for that batch; ``"20% of free memory"``: no batch given) and
+    ``activation_reserve_bytes``: the bytes it kept (None: the capacity share was not sized).
     """
     k = len(eng.device_state.layers) if eng.device_state else 0
     decisions = getattr(eng, "auto_decisions", None) if getattr(eng, "auto_policy", False) else None
@@ -124,7 +128,19 @@ def placement_report(eng) -> dict:
                 disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
                 replan=getattr(eng, "replan_info", None),
                 gpu_memory_limit_bytes=getattr(eng, "gpu_memory_limit_bytes", None),
-                liger_kernel=getattr(eng, "liger_kernel", None))
+                liger_kernel=getattr(eng, "liger_kernel", None), **_reserve_report(eng))
+
+
+def _reserve_report(eng) -> dict:
+    """``activation_reserve`` (its source, in words) and ``activation_reserve_bytes`` of :func:`placement_report`."""
+    from ..placement.device_state_plan import CAPACITY_ACTIVATION_RESERVE_FRACTION
+
+    capacity = getattr(getattr(eng, "offload_plan", None), "capacity", None)
+    batch = getattr(eng, "batch", None)
+    by_batch = capacity["reserve"] == "batch" if capacity else batch is not None
+    words = f"batch {batch[0]} x {batch[1]}" if by_batch and batch else (
+        f"{CAPACITY_ACTIVATION_RESERVE_FRACTION:.0%} of free memory")
+    return dict(activation_reserve=words, activation_reserve_bytes=capacity["reserve_bytes"] if capacity else None)
 
 
 def engine_stats(eng) -> dict:

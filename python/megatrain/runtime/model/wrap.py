@@ -41,7 +41,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
          activation_policy: Optional[str] = None, num_slots: int = 2, grad_accumulator: Optional[bool] = None,
          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
          host_memory_limit: Optional[Union[int, str]] = None, reuse_attention: bool = True,
-         lean_activations: bool = False, gpu_memory_limit=None, liger_kernel: Optional[bool] = None) -> nn.Module:
+         lean_activations: bool = False, gpu_memory_limit=None, liger_kernel: Optional[bool] = None,
+         micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -150,6 +151,15 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             and step at 4 x 4096 tokens on a 6.74B Llama (H200): worth it where memory decides how
             many layers keep their graphs, a loss where every graph fits anyway (see
             ``megatrain.runtime.activations.lean_ops``). Default ``False``: the plain autograd graphs.
+        micro_batch_size, seq_len: the batch you will train on (sequences per micro-batch, tokens per sequence;
+            ints >= 1), as ``megatrain.estimate`` takes them. Used only when the host store does not fit and more
+            leading layers must keep their fp32 state on the device only than the ``"auto"`` share holds: their
+            *capacity share* (the free device memory less the streamed schedule's minimum) then keeps exactly the
+            activation + logits bytes ``megatrain.estimate`` counts for this batch, so ``wrap`` plans the exclusive
+            layers ``estimate(model, micro_batch_size=, seq_len=)`` reports. None (default; both are needed): the
+            batch is not known and 20% of the free device memory is kept instead (docs/placement.md).
+            ``model.megatrain.placement()["activation_reserve"]`` says which (``"batch 4 x 4096"`` or
+            ``"20% of free memory"``) and ``["activation_reserve_bytes"]`` how much was kept.
 
     Parameters with ``requires_grad=False`` when the model is wrapped (a PEFT/LoRA base, a frozen
     embedding) are *frozen*: the store holds only their compute copy (2 B/param in bf16), no
@@ -168,7 +178,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``find_decoder_layers``), weights shared between a layer and another module or between two
             layers, or layers that run their own backward (reversible layers, e.g. Reformer).
         ValueError: bad ``device`` (not CUDA or CPU, or CUDA unavailable), ``activation_policy`` /
-            ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel`` (``gpu_memory_limit`` below
+            ``compute_dtype`` / ``num_slots`` / ``gpu_memory_limit`` / ``liger_kernel`` / ``micro_batch_size`` /
+            ``seq_len`` (``gpu_memory_limit`` below
             the streamed schedule's minimum: ``GpuMemoryLimitError``, a ``ValueError``), ``liger_kernel=True``
             without liger-kernel installed or off CUDA, the model is already wrapped, a decoder layer's parameter
             has a gradient hook (``register_hook`` / ``register_post_accumulate_grad_hook``) or a decoder
@@ -183,7 +194,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         grad_accumulator=grad_accumulator, chunked_loss=chunked_loss, tile_mlp=tile_mlp,
         device_state_layers=device_state_layers, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
         reuse_attention=reuse_attention, lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit,
-        liger_kernel=liger_kernel, where="megatrain.wrap"))
+        liger_kernel=liger_kernel, micro_batch_size=micro_batch_size, seq_len=seq_len, where="megatrain.wrap"))
 
 
 def _wrap(model: nn.Module, options: WrapOptions, source=None):
@@ -220,7 +231,8 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
     engine = WrappedEngine(model, layers_name, layers, opts.device, opts.compute_dtype, opts.activation_policy,
                            opts.num_slots, grad_accumulator=opts.grad_accumulator, source=source,
                            device_state_layers=opts.device_state_layers, offload_dir=opts.offload_dir,
-                           host_memory_limit=opts.host_memory_limit, gpu_memory_limit=opts.gpu_memory_limit)
+                           host_memory_limit=opts.host_memory_limit, gpu_memory_limit=opts.gpu_memory_limit,
+                           batch=opts)
     engine.liger_kernel = liger
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags

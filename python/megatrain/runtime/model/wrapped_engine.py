@@ -67,9 +67,14 @@ class WrappedEngine(Engine):
                  compute_dtype: torch.dtype, activation_policy, num_slots: int,
                  grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
                  offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None,
-                 gpu_memory_limit: Optional[int] = None):
+                 gpu_memory_limit: Optional[int] = None, batch=None):
+        from ..placement.estimate_bytes import batch_reserve
+
         self.policy = LayerActivations(self, activation_policy)  # (raises on a bad policy before anything is built)
         self.gpu_memory_limit_bytes = gpu_memory_limit  # bytes (wrap resolved a fraction); read by free_device_bytes
+        # wrap's batch (resolved WrapOptions with micro_batch_size / seq_len): the capacity share's reserve
+        self.batch = (batch.micro_batch_size, batch.seq_len) if batch is not None and batch.batch_tokens else None
+        self.activation_reserve_of = batch_reserve(model, layers, batch) if self.batch else None
         self.module_api = None  # the state_dict surface (module_api.ModuleApi), set by wrap
         self._checkpointing_asked: set = set()  # layers transformers' gradient checkpointing was enabled on
         self.model = model

@@ -60,6 +60,8 @@ def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.w
 def check_host_memory_limit(host_memory_limit, where: str = "megatrain.wrap") -> Optional[int]:
     """``host_memory_limit`` in bytes: None, or a number of bytes as :func:`~megatrain.byte_units.parse_bytes`
     reads it (an int > 0, or a string such as ``"100GiB"`` / ``"1.5TB"``; KiB..TiB powers of 1024, KB..TB of 1000).
+    A count above ``MAX_BYTES`` (2**63 - 1; ``1e30``, ``float("inf")``) is no limit beyond the machine's: it reads
+    as ``MAX_BYTES`` (the budget check's own limits still apply).
 
     Raises:
         ValueError: one line naming the value (a bool, a number <= 0, a string that is not a size).
@@ -67,7 +69,7 @@ def check_host_memory_limit(host_memory_limit, where: str = "megatrain.wrap") ->
     if host_memory_limit is None:
         return None
     try:
-        return parse_bytes(host_memory_limit)
+        return parse_bytes(host_memory_limit, saturate=True)
     except ValueError:
         raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int, or a string such as "
                          f"'100GiB' or '1.5TB') or None, got {host_memory_limit!r}") from None

@@ -18,9 +18,11 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ...byte_units import format_bytes
 from .assumed_machine import AssumedMachine
 from .estimate_bytes import (DevicePart, HostPart, activation_bytes, activation_floor_bytes, activation_reserve,
-                             all_frozen, device_part, host_part, logits_bytes, long_context_rows, offload_would_fit)
+                             all_frozen, device_part, gpu_free, host_part, logits_bytes, long_context_rows,
+                             offload_would_fit)
 from .memory_estimate import MemoryEstimate, _count, _fmt  # noqa: F401 - _count: public here too
 from .model_shape import WEIGHT_FILES, ModelShape, has_weight_files, model_to_plan  # noqa: F401 - WEIGHT_FILES: public here
 from .streamed_minimum import check_streamed_minimum
@@ -86,7 +88,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              num_slots: int = 2, grad_accumulator: Optional[bool] = None, gradient_accumulation_steps: int = 1,
              max_grad_norm: Optional[float] = None, trainable: Optional[Callable[[str], bool]] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
-             staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", offload_dir=None,
+             staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
              host_memory_limit: Optional[Union[int, str]] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
              host_memory=None, gpu_memory=None, **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
@@ -103,6 +105,9 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             ``"auto"`` on CUDA, ``"recompute"`` on CPU).
         gpu_memory_limit: as :func:`megatrain.wrap`: the free device memory the estimate checks
             against is capped the same way.
+        device_state_layers: as :func:`megatrain.wrap` (same default): which leading layers keep their whole
+            state on the device (counted in ``gpu_bytes``) and, when the host store does not fit, how many of
+            them may be exclusive (an int K: at most K, as wrap plans them).
         gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
             ``grad_accumulator=None``, ``gradient_accumulation_steps > 1`` allocates the fp32
             accumulator (4 B per trainable parameter); ``max_grad_norm`` changes no byte (the
@@ -163,7 +168,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     device = machine.default_device(device)
     options = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
                           num_slots=num_slots, grad_accumulator=grad_accumulator, chunked_loss=chunked_loss,
-                          tile_mlp=tile_mlp, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
+                          tile_mlp=tile_mlp, device_state_layers=device_state_layers, offload_dir=offload_dir,
+                          host_memory_limit=host_memory_limit,
                           gpu_memory_limit=gpu_memory_limit, where="megatrain.estimate")
     run = EstimateRun(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                       trainable=trainable, transform=transform, micro_batch_size=micro_batch_size, seq_len=seq_len,
@@ -196,7 +202,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     margin = run.host_margin_bytes
     tokens = run.tokens
     shape = ModelShape.of(config)
-    reserve = activation_reserve(module, shape, layers, tokens, opts, run.machine)  # the capacity share's
+    reserve = activation_reserve(module, shape, layers, tokens, opts, gpu_free(opts, run.machine)[0])  # capacity share's
     hp = host_part(units, opts, in_memory, run.staging_buffers, run.gradient_accumulation_steps, margin, run.machine,
                    reserve)
     dev = device_part(units, hp, opts, margin)
@@ -302,7 +308,7 @@ def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPa
     plus = f" + {_fmt(margin)} margin" if margin else ""
     est.reasons.append(f"needs {_fmt(host)}{plus} of host memory but only {_fmt(short['available_bytes'])} are "
                        f"available under the {short['limit']}")
-    est.advice.append(f"needs {(host + margin - have) / 2**30:.2f} GiB more host RAM")
+    est.advice.append(f"needs {format_bytes(host + margin - have)} more host RAM")
     if offload_dir is None:
         cuda = opts.device.type == "cuda"
         disk = offload_would_fit(units, opts, hp, run.staging_buffers, 0 if cuda or not run.tokens else est.gpu_bytes)

@@ -19,7 +19,7 @@ import torch
 
 from ..activations.activation_policy import ActivationPolicy
 from .assumed_machine import AssumedMachine
-from .model_shape import ModelShape
+from .model_dims import ModelShape
 
 
 def activation_bytes(shape: Optional[ModelShape], num_layers: int, tokens: int, elem: int, policy: ActivationPolicy,
@@ -147,20 +147,31 @@ def gpu_free(opts, machine: AssumedMachine) -> tuple:
 
 
 def activation_reserve(module, shape: Optional[ModelShape], layers, tokens: int, opts,
-                       machine: AssumedMachine) -> Optional[int]:
+                       free: Optional[int]) -> Optional[int]:
     """Device bytes the capacity share of exclusive device-state layers keeps for one micro-batch of ``tokens``
     tokens (:func:`~.device_state_plan.capacity_room`): activations and logits under ``opts``' policy, under
     ``auto`` those of ``recompute`` (what it falls back to when the state leaves no room for graphs), the loss
-    chunks and MLP tiles chosen in the whole free GPU memory. None (the default fraction is used then): no
-    batch, no model shape, or no CUDA device."""
-    if not tokens or shape is None or opts.device.type != "cuda":
+    chunks and MLP tiles chosen in the whole ``free`` device memory (bytes). The one rule of
+    ``megatrain.estimate`` (``free``: :func:`gpu_free`'s) and of ``wrap(micro_batch_size=, seq_len=)``
+    (``free``: the engine's free device bytes). None (the default fraction is used then): no batch, no model
+    shape, or no free device memory known."""
+    if not tokens or shape is None or free is None:
         return None
-    free = gpu_free(opts, machine)[0]
     elem = torch.tensor([], dtype=opts.compute_dtype).element_size()
     rows = long_context_rows(module, shape, layers, tokens, elem, free, opts.chunked_loss, opts.tile_mlp)
     policy = ActivationPolicy("recompute") if opts.activation_policy.is_auto else opts.activation_policy
     act, _ = activation_bytes(shape, len(layers), tokens, elem, policy, free, rows[1])
     return act + logits_bytes(shape, tokens, elem, rows[0])
+
+
+def batch_reserve(module, layers, opts):
+    """``wrap``'s capacity-share reserve for its batch: a function ``free device bytes -> bytes or None``
+    (:func:`activation_reserve` for ``opts.micro_batch_size x opts.seq_len`` tokens), or None when the batch is
+    not given (both are needed) or the model's shape cannot be read: the default fraction is kept then."""
+    shape = ModelShape.of(getattr(module, "config", None)) if opts.batch_tokens else None
+    if shape is None:
+        return None
+    return lambda free: activation_reserve(module, shape, layers, opts.batch_tokens, opts, free)
 
 
 def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None) -> dict:
@@ -169,12 +180,12 @@ def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None
     ``num_slots`` and the capacity share's activation ``reserve`` (:func:`activation_reserve`)."""
     from .device_state_plan import resolve_device_state_layers
 
-    layers = resolve_device_state_layers(getattr(opts, "device_state_layers", None), opts.activation_policy,
+    layers = resolve_device_state_layers(opts.device_state_layers, opts.activation_policy,
                                          opts.device)
-    if opts.device.type != "cuda":
-        return dict(keep_layers=layers if isinstance(layers, int) else 0)
-    if isinstance(layers, int):
+    if isinstance(layers, int):  # on the CPU backend too: wrap makes them exclusive there as well
         return dict(keep_layers=layers, exclusive_ok=layers > 0)
+    if opts.device.type != "cuda":
+        return dict(keep_layers=0)
     free = gpu_free(opts, machine)[0]
     return dict(exclusive_ok=free is not None, device_free=free, num_slots=opts.num_slots, activation_reserve=reserve)
 
@@ -258,9 +269,18 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     free, limit = gpu_free(opts, hp.machine)
     if not cuda and hp.tightest is not None:  # the CPU device's memory is the host's: what the host store
         free = max(0, hp.tightest[0] - hp.host - margin)  # and the margin leave under the tightest limit
-    # wrap's default on CUDA outside activation_policy="auto": the step boundary's units (resident, then
-    # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan)
-    boundary = boundary_state_bytes(units, hp.layout, elem, free) if cuda and not opts.activation_policy.is_auto else 0
+    # "boundary" (wrap's default on CUDA outside activation_policy="auto"): the step boundary's units (resident, then
+    # layer 0) keep their state on the device when it fits in 1/8 of the free memory (device_state_plan); an int K:
+    # layers 0..K-1 (those not exclusive: theirs is exclusive_device_bytes)
+    from .device_state_plan import resolve_device_state_layers
+
+    layers = resolve_device_state_layers(opts.device_state_layers, opts.activation_policy, opts.device)
+    boundary = boundary_state_bytes(units, hp.layout, elem, free) if cuda and layers == "boundary" else 0
+    if cuda and isinstance(layers, int):
+        excl = set(hp.oplan.exclusive_units)
+        first = [k for k, u in enumerate(units) if u.kind == "layer"][:layers]
+        boundary = sum(elem * hp.layout["unit_numel"][k] + 16 * hp.layout["unit_state_numel"][k]
+                       for k in first if k not in excl)
     return DevicePart(elem=elem, slot_bytes=slot_bytes, resident_bytes=resident_bytes, free=free,
                       boundary_bytes=boundary, limit_bytes=limit)
 

@@ -2,20 +2,18 @@
 
 :func:`model_to_plan` turns an ``nn.Module``, a ``transformers`` config or a local model directory
 into the module whose units are planned (a meta model for a config or a directory: only
-``config.json`` and the safetensors headers are read); :class:`ModelShape` holds the config sizes
-the rough activation and logits estimates use.
+``config.json`` and the safetensors headers are read); :class:`~.model_dims.ModelShape` (re-exported here)
+holds the config sizes the rough activation and logits estimates use.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
 
-from ..model.model_config import config_value
+from .model_dims import ModelShape  # noqa: F401 - public here too
 
 # Weight files of a Hugging Face model directory (any of them: not "config.json alone").
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -27,47 +25,6 @@ def has_weight_files(path: str) -> bool:
     import glob
 
     return any(glob.glob(os.path.join(glob.escape(path), p)) for p in WEIGHT_FILES)
-
-
-def _cfg_int(cfg, *names, default=None):
-    for n in names:
-        v = config_value(cfg, n, None)  # a per-layer attribute (heterogeneous config): its largest value
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return default
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a causal LM's (text) config that the activation and logits estimates use.
-
-    Attributes:
-        hidden: hidden size (``hidden_size`` / ``n_embd`` / ``d_model``; 0 when none).
-        intermediate: MLP width (``intermediate_size`` / ``n_inner`` / ``ffn_dim``; default 4 x hidden).
-        heads, kv_heads, head_dim: attention heads, key/value heads (default: heads), head width.
-        vocab: vocabulary size (0 when none).
-    """
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def of(cls, config) -> Optional["ModelShape"]:
-        """The shape of ``config`` (its text config for a multimodal one); None for no config."""
-        if config is None:
-            return None
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        h = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=0)
-        heads = _cfg_int(cfg, "num_attention_heads", "n_head", default=1) or 1
-        return cls(hidden=h,
-                   intermediate=_cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h,
-                   heads=heads, kv_heads=_cfg_int(cfg, "num_key_value_heads", default=heads) or heads,
-                   head_dim=_cfg_int(cfg, "head_dim", default=h // heads if heads else h) or 1,
-                   vocab=_cfg_int(cfg, "vocab_size", default=0))
 
 
 def model_to_plan(model, model_kwargs: dict, transform):

@@ -1,0 +1,95 @@
+"""``megatrain.estimate`` and ``wrap`` read their shared options alike: ``device_state_layers`` (an estimate
+option: it changes the exclusive layers and the device bytes counted), ``host_memory_limit`` as a float count
+of bytes (a huge one is no limit beyond the machine's, not "must be > 0"), a small host shortfall printed in
+the unit that shows it, and the accumulator's refusal naming the options that make room for it."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import megatrain
+from megatrain import _C
+from megatrain.byte_units import MAX_BYTES, parse_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_device_exclusive import _full_host  # noqa: E402
+from test_disk_offload import _config, _model  # noqa: E402
+
+
+def test_estimate_takes_device_state_layers_and_plans_the_exclusive_layers_wrap_makes():
+    """An explicit ``device_state_layers=2`` with a host limit one byte short: wrap makes layer 0 exclusive; the
+    estimate with the same keywords plans the same layer and the same host bytes (it took no such option before:
+    the keyword went to the model and was refused)."""
+    kw = dict(device="cpu", device_state_layers=2, host_memory_limit=_full_host() - 1)
+    est = megatrain.estimate(_model(), **kw)
+    model = megatrain.wrap(_model(), **kw)
+    assert model.megatrain.placement()["exclusive_layers"] == [0] == list(range(est.exclusive_layers))
+    assert est.host_bytes == model.megatrain.offload_plan.host_bytes and est.host_fits
+    model.megatrain.close()
+    assert megatrain.estimate(_model(), device="cpu", host_memory_limit=_full_host() - 1).exclusive_layers == 0
+
+
+def test_estimate_counts_an_explicit_k_of_device_state_layers_on_the_gpu():
+    """On a GPU, ``device_state_layers=K`` puts layers 0..K-1's whole state on the device: the estimate's device
+    bytes grow by exactly their compute copy + 4 fp32 sections (``device_state_bytes``)."""
+    from megatrain.runtime.placement.device_state_plan import unit_device_bytes
+
+    kw = dict(gpu_memory="80GiB", host_memory="1TiB", activation_policy="recompute")
+    none = megatrain.estimate(_config(), device_state_layers=0, **kw)
+    two = megatrain.estimate(_config(), device_state_layers=2, **kw)
+    eng = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.bfloat16, device_state_layers=0).megatrain
+    layer_bytes = [unit_device_bytes(u, torch.bfloat16) for u in eng.layers[:2]]
+    eng.close()
+    assert none.device_state_bytes == 0 and two.device_state_bytes == sum(layer_bytes)
+    assert two.gpu_bytes - none.gpu_bytes == sum(layer_bytes)
+
+
+@pytest.mark.parametrize("value", [1e30, float("inf"), "1e30"])
+def test_a_huge_host_memory_limit_is_no_limit_beyond_the_machine(value):
+    """A float count of bytes > 0 is not refused as "must be > 0": above 2**63 - 1 it reads as that (no limit
+    beyond the machine's), in wrap and estimate alike."""
+    assert megatrain.WrapOptions(host_memory_limit=value).host_memory_limit == MAX_BYTES
+    model = megatrain.wrap(_model(), device="cpu", host_memory_limit=value)
+    assert model.megatrain.offload_plan.host_memory_limit == MAX_BYTES and not model.megatrain.offload_plan.disk_units
+    model.megatrain.close()
+    assert megatrain.estimate(_model(), device="cpu", host_memory_limit=value).host_fits
+    with pytest.raises(ValueError, match=r"^not a number of bytes > 0 and <= 2\*\*63 - 1: 1e\+30$"):
+        parse_bytes(1e30)  # a count itself (not a limit) is still refused, for the true reason
+    with pytest.raises(ValueError, match="host_memory_limit must be a number of bytes > 0"):
+        megatrain.WrapOptions(host_memory_limit=-1e30)
+
+
+def test_a_host_shortfall_under_10_mib_prints_in_mib_not_as_0_00_gib():
+    """3 MiB short of a host it does not fit: the advice says "3.00 MiB more", not "0.00 GiB more"."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                         vocab_size=32000)  # ~0.5 GiB of host store, built on the meta device
+    host = megatrain.estimate(config, device="cpu").host_bytes
+    est = megatrain.estimate(config, device="cpu", host_memory=host - 3 * 2**20)
+    assert not est.host_fits
+    assert "needs 3.00 MiB more host RAM" in est.advice and not any("0.00 GiB" in a for a in est.advice)
+
+
+def test_an_accumulator_over_the_limit_with_exclusive_layers_names_what_makes_room():
+    """Layers made exclusive at wrap (no accumulator planned), then accumulation: the refusal names
+    grad_accumulator=True (the planner then makes more leading layers exclusive: their accumulator is on the device
+    too), host_memory_limit and offload_dir, in one line; and grad_accumulator=True under the same limit wraps."""
+    limit = _full_host() - 1
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers=4, host_memory_limit=limit)
+    assert model.megatrain.placement()["exclusive_layers"] == [0]
+    with pytest.raises(_C.HostMemoryError) as info:
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+        x = torch.randint(0, 96, (1, 8))
+        for _ in range(2):
+            model(input_ids=x, labels=x).loss.backward()
+    msg = str(info.value)
+    assert "\n" not in msg and "wrap with grad_accumulator=True (the planner then counts it: more leading layers" in msg
+    assert "raise host_memory_limit" in msg and "offload_dir=<a local disk> with grad_accumulator=True" in msg
+    model.megatrain.close()
+    fixed = megatrain.wrap(_model(), device="cpu", device_state_layers=4, host_memory_limit=limit,
+                           grad_accumulator=True)
+    assert len(fixed.megatrain.placement()["exclusive_layers"]) > 1
+    fixed.megatrain.close()
