@@ -136,8 +136,8 @@ def test_estimate_of_a_14b_llama_on_115_gib_of_host_and_141_gib_of_gpu():
     # the reserve is this batch's estimate under recompute (what "auto" falls back to), not the 20% default
     assert est.activation_reserve_bytes < 0.2 * 141 * gib
     assert est.capacity_budget_bytes == 141 * gib - est.slot_bytes - est.resident_bytes - est.activation_reserve_bytes
-    per_layer = est.exclusive_device_bytes // k  # each exclusive layer's whole device state: 18 B/param
-    assert 18 * 274e6 < per_layer < 18 * 276e6 and est.capacity_max == est.capacity_budget_bytes // per_layer
+    per_layer = est.exclusive_device_bytes // k  # each exclusive layer's whole device state: 14 B/param
+    assert 14 * 274e6 < per_layer < 14 * 276e6 and est.capacity_max == est.capacity_budget_bytes // per_layer
     # the fewest: with one layer fewer its fp32 state (12 B/param) would be back in the host, over 115 GiB
     assert est.host_bytes <= 115 * gib < est.host_bytes + est.exclusive_bytes // k
     assert est.gpu_bytes == (est.slot_bytes + est.resident_bytes + est.exclusive_device_bytes + est.activation_bytes

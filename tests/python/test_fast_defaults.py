@@ -146,9 +146,9 @@ def test_the_cap_reaches_the_planner_through_free_device_bytes(monkeypatch):
     free = free_device_bytes(torch.device("cuda", 0), None)
     capped = free_device_bytes(torch.device("cuda", 0), 12 * GiB)
     assert free == 101 * GiB and capped == 10 * GiB
-    # ten layers of 1 GiB of device state each (bf16 copy 0.5 + fp32 sections 0.5): half of the free
+    # ten layers of 1 GiB of device state each (bf16 copy 0.25 + 3 fp32 sections 0.75): half of the free
     # memory holds all ten uncapped, five under the cap
-    layers = [types.SimpleNamespace(numel=1 << 28, state_numel=1 << 25) for _ in range(10)]
+    layers = [types.SimpleNamespace(numel=1 << 27, state_numel=1 << 26) for _ in range(10)]
     assert dsp.unit_device_bytes(layers[0], torch.bfloat16) == GiB
     assert dsp.plan_device_state_layers(layers, torch.bfloat16, free) == 10
     assert dsp.plan_device_state_layers(layers, torch.bfloat16, capped) == 5

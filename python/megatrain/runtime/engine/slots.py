@@ -189,12 +189,14 @@ class SlotPool:
     def acquire(self, unit: Unit):
         """Return a slot holding ``unit``'s current weights; the compute stream waits for them.
 
-        A device-state layer's slot is its permanent device buffer (no copy, no wait).
+        A device-state layer's slot is its permanent device buffer (no copy, no wait); a direct gradient
+        there moves to the layer's fp32 accumulator first and its weights are rebuilt from the master.
 
         Raises:
             RuntimeError: every slot of the unit's template is in use (``num_slots`` too small).
         """
         if unit.device_state is not None:
+            unit.device_state.take_weights()  # a direct gradient in its buffer: weights back from the master
             slot = unit.device_state.slot
             slot.in_use += 1
             return slot

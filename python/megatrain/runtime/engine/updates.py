@@ -137,6 +137,8 @@ class UpdateQueue:
             handle, _ = self.worker.submit_adam(self.grads.ledger, u.index, [], 1.0, back, idx, None, [], _Worker.GRAD, 0,
                                                  None, **tier)
             u.update_tasks.append(handle)
+        if self.device_layers.device_state is not None:  # their direct gradients, on the device
+            self.device_layers.device_state.drop_grads()
         self.sharding.after_zero_grad(self.units)
 
     def submit_update(self, unit: Unit, items, scale: float, entries: Optional[List[int]] = None,

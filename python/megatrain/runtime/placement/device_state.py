@@ -8,12 +8,21 @@ sections (same per-entry offsets):
   device slot. ``acquire()`` returns it (no H2D copy, never released to another layer, never a
   prefetch target); the weights never stream.
 * ``master``, ``exp_avg``, ``exp_avg_sq`` — fp32 (12 B/param).
-* ``grad`` — the fp32 gradient accumulator (4 B/param): the layer's weight gradients are summed
-  here on the device (no D2H); the squared L2 norm of each accumulated gradient is reduced on the
-  device and read by the CPU worker (8 bytes per parameter tensor), so clipping (the global norm)
-  and the non-finite check see these layers exactly as the host-stored ones.
+* ``grad`` — the fp32 gradient accumulator (4 B/param), allocated only when gradients are summed
+  (a second gradient before ``step()``; ``CPUAdamW(gradient_accumulation_steps > 1)`` allocates it
+  at once): the layer's weight gradients are summed here on the device (no D2H). Without
+  accumulation a decoder layer's gradient is written into its own ``compute`` buffer instead
+  (*direct*, as the host-stored layers' gradient D2H into their compute section): the update reads
+  it there and rewrites the compute copy from the new master; whatever needs the weights before
+  that (the layer runs again, the host store reads the compute copy, ``zero_grad``, a skipped
+  step) rebuilds them from the master first (``DeviceUnit.take_weights``). The resident unit's
+  compute buffer is its parameters' storage: it keeps its ``grad`` from the start. The squared L2
+  norm of each gradient is reduced on the device and read by the CPU worker (8 bytes per parameter
+  tensor), so clipping (the global norm) and the non-finite check see these layers exactly as the
+  host-stored ones.
 
-18 B/param in all (16 with fp32 state + 2 for the bf16 compute copy) on the device; the host
+14 B/param in all (12 of fp32 state + 2 for the bf16 compute copy) on the device, 18 with the
+accumulator (the resident unit: 16 beside its existing compute copy); the host
 store keeps its sections for these layers too (they are the checkpoint / state_dict surface),
 except for an *exclusive* layer (``DeviceUnit.exclusive``: chosen at wrap when the host store of
 every unit would not fit the host budget, :func:`~.disk_plan.plan_offload`): the host store then
@@ -54,7 +63,7 @@ from typing import List, Optional
 import torch
 
 from .device_adamw import device_adamw
-from .device_unit import DeviceSlot, DeviceUnit  # noqa: F401 - DeviceSlot: public here too
+from .device_unit import DeviceSlot, DeviceUnit, runs_without  # noqa: F401 - DeviceSlot: public here too
 from ..engine.grads import grad_norms
 
 
@@ -154,7 +163,8 @@ class DeviceState:
         changed since :meth:`masters_to_host` copied it (the host master may have been written
         since, through a ``model.state_dict()`` tensor: that write is kept for the caller to take);
         of the compute copy, the trainable entries only (a frozen entry's host copy is never older
-        than the device's, and may have been written the same way). Blocks until the copies are done.
+        than the device's, and may have been written the same way), an entry whose device slice holds
+        its direct gradient rebuilt from the master. Blocks until the copies are done.
         """
         eng = self.eng
         for u in self._select(units):
@@ -170,6 +180,9 @@ class DeviceState:
             else:
                 for a, b in du.trained_runs:
                     host[a:b].copy_(du.compute[a:b])
+            for i in du.grad_in_compute:  # a direct gradient there: the weights are the master's, rounded
+                e = u.entries[i]
+                host[e.offset:e.offset + e.numel].copy_(du.fp32("master", i))
             du.host_stale = du.host_master_stale = False
 
     @torch.no_grad()
@@ -192,7 +205,8 @@ class DeviceState:
     @torch.no_grad()
     def from_host(self, units=None) -> None:
         """Copy master / exp_avg / exp_avg_sq / compute of ``units`` (default all) from the host store
-        (the writes into the optimizer's handed-out moment tensors until now are taken)."""
+        (the writes into the optimizer's handed-out moment tensors until now are taken); the compute
+        slice of an entry holding its direct gradient keeps it (its weights come from the master)."""
         eng = self.eng
         opt = eng.optimizer
         for u in self._select(units):
@@ -202,7 +216,12 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive:  # an exclusive unit's are written through the device tier
                     getattr(du, name).copy_(eng.store.section(u.index, name))
-            du.compute.copy_(eng.store.section(u.index, "compute"))
+            host = eng.store.section(u.index, "compute")
+            if not du.grad_in_compute:
+                du.compute.copy_(host)
+            else:  # a direct gradient's slice keeps it: its weights are rebuilt from the (new) master
+                for a, b in runs_without(u, du.grad_in_compute):
+                    du.compute[a:b].copy_(host[a:b])
             du.host_stale = du.host_master_stale = False
             du.host_dirty = False
 
@@ -214,13 +233,29 @@ class DeviceState:
             u.device_state.host_dirty = not u.device_state.exclusive
 
     # ------------------------------------------------------------------ gradients
+    def enable_accumulator(self) -> None:
+        """Allocate every unit's fp32 gradient accumulator now (``CPUAdamW(gradient_accumulation_steps > 1)``).
+
+        Raises:
+            torch.cuda.OutOfMemoryError: they do not fit on the device.
+        """
+        for u in self.units:
+            u.device_state.ensure_grad()
+
+    def drop_grads(self) -> None:
+        """``zero_grad``: the direct gradients are forgotten, their compute slices rewritten from the masters."""
+        for u in self.units:
+            u.device_state.take_weights(keep_grads=False)
+
     @torch.no_grad()
     def submit_grads(self, unit, grads: List[Optional[torch.Tensor]], task_id) -> None:
-        """Sum ``grads`` (device tensors, one per entry or None) into the unit's fp32 device accumulator.
+        """Hand ``grads`` (device tensors, one per entry or None) of ``unit`` over, on the device.
 
-        The first gradient since the last step / ``zero_grad`` overwrites it. The squared norms of
-        the accumulated gradients go to the engine's ledger (``record_norm``) in a task of the CPU
-        worker, ordered with the host-stored units' gradient tasks and ``zero_grad``.
+        An entry's first gradient since the last step / ``zero_grad`` with ``gradient_accumulation_steps``
+        1 goes into its slice of the unit's compute buffer (direct; a decoder layer's), any other into
+        the fp32 accumulator (allocated then; the first gradient overwrites it, later ones are summed).
+        The squared norms go to the engine's ledger (``record_norm``) in a task of the CPU worker,
+        ordered with the host-stored units' gradient tasks and ``zero_grad``.
         """
         eng = self.eng
         du = unit.device_state
@@ -233,20 +268,27 @@ class DeviceState:
             if any(g is not None and not unit.entries[i].frozen and states[i].micro_batches >= ga
                    for i, g in enumerate(grads)):
                 opt.raise_extra_backward(same_backward=task_id is not None and task_id == unit.last_task)
+        direct = du.direct_grads and getattr(opt, "gradient_accumulation_steps", 1) == 1
         for i, g in enumerate(grads):
             if g is None or unit.entries[i].frozen:
                 continue
-            acc = du.fp32("grad", i)
-            if states[i].micro_batches == 0:
-                acc.copy_(g.reshape(-1))
+            if direct and states[i].micro_batches == 0:
+                du.weights(i).copy_(g.reshape(-1))
+                du.grad_in_compute.add(i)
             else:
-                acc.add_(g.reshape(-1))
+                du.take_weights()  # (a gradient still in compute moves to the accumulator; acquire() did it)
+                du.ensure_grad()
+                acc = du.fp32("grad", i)
+                if states[i].micro_batches == 0:
+                    acc.copy_(g.reshape(-1))
+                else:
+                    acc.add_(g.reshape(-1))
             eng.ledger.on_device(unit.index, i)
             idx.append(i)
         unit.last_task = task_id
         if not idx:
             return
-        norms = grad_norms([du.fp32("grad", i) for i in idx], eng.fused_grad_norms)
+        norms = grad_norms([du.grad_of(i) for i in idx], eng.fused_grad_norms)
         ev = None
         if eng.cuda:
             eng.wait_task(du.grad_task)  # the previous task read the row; almost always long done
@@ -305,13 +347,14 @@ class DeviceState:
         if finite_on_device:
             if not self.checks_on_device:
                 raise RuntimeError("megatrain: finite_on_device needs the fused device AdamW")
-            checked = [du.fp32("grad", i) for i, *_ in items if i not in zero]
+            checked = [du.grad_of(i) for i, *_ in items if i not in zero]
             if checked:  # float64 norms: finite exactly when every element is (as the host's grad_sq)
                 norms = grad_norms(checked, self.eng.fused_grad_norms)
                 found_inf = (~torch.isfinite(norms)).any().to(torch.float32)
         elif opt is not None and opt.max_grad_norm is None and items and self.skip_if_nonfinite(unit, items, zero):
             return
         device_adamw(du, items, scale, zero, fused=self.impl == "fused", found_inf=found_inf)
+        du.grad_in_compute.difference_update(i for i, *_ in items)  # their compute copy is the new master's
         du.host_stale = du.host_master_stale = True
 
     def skip_if_nonfinite(self, unit, items, zero=()) -> bool:

@@ -57,15 +57,20 @@ def check_device_state_layers(value, what: str = "megatrain.wrap: device_state_l
                          f"'auto' or 'boundary', got {value!r}")
 
 
-def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True) -> int:
+def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = True,
+                      with_grad: Optional[bool] = None) -> int:
     """Device bytes :class:`~.device_state.DeviceState` allocates for ``unit``: the compute copy (unless
-    ``with_compute`` is False: the resident unit's is its existing device buffer) plus 4 fp32 sections.
+    ``with_compute`` is False: the resident unit's is its existing device buffer), fp32 master /
+    exp_avg / exp_avg_sq (12 B per element) and the fp32 gradient accumulator (4 B) when ``with_grad``.
 
+    ``with_grad`` None: the resident unit (``with_compute`` False) has its accumulator from the start, a
+    decoder layer only once gradients are summed (its direct gradient is written into its compute copy).
     ``unit.numel`` / ``unit.state_numel`` are the padded lengths of the unit's compute and fp32
     host-store sections (the device buffers use the same layout).
     """
     elem = torch.tensor([], dtype=compute_dtype).element_size()
-    return (int(unit.numel) * elem if with_compute else 0) + 16 * int(unit.state_numel)
+    grad = (not with_compute) if with_grad is None else with_grad
+    return (int(unit.numel) * elem if with_compute else 0) + (16 if grad else 12) * int(unit.state_numel)
 
 
 def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
@@ -132,7 +137,7 @@ def capacity_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: i
                   reserve_bytes: Optional[int] = None) -> dict:
     """The capacity share of the device for exclusive device-state layers (see
     ``CAPACITY_ACTIVATION_RESERVE_FRACTION``): how many leading decoder layers of ``units`` have their whole
-    device state (compute copy + 4 fp32 sections, :func:`unit_device_bytes`) in it.
+    device state (compute copy + 3 fp32 sections, :func:`unit_device_bytes`) in it.
 
     Args:
         units: the engine's units (``kind``, ``template``, ``entries``), in forward order.

@@ -218,7 +218,8 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     per = 16 if oplan.with_accumulator else 12  # fp32 master, exp_avg, exp_avg_sq [, accumulator] per element
     excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) for k in oplan.exclusive_units)
     elem = torch.tensor([], dtype=opts.compute_dtype).element_size()  # their device state (DeviceUnit's buffers)
-    excl_dev = sum(elem * int(plan["layout"]["unit_numel"][k]) + 16 * int(plan["layout"]["unit_state_numel"][k])
+    dev_per = 16 if accumulating or accum_mode is True else 12  # no fp32 grad buffer without accumulation
+    excl_dev = sum(elem * int(plan["layout"]["unit_numel"][k]) + dev_per * int(plan["layout"]["unit_state_numel"][k])
                    for k in oplan.exclusive_units)
     host = store + staging + accum + pools + oplan.scratch_bytes  # (a device-tier window's scratch buffer)
     pinned = store + staging if cuda else 0
@@ -298,8 +299,9 @@ def boundary_state_bytes(units, layout: dict, elem: int, free: Optional[int]) ->
             if total + 16 * state_numel[k] <= budget:
                 total += 16 * state_numel[k]
     first = next((k for k, u in enumerate(units) if u.kind == "layer"), None)
-    if first is not None and total + elem * unit_numel[first] + 16 * state_numel[first] <= budget:
-        total += elem * unit_numel[first] + 16 * state_numel[first]
+    # layer 0: no fp32 gradient buffer (its direct gradient is written into its compute copy)
+    if first is not None and total + elem * unit_numel[first] + 12 * state_numel[first] <= budget:
+        total += elem * unit_numel[first] + 12 * state_numel[first]
     return total
 
 

@@ -282,7 +282,7 @@ class PlacementReplan:
         else:
             total, transient = free, 0
         margin = int(REPLAN_MARGIN_FRACTION * total) + REPLAN_MARGIN_BYTES if eng.cuda else 0
-        capacity = free + sum(dsp.unit_device_bytes(u, eng.compute_dtype) for u in dev_layers) - transient - margin
+        capacity = free + sum(u.device_state.nbytes for u in dev_layers) - transient - margin
         return capacity, transient
 
     def replan(self) -> Optional[dict]:
@@ -306,11 +306,13 @@ class PlacementReplan:
         G, I, k_now = int(d["bytes_per_layer"]), int(d["bytes_per_input"]), int(d["store_layers"])
         if k_now < n:  # the backward diffs of recomputed layers hold one forward too
             bwd_s = max(0.0, bwd_s - fwd_s * (n - k_now) / n)
-        S = dsp.unit_device_bytes(eng.layers[0], eng.compute_dtype)
         dev_layers = eng.device_state.layers if eng.device_state is not None else []
+        opt = eng.optimizer
+        summed = getattr(opt, "gradient_accumulation_steps", 1) > 1 or any(u.device_state.grad is not None
+                                                                           for u in dev_layers)
+        S = dsp.unit_device_bytes(eng.layers[0], eng.compute_dtype, with_grad=summed)
         K_now = len(dev_layers)
         host_layers = n - K_now
-        opt = eng.optimizer
         eng.flush()  # the first step's CPU updates, all of them timed
         steps = max(1, getattr(opt, "steps_called", 1) - self._base["steps"])  # steps measured
         adam_delta = (eng.stats()["adam_time_s"] - self._base["adam_time_s"]) / steps
