@@ -33,7 +33,7 @@ def test_estimate_takes_device_state_layers_and_plans_the_exclusive_layers_wrap_
 
 def test_estimate_counts_an_explicit_k_of_device_state_layers_on_the_gpu():
     """On a GPU, ``device_state_layers=K`` puts layers 0..K-1's whole state on the device: the estimate's device
-    bytes grow by exactly their compute copy + 4 fp32 sections (``device_state_bytes``)."""
+    bytes grow by exactly their compute copy + 3 fp32 sections (no fp32 gradient buffer at one backward per step) (``device_state_bytes``)."""
     from megatrain.runtime.placement.device_state_plan import unit_device_bytes
 
     kw = dict(gpu_memory="80GiB", host_memory="1TiB", activation_policy="recompute")

@@ -153,8 +153,9 @@ class DeviceStateLayers:
         norm, LM head: what the next forward needs first, and the last gradients of a backward) when
         ``Engine.device_state_resident`` offers it and it fits, then as many layers as fit in
         ``AUTO_DEVICE_STATE_FRACTION`` of the free device memory, from the exact buffer sizes
-        (compute copy + fp32 master, exp_avg, exp_avg_sq, grad accumulator: 18 B/param in bf16;
-        16 for the resident unit, whose compute copy is its existing device buffer).
+        (compute copy + fp32 master, exp_avg, exp_avg_sq: 14 B/param in bf16, 18 with the fp32 gradient
+        accumulator when gradients are summed; 16 for the resident unit, whose compute copy is its existing
+        device buffer and which keeps its accumulator).
         ``"boundary"``: the resident unit, then layer 0, while together they fit in
         ``BOUNDARY_DEVICE_STATE_FRACTION`` of the free device memory
         (:func:`~..placement.device_state_plan.plan_boundary_units`).

@@ -123,7 +123,7 @@ class HostPart:
     limit_name: Optional[str]
     machine: AssumedMachine = AssumedMachine()  # the machine judged (default: this one)
     exclusive_bytes: int = 0  # the exclusive device-state layers' fp32 state, on the device instead of the host
-    exclusive_device_bytes: int = 0  # their whole device state: compute copy + 4 fp32 sections (18 B/param in bf16)
+    exclusive_device_bytes: int = 0  # their whole device state: compute copy + 3 fp32 sections (14 B/param in bf16; 18 accumulating)
 
 
 def gpu_free(opts, machine: AssumedMachine) -> tuple:
@@ -280,7 +280,8 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     if cuda and isinstance(layers, int):
         excl = set(hp.oplan.exclusive_units)
         first = [k for k, u in enumerate(units) if u.kind == "layer"][:layers]
-        boundary = sum(elem * hp.layout["unit_numel"][k] + 16 * hp.layout["unit_state_numel"][k]
+        per = 16 if hp.accumulating or hp.accum_mode is True else 12  # no fp32 grad buffer without accumulation
+        boundary = sum(elem * hp.layout["unit_numel"][k] + per * hp.layout["unit_state_numel"][k]
                        for k in first if k not in excl)
     return DevicePart(elem=elem, slot_bytes=slot_bytes, resident_bytes=resident_bytes, free=free,
                       boundary_bytes=boundary, limit_bytes=limit)

@@ -85,7 +85,7 @@ class MemoryEstimate:
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
     exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): out of host_bytes
     exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
-    exclusive_device_bytes: int = 0  # their whole device state (compute copy + 4 fp32 sections): in gpu_bytes
+    exclusive_device_bytes: int = 0  # their whole device state (compute copy + 3 fp32 sections, + the accumulator when summing): in gpu_bytes
     exclusive_share: Optional[str] = None  # "auto" / "capacity" / "explicit" (placement()'s), None: none
     capacity_max: Optional[int] = None  # how many the capacity share holds (sized when the "auto" share is too few)
     capacity_budget_bytes: Optional[int] = None  # its device bytes: free - streamed schedule - activation reserve
