@@ -604,6 +604,34 @@ def test_zero_grad_set_to_none_false_then_steps_without_backward_like_torch():
     assert float(gopt.state[p_got]["step"]) == float(ropt.state[p_ref]["step"]) == 6.0
 
 
+@pytest.mark.parametrize("device_state_layers", [0, 2])
+def test_zero_grad_set_to_none_false_after_backward_then_step_is_a_zero_gradient_step_like_torch(device_state_layers):
+    """backward(), zero_grad(set_to_none=False), step(): torch steps every parameter that held a gradient
+    with zeros (step count, moment decay, weight decay); the gradients of that backward count as held,
+    with the state in the host store and on the device alike."""
+    def run(wrapped):
+        model = tiny()
+        if wrapped:
+            model = megatrain.wrap(model, device="cpu", compute_dtype=torch.float32,
+                                   device_state_layers=device_state_layers)
+        kw = dict(lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS)
+        opt = (megatrain.optim.CPUAdamW(model.parameters(), **kw, max_grad_norm=1e9) if wrapped
+               else torch.optim.AdamW(model.parameters(), **kw, foreach=False))
+        for i, x in enumerate(batches(3)):
+            model(input_ids=x, labels=x).loss.backward()
+            if i == 1:
+                opt.zero_grad(set_to_none=False)
+            opt.step()
+            opt.zero_grad()
+        steps = {float(opt.state[p]["step"]) for p in model.parameters() if p.requires_grad}
+        return weights(model), steps
+
+    ref, ref_steps = run(False)
+    got, got_steps = run(True)
+    assert ref_steps == got_steps == {3.0}
+    assert_params_close(got, ref)
+
+
 def test_zero_gradient_step_while_the_last_steps_updates_are_still_queued():
     """step() with no forward since the last step(): the last step's CPU updates may still be queued (a
     busy worker); the new update of a unit waits for them instead of failing in the gradient ledger."""

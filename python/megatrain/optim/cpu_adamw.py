@@ -193,9 +193,10 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget gradients accumulated since the last step (the next backward starts afresh).
 
-        ``set_to_none=False`` as torch: the parameters that held a gradient now hold zeros, so a
-        ``step()`` still updates them (``exp_avg`` / ``exp_avg_sq`` decay, weight decay applies)
-        unless a backward gives them a gradient first.
+        ``set_to_none=False`` as torch: the parameters that held a gradient (of an earlier step, or of
+        a backward since the last step) now hold zeros, so a ``step()`` still updates them
+        (``exp_avg`` / ``exp_avg_sq`` decay, weight decay applies) unless a backward gives them a
+        gradient first. An update already queued during backward (no ``max_grad_norm``) is not repeated.
         """
         self._check_current("zero_grad")
         if self._eager_groups:
@@ -204,6 +205,11 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
                             "max_grad_norm the layers' updates from that backward already ran and are not undone "
                             "(torch.optim.AdamW would drop those gradients); to skip a batch, do not call backward() "
                             "on it, or set max_grad_norm so that updates wait for step()")
+        held = set()
+        if not set_to_none:  # torch: a gradient of a backward since the last step is held too (as zeros)
+            views = self._port.wait_grads()
+            held = {(ui, i) for ui, v in views.items()
+                    for i, (h, e) in enumerate(zip(v.has_grad, v.eager)) if h and not e}
         self._port.zero_grad()
         self._consumed = False
         self.user_clip_scale = 1.0
@@ -211,7 +217,7 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
             self._alive.clear()
             self._zero.clear()
         else:
-            self._zero = set(self._alive)
+            self._zero = set(self._alive) | held
 
     @torch.no_grad()
     def step(self, closure=None):
