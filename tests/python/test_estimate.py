@@ -341,3 +341,17 @@ def test_the_report_of_a_tiny_model_prints_no_zero_byte_line(device, seq_len):
     assert not [line for line in text.splitlines() if zero.search(line)], text
     assert ("nothing pinned (CPU device: no DMA)" in text) == (device == "cpu")
     assert ("not counted  (pass seq_len=" in text) == (seq_len is None)
+
+
+def test_host_memory_limit_above_the_compute_copies_names_what_stays_in_ram():
+    """A host_memory_limit twice the compute copies that offload_dir still cannot meet (the resident unit's
+    state and the gradient staging stay in host memory too): the advice does not claim that the compute
+    copies alone exceed it, and says what does."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    compute = megatrain.estimate(model, device="cpu").host_sections["compute"]
+    est = megatrain.estimate(model, device="cpu", host_memory_limit=compute * 2)
+    assert not est.fits
+    line = est.reason()
+    assert "compute copies alone" not in line, line
+    assert "resident unit" in line and "offload_dir cannot help" in line, line

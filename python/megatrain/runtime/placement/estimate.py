@@ -289,7 +289,9 @@ def _host_reasons(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPa
             est.advice.append("pass offload_dir=<a local disk> to keep the fp32 state of the layers that do not fit "
                               "there")
         else:
-            est.advice.append("raise host_memory_limit (the compute copies alone exceed it: offload_dir cannot help)")
+            est.advice.append("raise host_memory_limit (what stays in host memory with every layer's fp32 state on disk, "
+                              "the compute copies, the resident unit's state and the gradient staging, exceeds it: "
+                              "offload_dir cannot help)")
     if est.disk_fits is False:
         est.reasons.append(f"the disk tier needs {_fmt(oplan.disk_total_bytes)} under {offload_dir} but its filesystem has "
                            f"{_fmt(oplan.free_bytes)} free")
