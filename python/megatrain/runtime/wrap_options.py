@@ -22,10 +22,11 @@ from .model.fused_kernels import check_liger_kernel, resolve_liger_kernel
 from .placement.device_state_plan import check_device_state_layers, check_gpu_memory_limit, \
     resolve_device_state_layers, resolve_gpu_memory_limit
 from .placement.disk_plan import check_host_memory_limit, check_offload_args, check_offload_dir_value
+from .placement.master_streamed import check_host_compute_copy
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                    "tile_mlp", "offload_dir", "host_memory_limit", "gpu_memory_limit")
+                    "tile_mlp", "offload_dir", "host_memory_limit", "gpu_memory_limit", "host_compute_copy")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class WrapOptions:
         gpu_memory_limit: None, bytes (int >= 1 MiB, or a string such as ``"40GiB"``) or a fraction of the
             device's memory (float in (0, 1]).
         liger_kernel: ``None`` (when installed and on CUDA), ``True`` (required) or ``False``.
+        host_compute_copy: ``"auto"``, ``True`` or ``False`` (:mod:`~.placement.master_streamed`).
 
     Args:
         where: starts each error message of the construction (not a field): ``"megatrain.WrapOptions"``;
@@ -77,6 +79,7 @@ class WrapOptions:
     lean_activations: bool = False
     gpu_memory_limit: Optional[Union[int, float, str]] = None
     liger_kernel: Optional[bool] = None
+    host_compute_copy: Any = "auto"
     where: InitVar[str] = "megatrain.WrapOptions"
 
     def __post_init__(self, where: str):
@@ -146,6 +149,7 @@ class WrapOptions:
         object.__setattr__(self, "host_memory_limit", check_host_memory_limit(self.host_memory_limit, where))
         _check_mode(self.chunked_loss, "chunked_loss", where)
         _check_mode(self.tile_mlp, "tile_mlp", where)
+        check_host_compute_copy(self.host_compute_copy, where)
 
     def with_defaults(self, where: str = "megatrain.wrap", need_device: bool = True) -> "WrapOptions":
         """These options with ``device`` a ``torch.device``, ``compute_dtype`` a dtype, ``activation_policy``

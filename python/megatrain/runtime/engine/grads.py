@@ -84,6 +84,10 @@ class GradLedger:
         self._settle_lock = threading.RLock()
         self._grad_outcomes: list = []
         self._update_outcomes: list = []
+        # Master-streamed units: per unit index, the device gradients held until the update may run
+        # (entry -> tensor); and the pool staging buffers an update task reads, back once it ran.
+        self._held: dict = {}
+        self._update_staging: list = []
         self.worker = self.counters = self.timeline = self.views = self.accumulator = None
         self.copies = self.updates = self.waits = self.slots = self.device_layers = None
 
@@ -146,6 +150,10 @@ class GradLedger:
                 if staging is not None:
                     self._staging.put(staging)
             del self._grad_outcomes[:n]
+            done = [rec for rec in self._update_staging if rec[0].done]
+            for handle, staging in done:
+                self._staging.put(staging)
+            self._update_staging = [rec for rec in self._update_staging if not rec[0].done]
             if not self._update_outcomes:
                 return
             left = []
@@ -173,7 +181,8 @@ class GradLedger:
                 if self.staging_made < self.staging_max:
                     self.staging_made += 1
                     return self.views.host_buffer(self.staging_numel)  # counted in the store's budget check
-                holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None), None)
+                holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None),
+                              self._update_staging[0][0] if self._update_staging else None)
             if holder is None:
                 raise RuntimeError("megatrain: no gradient staging buffer is free and none is in flight")
             self.waits.wait_task(holder)
@@ -233,15 +242,50 @@ class GradLedger:
         elif callable(staging):  # a caller's buffer, allocated only when a gradient is staged
             staging = staging() if any(staged) else None
         norm_idx = [i for i, d in enumerate(direct) if d]
-        norms, ev = self._copy_to_host(unit, grads, direct, staging, norm_idx, opt)
+        held_buf = None
+        if unit.master_streamed and any(direct):  # no compute section: held on the device, or D2H'd for the update
+            held_buf = self.staging_buffer() if plan is not None else None
+            if held_buf is None:
+                self._held.setdefault(unit.index, {}).update({i: grads[i] for i in norm_idx})
+        norms, ev = self._copy_to_host(unit, grads, direct, staging, norm_idx, opt, held_buf)
         handle, outcome = self._queue_accumulate(unit, norms, ev, staging, staged, overwrite, norm_idx)
         unit.grad_task = handle
         self.record_grad(handle, outcome, staging if own_staging else None, unit.index)
         if plan is not None:
             items, scale = plan
             self.updates.submit_adam(unit, items, scale, after=handle, entries=[i for i, p in enumerate(present) if p],
-                                     finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None)
+                                     finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None,
+                                     grad_buf=held_buf)
         return handle
+
+    # ------------------------------------------------------------------ master-streamed units' held gradients
+    def has_held(self, unit: Unit) -> bool:
+        """Whether master-streamed ``unit`` holds device gradients that no update took yet."""
+        return bool(self._held.get(unit.index))
+
+    def take_held(self, unit: Unit):
+        """``(staging, ready)``: master-streamed ``unit``'s held device gradients copied D2H into a buffer of the
+        staging pool (the compute section's layout), and the event the copy records (None on the CPU). The
+        device tensors are dropped (the D2H stream keeps them until the copy ran). Give the buffer back with
+        :meth:`record_update_staging` (an update reads it) or :meth:`give_back`."""
+        held = self._held.pop(unit.index, {})
+        buf = self.staging_buffer()
+        grads = [held.get(i) for i in range(len(unit.entries))]
+        _, ev = self.copies.copy_grads_d2h(unit, grads, [g is not None for g in grads], buf, None, [], None)
+        return buf, ev
+
+    def drop_held(self, unit: Unit) -> None:
+        """Forget master-streamed ``unit``'s held gradients (``zero_grad``, a skipped step)."""
+        self._held.pop(unit.index, None)
+
+    def record_update_staging(self, handle, staging: torch.Tensor) -> None:
+        """The update task ``handle`` reads pool buffer ``staging``: ``settle`` gives it back once it ran."""
+        with self._settle_lock:
+            self._update_staging.append((handle, staging))
+
+    def give_back(self, staging: torch.Tensor) -> None:
+        """Pool buffer ``staging`` is free again (read by a task that was waited for)."""
+        self._staging.put(staging)
 
     def _where_grads_land(self, unit: Unit, present: List[bool], opt, task_id) -> List[bool]:
         """Per entry, whether its gradient goes straight into the compute section (*direct*); raises
@@ -287,15 +331,21 @@ class GradLedger:
                                accum_read=any(p and not d and not o for p, d, o in zip(present, direct, overwrite)))
         return overwrite, plan
 
-    def _copy_to_host(self, unit: Unit, grads, direct: List[bool], staging, norm_idx: List[int], opt):
+    def _copy_to_host(self, unit: Unit, grads, direct: List[bool], staging, norm_idx: List[int], opt, held_buf=None):
         """``(norms, ready)``: the squared-norm inputs of the direct gradients (for clipping, and for the
-        finite check before any update) reduced on the device, and every gradient copied D2H."""
+        finite check before any update) reduced on the device, and every gradient copied D2H (a master-streamed
+        unit's direct ones into ``held_buf``, or not at all: they are held on the device)."""
         need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
                                      getattr(opt, "nonfinite", None) is not None)
-        compute = self.views.section(unit, "compute") if any(direct) else None
         if need_norm:
             with torch.no_grad():
                 dev_norms = grad_norms([grads[i] for i in norm_idx], self.fused_grad_norms)
+        if unit.master_streamed:
+            compute = held_buf
+            if held_buf is None:  # held: only the staged ones (a second micro-batch) are copied now
+                grads = [None if d else g for g, d in zip(grads, direct)]
+        else:
+            compute = self.views.section(unit, "compute") if any(direct) else None
         return self.copies.copy_grads_d2h(unit, grads, direct, compute, staging, norm_idx,
                                           dev_norms if need_norm else None)
 

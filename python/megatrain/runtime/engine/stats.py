@@ -105,7 +105,11 @@ def placement_report(eng) -> dict:
     for the other policies (``activation_policy`` says what every layer does); ``replan``: what
     the planner measured in the first step and chose after it (``megatrain.runtime.placement.replan``), or None;
     ``gpu_memory_limit_bytes``: ``wrap(gpu_memory_limit=)`` in bytes (None: no cap); ``liger_kernel``:
-    the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None.
+    the Liger-Kernel patch ``wrap`` applied (``megatrain.runtime.model.fused_kernels``), or None;
+    ``master_streamed_layers``: indices of the layers with no compute copy in the host store
+    (``wrap(host_compute_copy=)``, :mod:`~..placement.master_streamed`); ``host_bytes_per_param``: the host
+    store's bytes per parameter whose fp32 state it holds (about 14 with compute copies, 12 without, at one
+    backward per step with a store-less accumulator).
     """
     k = len(eng.device_state.layers) if eng.device_state else 0
     decisions = getattr(eng, "auto_decisions", None) if getattr(eng, "auto_policy", False) else None
@@ -124,7 +128,17 @@ def placement_report(eng) -> dict:
                 disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
                 replan=getattr(eng, "replan_info", None),
                 gpu_memory_limit_bytes=getattr(eng, "gpu_memory_limit_bytes", None),
-                liger_kernel=getattr(eng, "liger_kernel", None))
+                liger_kernel=getattr(eng, "liger_kernel", None),
+                master_streamed_layers=[u.index for u in eng.units if u.master_streamed],
+                host_bytes_per_param=_host_bytes_per_param(eng))
+
+
+def _host_bytes_per_param(eng) -> float:
+    """The host store's bytes over the parameters whose fp32 state it holds (0.0 without any)."""
+    plan = getattr(eng, "offload_plan", None)
+    off = plan.offloaded if plan is not None and plan.offloaded else [False] * len(eng.units)
+    n = sum(e.numel for u in eng.units if not off[u.index] for e in u.entries)
+    return float(eng.store.total_bytes) / n if n else 0.0
 
 
 def engine_stats(eng) -> dict:

@@ -164,8 +164,10 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
-            host = eng.store.section(u.index, "compute")
-            if du.trained_runs is None:
+            host = None if u.master_streamed else eng.store.section(u.index, "compute")  # none: from the master
+            if host is None:
+                pass
+            elif du.trained_runs is None:
                 host.copy_(du.compute)
             else:
                 for a, b in du.trained_runs:
@@ -202,7 +204,7 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive:  # an exclusive unit's are written through the device tier
                     getattr(du, name).copy_(eng.store.section(u.index, name))
-            du.compute.copy_(eng.store.section(u.index, "compute"))
+            du.compute.copy_(eng.store.section(u.index, "master" if u.master_streamed else "compute"))
             du.host_stale = du.host_master_stale = False
             du.host_dirty = False
 

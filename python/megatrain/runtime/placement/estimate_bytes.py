@@ -185,6 +185,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     own planning), and the budget check's verdict with ``margin`` bytes kept free on ``machine``;
     ``reserve``: the capacity share's activation reserve (:func:`activation_reserve`)."""
     from .disk_plan import plan_offload
+    from .master_streamed import master_streamable
     from ..options import options
 
     accum_mode = opts.grad_accumulator
@@ -199,6 +200,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                          host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
                          num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
                          limits=machine.host_limits() if machine.host_bytes is not None else None,
+                         compute_copy=opts.host_compute_copy, streamable=master_streamable(units),
                          **_exclusive_args(opts, machine, reserve))
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
@@ -292,6 +294,7 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     plans for the host part alone, so the ``host_memory_limit`` returned (None: none needed) keeps
     that much free."""
     from .disk_plan import plan_offload
+    from .master_streamed import master_streamable
     from ..options import options
 
     cap = opts.host_memory_limit
@@ -304,7 +307,8 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     plan = plan_offload(units, opts.compute_dtype, hp.accum_mode, staging_buffers, offload_dir=os.sep,
                         host_memory_limit=cap, reclaimable_bytes=hp.reclaim, cuda=opts.device.type == "cuda",
                         num_buffers=options().disk_buffers, with_accumulator=hp.accumulating, check=False,
-                        limits=hp.machine.host_limits() if hp.machine.host_bytes is not None else None)
+                        limits=hp.machine.host_limits() if hp.machine.host_bytes is not None else None,
+                        compute_copy=opts.host_compute_copy, streamable=master_streamable(units))
     if not plan.disk_units or hp.machine.shortfall(plan.host_bytes, plan.pinned_bytes, hp.reclaim) is not None:
         return None
     if cap is not None and plan.host_bytes > cap:
