@@ -196,12 +196,15 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                       if e.param.device.type == "cpu")
     accumulating = accum_mode is None and gradient_accumulation_steps > 1
     # The layers wrap would put on disk (none without offload_dir), by the engine's own planning.
-    oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, offload_dir=opts.offload_dir,
-                         host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
-                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
-                         limits=machine.host_limits() if machine.host_bytes is not None else None,
-                         compute_copy=opts.host_compute_copy, streamable=master_streamable(units),
-                         **_exclusive_args(opts, machine, reserve))
+    kw = dict(offload_dir=opts.offload_dir, host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim,
+              cuda=cuda, num_buffers=options().disk_buffers, check=False,
+              limits=machine.host_limits() if machine.host_bytes is not None else None,
+              **_exclusive_args(opts, machine, reserve))
+    # The master-streamed layers as wrap chooses them: it plans before any accumulator is known of.
+    streamed = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, compute_copy=opts.host_compute_copy,
+                            streamable=master_streamable(units), **kw).master_streamed
+    oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, with_accumulator=accumulating,
+                         compute_copy=False, streamable=streamed, **kw)
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
     store, staging = plan["store_bytes"], plan["staging_bytes"]

@@ -184,7 +184,7 @@ class MemoryEstimate:
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
-        if self.exclusive_layers or self.exclusive_needed:
+        if self.exclusive_layers or self.exclusive_needed or self.master_streamed_layers:
             L.append(self._tiers_line())
         if self.offload_dir is not None:
             L.append(f"disk tier ({self.offload_dir}): fp32 state of {self.disk_layers} of {self.num_layers} decoder "
