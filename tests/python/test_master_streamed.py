@@ -206,6 +206,53 @@ def test_load_state_dict_reaches_the_next_forward():
         assert torch.equal(m(input_ids=x).logits, src(input_ids=x).logits)
 
 
+def test_torch_slot_path_and_a_load_between_backward_and_step():
+    """``cpp_slots=False`` (torch's slot path) and an evaluation forward between backward() and step() (the
+    master-streamed layers' gradients still held) give the bits of the layout with a compute copy."""
+    from megatrain.runtime.options import options_set
+
+    def run(copy):
+        with options_set(cpp_slots=False):
+            m = megatrain.wrap(_model(), device="cpu", host_compute_copy=copy)
+        opt = _opt(m, 1, 1.0)
+        outs = []
+        for micro in make_batches(VOCAB, 3, 1, 2, 8, seed=3):
+            x = micro[0]
+            m(input_ids=x, labels=x).loss.backward()
+            with torch.no_grad():
+                outs.append(m(input_ids=x).logits.clone())
+            opt.step()
+            opt.zero_grad()
+        return outs, _state(m, opt)
+
+    (oa, sa), (ob, sb) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(oa, ob))
+    _assert_same(sa, sb)
+
+
+def test_two_backwards_before_step_sum_the_held_gradients():
+    """gradient_accumulation_steps=1 but two backward() calls before step(): the held gradients move to the
+    fp32 accumulator (as the direct ones of the compute-copy layout do)."""
+    def run(copy):
+        m = megatrain.wrap(_model(), device="cpu", host_compute_copy=copy)
+        opt = _opt(m, 1, 1.0)
+        for micro in make_batches(VOCAB, 2, 2, 2, 8, seed=3):
+            for x in micro:
+                m(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return _state(m, opt)
+
+    _assert_same(run(False), run(True))
+
+
+def test_layers_with_a_frozen_parameter_keep_their_compute_copy():
+    model = _model()
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    m = megatrain.wrap(model, device="cpu", host_compute_copy=False)
+    assert m.megatrain.placement()["master_streamed_layers"] == [0, 2, 3]
+
+
 def test_bad_option_value_is_refused_in_one_line():
     with pytest.raises(ValueError) as e:
         megatrain.wrap(_model(), device="cpu", host_compute_copy="yes")
