@@ -198,8 +198,10 @@ def test_save_resume_and_state_dict_are_bit_identical(tmp_path):
 
 
 def test_load_state_dict_reaches_the_next_forward():
-    m = megatrain.wrap(_model(), device="cpu", host_compute_copy=False)
+    m = megatrain.wrap(_model(), device="cpu", host_compute_copy=False, num_slots=LAYERS)  # every layer stays in a slot
     x = make_batches(VOCAB, 1, 1, 2, 8, seed=3)[0][0]
+    with torch.no_grad():
+        m(input_ids=x)
     src = _model(seed=5)
     m.load_state_dict(src.state_dict())
     with torch.no_grad():
@@ -244,6 +246,17 @@ def test_two_backwards_before_step_sum_the_held_gradients():
         return _state(m, opt)
 
     _assert_same(run(False), run(True))
+
+
+def test_from_pretrained_fills_master_streamed_layers(tmp_path):
+    """The streamed loader writes the masters of master-streamed layers; their forward reads them."""
+    src = _model()
+    src.save_pretrained(str(tmp_path / "hf"))
+    m = megatrain.from_pretrained(str(tmp_path / "hf"), device="cpu", host_compute_copy=False)
+    assert m.megatrain.placement()["master_streamed_layers"] == list(range(LAYERS))
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=3)[0][0]
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=x).logits, src(input_ids=x).logits)
 
 
 def test_layers_with_a_frozen_parameter_keep_their_compute_copy():
