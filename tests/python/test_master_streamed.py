@@ -232,6 +232,28 @@ def test_torch_slot_path_and_a_load_between_backward_and_step():
     _assert_same(sa, sb)
 
 
+def test_updates_wait_for_a_staging_buffer_without_blocking_step():
+    """With one staging buffer and clipping, step() defers the updates of the master-streamed layers that find
+    every buffer in use; they are submitted as buffers free up and before their layer is loaded: the same bits."""
+    def run(copy):
+        m = megatrain.wrap(_model(), device="cpu", host_compute_copy=copy)
+        grads = m.megatrain.grads
+        grads.staging_max = 1  # (none allocated yet: at one backward per step only held gradients use the pool)
+        opt = _opt(m, 1, 1.0)
+        deferred = []
+        for micro in make_batches(VOCAB, 3, 1, 2, 8, seed=3):
+            x = micro[0]
+            m(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            deferred.append(len(grads.held._deferred))
+            opt.zero_grad()
+        return _state(m, opt), deferred
+
+    (a, deferred), (b, none) = run(False), run(True)
+    assert max(deferred) > 0 and max(none) == 0
+    _assert_same(a, b)
+
+
 def test_two_backwards_before_step_sum_the_held_gradients():
     """gradient_accumulation_steps=1 but two backward() calls before step(): the held gradients move to the
     fp32 accumulator (as the direct ones of the compute-copy layout do)."""

@@ -23,6 +23,7 @@ import torch
 
 from ..._loader import load_extension
 from ..model.thread_guard import _graph_task_id  # noqa: F401 - read from here by data_parallel
+from .held_grads import HeldGrads
 from .unit_grads import UnitGrads, in_compute, landed  # noqa: F401 - UnitGrads, landed: public here too
 
 if TYPE_CHECKING:
@@ -84,9 +85,9 @@ class GradLedger:
         self._settle_lock = threading.RLock()
         self._grad_outcomes: list = []
         self._update_outcomes: list = []
-        # Master-streamed units: per unit index, the device gradients held until the update may run
-        # (entry -> tensor); and the pool staging buffers an update task reads, back once it ran.
-        self._held: dict = {}
+        # Master-streamed units: their device gradients held until the update may run (HeldGrads), and
+        # the pool staging buffers an update task reads, back once it ran.
+        self.held = HeldGrads(self)
         self._update_staging: list = []
         self.worker = self.counters = self.timeline = self.views = self.accumulator = None
         self.copies = self.updates = self.waits = self.slots = self.device_layers = None
@@ -169,6 +170,19 @@ class GradLedger:
                     opt.skip_unit_update(unit, items, step_number)
             self._update_outcomes = left
 
+    def try_staging_buffer(self) -> Optional[torch.Tensor]:
+        """A buffer of the staging pool if one is free or may still be allocated now, else None (no wait)."""
+        with self._settle_lock:
+            self.settle()
+            try:
+                return self._staging.get_nowait()
+            except queue.Empty:
+                pass
+            if self.staging_made < self.staging_max:
+                self.staging_made += 1
+                return self.views.host_buffer(self.staging_numel)
+        return None
+
     def staging_buffer(self) -> torch.Tensor:
         """A gradient staging buffer of the bounded pool (allocated on first use; waits while all are in flight)."""
         while True:
@@ -246,7 +260,7 @@ class GradLedger:
         if unit.master_streamed and any(direct):  # no compute section: held on the device, or D2H'd for the update
             held_buf = self.staging_buffer() if plan is not None else None
             if held_buf is None:
-                self._held.setdefault(unit.index, {}).update({i: grads[i] for i in norm_idx})
+                self.held.hold(unit, {i: grads[i] for i in norm_idx})
         norms, ev = self._copy_to_host(unit, grads, direct, staging, norm_idx, opt, held_buf)
         handle, outcome = self._queue_accumulate(unit, norms, ev, staging, staged, overwrite, norm_idx)
         unit.grad_task = handle
@@ -258,26 +272,7 @@ class GradLedger:
                                      grad_buf=held_buf)
         return handle
 
-    # ------------------------------------------------------------------ master-streamed units' held gradients
-    def has_held(self, unit: Unit) -> bool:
-        """Whether master-streamed ``unit`` holds device gradients that no update took yet."""
-        return bool(self._held.get(unit.index))
-
-    def take_held(self, unit: Unit):
-        """``(staging, ready)``: master-streamed ``unit``'s held device gradients copied D2H into a buffer of the
-        staging pool (the compute section's layout), and the event the copy records (None on the CPU). The
-        device tensors are dropped (the D2H stream keeps them until the copy ran). Give the buffer back with
-        :meth:`record_update_staging` (an update reads it) or :meth:`give_back`."""
-        held = self._held.pop(unit.index, {})
-        buf = self.staging_buffer()
-        grads = [held.get(i) for i in range(len(unit.entries))]
-        _, ev = self.copies.copy_grads_d2h(unit, grads, [g is not None for g in grads], buf, None, [], None)
-        return buf, ev
-
-    def drop_held(self, unit: Unit) -> None:
-        """Forget master-streamed ``unit``'s held gradients (``zero_grad``, a skipped step)."""
-        self._held.pop(unit.index, None)
-
+    # ------------------------------------------------------------------ pool buffers read by update tasks
     def record_update_staging(self, handle, staging: torch.Tensor) -> None:
         """The update task ``handle`` reads pool buffer ``staging``: ``settle`` gives it back once it ran."""
         with self._settle_lock:
