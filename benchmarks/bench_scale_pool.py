@@ -46,7 +46,7 @@ def _estimate(m: dict, spec: dict, with_batch: bool = True):
         return megatrain.estimate(_config(m, spec["seq"]), host_memory=spec["host_memory"],
                                   gpu_memory=spec["gpu_memory"], max_grad_norm=1.0, **kw)
     return megatrain.estimate(_config(m, spec["seq"]), device="cpu", host_memory_limit=spec.get("host_limit"),
-                              max_grad_norm=1.0, **kw)
+                              max_grad_norm=1.0, host_compute_copy=True, **kw)  # --small: the exclusive tier
 
 
 def _fits(layers: int, spec: dict) -> bool:
@@ -84,7 +84,8 @@ def child_pool(spec: dict) -> dict:
     from bench_train import model_flops_per_step
     m = spec["model"]
     dev = torch.device("cuda" if spec["cuda"] else "cpu")
-    kw = {} if spec["cuda"] else dict(host_memory_limit=spec["host_limit"], device_state_layers="auto")
+    kw = {} if spec["cuda"] else dict(host_memory_limit=spec["host_limit"], device_state_layers="auto",
+                                      host_compute_copy=True)  # --small exercises the exclusive tier
     t0 = time.perf_counter()
     model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if spec["cuda"] else "cpu",
                                   device=dev, **kw)
