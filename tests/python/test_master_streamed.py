@@ -5,6 +5,7 @@ sections; the "auto" planner streams the deepest layer when the store is one uni
 
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -244,8 +245,11 @@ def test_updates_wait_for_a_staging_buffer_without_blocking_step():
         for micro in make_batches(VOCAB, 3, 1, 2, 8, seed=3):
             x = micro[0]
             m(input_ids=x, labels=x).loss.backward()
+            busy = threading.Event()  # the worker held in a task ahead of every update while step() queues them
+            m.megatrain.worker.submit(lambda: busy.wait(30), klass=m.megatrain.worker.UPDATE, key=-1)
             opt.step()
             deferred.append(len(grads.held._deferred))
+            busy.set()
             opt.zero_grad()
         return _state(m, opt), deferred
 
