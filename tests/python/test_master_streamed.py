@@ -258,6 +258,23 @@ def test_updates_wait_for_a_staging_buffer_without_blocking_step():
     _assert_same(a, b)
 
 
+def test_close_submits_the_deferred_updates():
+    m = megatrain.wrap(_model(), device="cpu", host_compute_copy=False)
+    eng = m.megatrain
+    eng.grads.staging_max = 1
+    opt = _opt(m, 1, 1.0)
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=3)[0][0]
+    m(input_ids=x, labels=x).loss.backward()
+    busy = threading.Event()
+    eng.worker.submit(lambda: busy.wait(30), klass=eng.worker.UPDATE, key=-1)
+    opt.step()
+    assert eng.grads.held._deferred
+    busy.set()
+    eng.close()
+    assert not eng.grads.held._deferred and all(h.done for u in eng.layers for h in u.update_tasks)
+    assert sum(len(u.update_tasks) for u in eng.layers) == LAYERS
+
+
 def test_two_backwards_before_step_sum_the_held_gradients():
     """gradient_accumulation_steps=1 but two backward() calls before step(): the held gradients move to the
     fp32 accumulator (as the direct ones of the compute-copy layout do)."""

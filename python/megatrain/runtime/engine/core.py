@@ -7,11 +7,9 @@ memory) and moves bytes between it and the compute device:
   head) is copied into a *device slot* on the H2D stream, gated by the slot's ``buffer_free`` event;
   its ``weights_ready`` event gates the compute stream. Forward prefetches layer ``i+1``, backward ``i-1``.
 * **D2H**: a layer's weight gradients are copied on the D2H stream after its backward.
-* **CPU worker**: one thread accumulates each gradient that needs it into fp32 and runs each unit's
-  fused CPU AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only
-  for unit ``i``'s update.
-
-Without a GPU the same engine runs with slots in host memory and synchronous copies (the "CPU backend").
+* **CPU worker**: one thread accumulates each gradient that needs it into fp32 and runs each unit's fused CPU
+  AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only for unit ``i``'s update.
+  Without a GPU the same engine runs with slots in host memory and synchronous copies (the "CPU backend").
 
 :class:`Engine` is the one interface the other parts of megatrain use. It builds the store (budget
 check, disk tier) and owns these parts, each with its own state, built and connected in
@@ -173,10 +171,10 @@ class Engine:
                                     fault=self.options.disk_fault)
             if self._accumulator_mode is True:
                 self.disk.enable_accumulator()
-        self.debug, self.overlap = self.options.debug_races, self.options.overlap
-        self.d2h_overlap = self.options.d2h_overlap
-        self.eager_updates = self.options.eager_updates and self.sharding.allows_eager_updates
-        self.fused_grad_norms = self.options.fused_grad_norms
+        o = self.options
+        self.debug, self.overlap, self.d2h_overlap, self.fused_grad_norms = o.debug_races, o.overlap, o.d2h_overlap, \
+            o.fused_grad_norms
+        self.eager_updates = o.eager_updates and self.sharding.allows_eager_updates
         self._build_parts(num_slots, staging_buffers)
         self.device_layers.reserve_exclusive([units[k] for k in self.offload_plan.exclusive_units])  # fp32 on device only
 
@@ -390,7 +388,9 @@ class Engine:
             self.disk.check()
 
     def close(self) -> None:
-        """Run what the CPU worker has queued and stop it; drop the disk tier (its working files are removed)."""
+        """Run what the CPU worker has queued (and master-streamed layers' deferred updates) and stop it; drop the disk tier."""
+        if not self.worker.failed:
+            self.grads.held.pump(everything=True)
         self.worker.close()
         if self.disk is not None:
             self.disk.close()
