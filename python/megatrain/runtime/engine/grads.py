@@ -151,10 +151,13 @@ class GradLedger:
                 if staging is not None:
                     self._staging.put(staging)
             del self._grad_outcomes[:n]
-            done = [rec for rec in self._update_staging if rec[0].done]
-            for handle, staging in done:
-                self._staging.put(staging)
-            self._update_staging = [rec for rec in self._update_staging if not rec[0].done]
+            kept = []
+            for rec in self._update_staging:  # one read of each handle (it may finish meanwhile)
+                if rec[0].done:
+                    self._staging.put(rec[1])
+                else:
+                    kept.append(rec)
+            self._update_staging = kept
             if not self._update_outcomes:
                 return
             left = []
