@@ -235,7 +235,8 @@ def _disk_plan(spec: dict):
     import megatrain
     return megatrain.estimate(_config(spec["model"], spec["seq"]), device="cpu",
                               compute_dtype=torch.bfloat16 if spec["cuda"] else torch.float32,
-                              offload_dir=spec["tier_dir"], host_memory_limit=spec["host_limit"])
+                              offload_dir=spec["tier_dir"], host_memory_limit=spec["host_limit"],
+                              host_compute_copy=True)  # the disk tier's benchmark: every layer keeps its compute copy
 
 
 def _print_disk_plan(est) -> None:
@@ -278,7 +279,7 @@ def child_disk(spec):
     model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if dev.type == "cuda" else "cpu",
                                   device=dev, compute_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                                   offload_dir=spec["tier_dir"], host_memory_limit=spec["host_limit"],
-                                  device_state_layers=0)
+                                  device_state_layers=0, host_compute_copy=True)
     build_s = time.perf_counter() - t0
     eng = model.megatrain
     plan = eng.offload_plan

@@ -45,7 +45,7 @@ def _estimate(m: dict, spec: dict):
         return megatrain.estimate(_config(m, spec["seq"]), host_memory=spec["host_memory"],
                                   gpu_memory=spec["gpu_memory"], max_grad_norm=1.0, **kw)
     return megatrain.estimate(_config(m, spec["seq"]), device="cpu", host_memory_limit=spec.get("host_limit"),
-                              max_grad_norm=1.0, **kw)
+                              max_grad_norm=1.0, host_compute_copy=True, **kw)  # --small: the exclusive tier
 
 
 def _fits(layers: int, spec: dict) -> bool:
@@ -84,8 +84,8 @@ def child_pool(spec: dict) -> dict:
     m = spec["model"]
     dev = torch.device("cuda" if spec["cuda"] else "cpu")
     kw = dict(micro_batch_size=spec["batch"], seq_len=spec["seq"])  # the batch: the estimate's activation reserve
-    if not spec["cuda"]:
-        kw.update(host_memory_limit=spec["host_limit"], device_state_layers="auto")
+    if not spec["cuda"]:  # --small exercises the exclusive tier
+        kw.update(host_memory_limit=spec["host_limit"], device_state_layers="auto", host_compute_copy=True)
     t0 = time.perf_counter()
     model = megatrain.from_config(_config(m, spec["seq"]), seed=0, init_device=dev if spec["cuda"] else "cpu",
                                   device=dev, **kw)

@@ -47,6 +47,7 @@ FLAG_KEYS = {
     "host_memory_limit": ("runtime", "host_memory_limit"),
     "gpu_memory_limit": ("runtime", "gpu_memory_limit"),
     "liger_kernel": ("runtime", "liger_kernel"),
+    "host_compute_copy": ("runtime", "host_compute_copy"),
     "eval_every": ("eval", "every"),
     "log_every": ("log", "every"),
 }
@@ -131,6 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "in host memory (runtime.offload_dir; docs/disk_tier.md)")
     tr.add_argument("--host-memory-limit", help="host bytes megatrain may use, e.g. 120GiB; the rest of the fp32 state "
                     "goes to --offload-dir (runtime.host_memory_limit)")
+    tr.add_argument("--host-compute-copy", help="auto | true | false: a bf16 compute copy of each decoder layer in "
+                    "host memory (false: layers stream from their fp32 master, 12 B/param; runtime.host_compute_copy)")
     tr.add_argument("--eval-every", help="steps between held-out evaluations (eval.every)")
     tr.add_argument("--log-every", help="steps between log lines (log.every)")
     tr.add_argument(

@@ -440,3 +440,47 @@ TEST(HostStore, OffloadedUnitsKeepTheirComputeSectionAndStateLayoutButNoFp32Byte
   bad.state_offloaded = {true};
   EXPECT_THROW(hs::HostStore::layout_required(units, bad), std::invalid_argument);
 }
+
+TEST(HostStore, ComputeAbsentUnitsHaveNoComputeBytesAndKeepTheirLayout) {
+  // Unit 1 is master-streamed (no compute section: 12 B/param); unit 2 both offloaded and compute_absent.
+  std::vector<hs::UnitSpec> units = {{{"a", {33, 17}}},
+                                     {{"a", {2048, 2048}}, {"c", {7}}},
+                                     {{"e", {101, 3}}}};
+  for (bool bf16 : {true, false}) {
+    hs::HostStoreOptions all, ab;
+    all.compute_dtype = ab.compute_dtype = bf16 ? hs::ComputeDtype::kBFloat16 : hs::ComputeDtype::kFloat32;
+    ab.compute_absent = {false, true, true};
+    ab.state_offloaded = {false, false, true};
+    const hs::StoreLayout La = hs::HostStore::layout_required(units, all);
+    const hs::StoreLayout Lb = hs::HostStore::layout_required(units, ab);
+    hs::HostStore full(units, all), store(units, ab);
+    EXPECT_EQ(Lb.total_bytes, store.total_bytes());
+    EXPECT_EQ(Lb.unit_numel, La.unit_numel) << "the compute layout a slot holds is still described";
+    EXPECT_EQ(Lb.unit_state_numel, La.unit_state_numel);
+    const int64_t c1 = full.unit_section_bytes(1, hs::Section::kCompute);
+    const int64_t c2 = full.unit_section_bytes(2, hs::Section::kCompute);
+    EXPECT_EQ(c1, round_up(full.unit_numel(1) * (bf16 ? 2 : 4), 4096));
+    EXPECT_EQ(store.unit_section_bytes(1, hs::Section::kCompute), 0);
+    EXPECT_EQ(store.unit_section_bytes(2, hs::Section::kCompute), 0);
+    EXPECT_EQ(store.section_bytes(hs::Section::kCompute), full.section_bytes(hs::Section::kCompute) - c1 - c2);
+    EXPECT_EQ(store.section_bytes(hs::Section::kMaster) + full.unit_section_bytes(2, hs::Section::kMaster),
+              full.section_bytes(hs::Section::kMaster));
+    EXPECT_LE(store.total_bytes(), full.total_bytes() - c1);
+    EXPECT_TRUE(store.compute_absent(1));
+    EXPECT_FALSE(store.compute_absent(0));
+    EXPECT_THROW(store.section_data(1, hs::Section::kCompute), std::invalid_argument);
+    EXPECT_THROW(store.section_data(2, hs::Section::kCompute), std::invalid_argument);
+    EXPECT_THROW(store.section_data(2, hs::Section::kMaster), std::invalid_argument);
+    EXPECT_NO_THROW(store.section_data(1, hs::Section::kExpAvgSq));
+    EXPECT_NO_THROW(store.section_data(0, hs::Section::kCompute));
+    for (int64_t u = 0; u < 3; ++u) {
+      for (size_t i = 0; i < full.entries(u).size(); ++i) {
+        EXPECT_EQ(full.entries(u)[i].offset, store.entries(u)[i].offset);
+        EXPECT_EQ(full.entries(u)[i].state_offset, store.entries(u)[i].state_offset);
+      }
+    }
+  }
+  hs::HostStoreOptions bad;
+  bad.compute_absent = {true};
+  EXPECT_THROW(hs::HostStore::layout_required(units, bad), std::invalid_argument);
+}

@@ -4,6 +4,7 @@
 // engine stands in for the CUDA streams; HostCopyEngine does the real copies.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -291,6 +292,20 @@ TEST(HostCopyEngine, LoadCopiesTheBytesAfterBeforeCopyRan) {
   EXPECT_TRUE(pool.ready(0));
   EXPECT_EQ(pool.release(0, nullptr), 0);
   EXPECT_TRUE(pool.state(0).free_recorded);
+}
+
+TEST(HostCopyEngine, ANullZeroByteLoadIsFilledByBeforeCopyAndOnlyWithIt) {
+  // A master-streamed unit: the caller's before_copy fills the slot (its fp32 master cast on the device).
+  std::vector<unsigned char> dst(32, 0);
+  sch::SlotPool pool(std::make_unique<sch::HostCopyEngine>());
+  pool.add_slot(0, dst.data(), 32);
+  EXPECT_THROW(pool.load(0, 1, 0, nullptr, 0), std::invalid_argument);  // no filler: refused
+  EXPECT_EQ(pool.state(0).unit, -1);
+  sch::LoadOptions o;
+  o.before_copy = [&] { std::fill(dst.begin(), dst.end(), 7); };
+  pool.load(0, 1, 3, nullptr, 0, o);
+  EXPECT_EQ(dst[31], 7);
+  EXPECT_EQ(pool.find(0, 1, 3), 0);
 }
 
 TEST(Streams, WithoutCudaEveryEntryPointSaysSo) {

@@ -179,3 +179,12 @@ def limit_auto_room(monkeypatch, room: Callable[[int, int], float]) -> None:
         decide(self, key, layer_bytes, input_bytes)
 
     monkeypatch.setattr(policies.LayerActivations, "decide_auto", limited)
+
+
+def keep_compute_copy(fn):
+    """``fn`` (``megatrain.wrap`` / ``estimate`` / ``from_pretrained`` / ``from_config``) with
+    ``host_compute_copy=True``: for tests of the exclusive and disk tiers under a host limit, which the
+    default ``"auto"`` reaches only after master-streaming every eligible layer."""
+    import functools
+
+    return functools.partial(fn, host_compute_copy=True)

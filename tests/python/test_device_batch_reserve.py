@@ -22,7 +22,7 @@ from test_disk_offload import _model  # noqa: E402
 dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
 core = importlib.import_module("megatrain.runtime.engine.core")
 BATCH = dict(micro_batch_size=2, seq_len=8)
-SAME = dict(compute_dtype=torch.float32, activation_policy="recompute")  # wrap's CPU defaults, for the estimate too
+SAME = dict(compute_dtype=torch.float32, activation_policy="recompute", host_compute_copy=True)  # wrap's CPU defaults (and the store layout the exclusive tier is tested with), for the estimate too
 EXCLUSIVE = 5  # layers the host limit makes exclusive; the 20% reserve leaves room for 4 of them only
 
 
@@ -54,7 +54,7 @@ def test_wrap_with_the_batch_plans_the_exclusive_layers_the_estimate_plans(monke
     free, limit = _fake_device(monkeypatch)
     est = _estimate(free, limit, **BATCH)
     assert est.exclusive_layers == EXCLUSIVE and est.exclusive_share == "capacity" and est.host_fits
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=limit, **BATCH)
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit, **BATCH)
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == list(range(est.exclusive_layers)) and pl["exclusive_share"] == "capacity"
     assert pl["activation_reserve"] == "batch 2 x 8"
@@ -62,19 +62,20 @@ def test_wrap_with_the_batch_plans_the_exclusive_layers_the_estimate_plans(monke
     assert model.megatrain.offload_plan.capacity["budget_bytes"] == est.capacity_budget_bytes
     model.megatrain.close()
     with pytest.raises(_C.HostMemoryError) as info:  # the batch unknown: 20% of the free memory
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=limit)
+        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit)
     msg = str(info.value)
     assert "\n" not in msg and "activation reserve, 20% of the free memory" in msg
     assert f"the whole state of {EXCLUSIVE - 1} decoder layers" in msg
     # one of the two alone is not a batch: the fraction too
     with pytest.raises(_C.HostMemoryError):
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=limit, seq_len=8)
+        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit, seq_len=8)
 
 
 def test_placement_names_the_fraction_without_a_batch(monkeypatch):
     """Without the batch, ``placement()`` says the reserve is the 20% share and how many bytes it kept."""
     free, _ = _fake_device(monkeypatch)
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_need(2) - 1)
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True,
+                           host_memory_limit=_need(2) - 1)
     pl = model.megatrain.placement()
     assert pl["exclusive_share"] == "capacity" and pl["activation_reserve"] == "20% of free memory"
     assert pl["activation_reserve_bytes"] == int(dsp.CAPACITY_ACTIVATION_RESERVE_FRACTION * free)

@@ -17,7 +17,7 @@ from megatrain import _C
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_device_exclusive import _full_host  # noqa: E402
-from test_disk_offload import _assert_bits, _model, _state, _train  # noqa: E402
+from test_disk_offload import _assert_bits, _model, _state, _train, kept_estimate, kept_wrap  # noqa: E402
 
 dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
 core = importlib.import_module("megatrain.runtime.engine.core")
@@ -29,7 +29,7 @@ def _sizes():
     (fp32 compute on the CPU backend), from a wrapped copy of the test model."""
     from megatrain.runtime.placement.streamed_minimum import streamed_device_bytes
 
-    eng = megatrain.wrap(_model(), device="cpu", device_state_layers=0).megatrain
+    eng = kept_wrap(_model(), device="cpu", device_state_layers=0).megatrain
     res = next(u for u in eng.units if u.kind == "resident")
     res_state = dsp.unit_device_bytes(res, torch.float32, with_compute=False)
     layer = dsp.unit_device_bytes(eng.layers[0], torch.float32)
@@ -54,7 +54,7 @@ def _need(k, ga=1):
     kw = {"grad_accumulator": True} if ga > 1 else {}
     limit = _full_host(ga) - 1
     for j in range(1, k + 1):
-        m = megatrain.wrap(_model(), device="cpu", device_state_layers=j, host_memory_limit=limit, **kw)
+        m = kept_wrap(_model(), device="cpu", device_state_layers=j, host_memory_limit=limit, **kw)
         assert m.megatrain.placement()["exclusive_layers"] == list(range(j))
         need = m.megatrain.offload_plan.host_bytes
         m.megatrain.close()
@@ -69,11 +69,11 @@ def test_beyond_the_auto_share_the_capacity_share_trains_bit_identically(monkeyp
     is bit-identical to the same device-state layers with their host sections."""
     free, layer, streamed = _fake_device(monkeypatch)
     kw = dict(device="cpu", **({"grad_accumulator": True} if ga > 1 else {}))
-    ref = megatrain.wrap(_model(), device_state_layers="auto", **kw)  # no host limit: the auto share, 1 layer
+    ref = kept_wrap(_model(), device_state_layers="auto", **kw)  # no host limit: the auto share, 1 layer
     assert ref.megatrain.placement()["device_state_layers"] == AUTO_LAYERS
     assert ref.megatrain.placement()["exclusive_share"] is None
     ref.megatrain.close()
-    model = megatrain.wrap(_model(), device_state_layers="auto", host_memory_limit=_need(2, ga) - 1, **kw)
+    model = kept_wrap(_model(), device_state_layers="auto", host_memory_limit=_need(2, ga) - 1, **kw)
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0, 1, 2] and pl["exclusive_share"] == "capacity"
     assert pl["device_state_layers"] == 3 and not pl["device_state_resident"]
@@ -82,7 +82,7 @@ def test_beyond_the_auto_share_the_capacity_share_trains_bit_identically(monkeyp
     assert plan.capacity["reserve"] == "fraction"
     assert plan.capacity["reserve_bytes"] == int(dsp.CAPACITY_ACTIVATION_RESERVE_FRACTION * free)
     assert plan.capacity["budget_bytes"] == free - streamed - plan.capacity["reserve_bytes"]
-    ref = megatrain.wrap(_model(), device_state_layers=3, **kw)  # the same layers on the device, host sections kept
+    ref = kept_wrap(_model(), device_state_layers=3, **kw)  # the same layers on the device, host sections kept
     assert ref.megatrain.placement()["exclusive_layers"] == []
     ref_opt = _train(ref, 6, ga, max_grad_norm)
     opt = _train(model, 6, ga, max_grad_norm)
@@ -92,11 +92,11 @@ def test_beyond_the_auto_share_the_capacity_share_trains_bit_identically(monkeyp
 def test_the_auto_share_when_it_is_enough(monkeypatch):
     """One exclusive layer, which the "auto" share holds: the capacity share is not sized, the report says "auto"."""
     _fake_device(monkeypatch)
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_full_host() - 1)
+    model = kept_wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_full_host() - 1)
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0] and pl["exclusive_share"] == "auto" and pl["device_state_resident"]
     assert model.megatrain.offload_plan.capacity is None
-    explicit = megatrain.wrap(_model(), device="cpu", device_state_layers=2, host_memory_limit=_full_host() - 1)
+    explicit = kept_wrap(_model(), device="cpu", device_state_layers=2, host_memory_limit=_full_host() - 1)
     assert explicit.megatrain.placement()["exclusive_share"] == "explicit"
 
 
@@ -107,7 +107,7 @@ def test_beyond_the_capacity_share_is_refused_naming_both_budgets(monkeypatch):
     free, layer, streamed = _fake_device(monkeypatch)
     limit = _need(4) - 1
     with pytest.raises(_C.HostMemoryError) as info:
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=limit)
+        kept_wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=limit)
     msg = str(info.value)
     assert "\n" not in msg and "Nothing was allocated" in msg
     assert f"holds the whole state of {AUTO_LAYERS} decoder layers" in msg
@@ -129,7 +129,7 @@ def test_estimate_of_a_14b_llama_on_115_gib_of_host_and_141_gib_of_gpu():
     state, too few for 115 GiB of host; the capacity share (141 GiB less the streamed schedule and this batch's
     activation estimate) holds enough: the fewest layers that make the host part fit are exclusive, and the
     verdict follows from the totals."""
-    est = megatrain.estimate(_14b(50), host_memory="115GiB", gpu_memory="141GiB", seq_len=4096, micro_batch_size=4)
+    est = kept_estimate(_14b(50), host_memory="115GiB", gpu_memory="141GiB", seq_len=4096, micro_batch_size=4)
     gib = 2 ** 30
     k = est.exclusive_layers
     assert est.exclusive_share == "capacity" and est.exclusive_max < k <= est.capacity_max

@@ -15,6 +15,12 @@ from megatrain import _C
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at, train_reference  # noqa: E402
+from parity import keep_compute_copy  # noqa: E402
+
+# These tests pin today's layout (a compute copy per layer) to exercise the exclusive / disk tiers.
+kept_wrap, kept_estimate = keep_compute_copy(megatrain.wrap), keep_compute_copy(megatrain.estimate)
+kept_from_pretrained = keep_compute_copy(megatrain.from_pretrained)
+kept_from_config = keep_compute_copy(megatrain.from_config)
 from test_disk_offload import VOCAB, _assert_bits, _model, _state, _train  # noqa: E402
 
 K = 2  # device-state layers in these tests
@@ -22,7 +28,7 @@ K = 2  # device-state layers in these tests
 
 def _full_host(ga=1, model=None):
     """Host bytes of the whole model with every section in the host store (what a wrap checks)."""
-    return megatrain.estimate(model if model is not None else _model(), device="cpu",
+    return kept_estimate(model if model is not None else _model(), device="cpu",
                               gradient_accumulation_steps=ga).host_bytes
 
 
@@ -30,7 +36,7 @@ def _one_exclusive_host(ga=1, model=None, k=K):
     """Host bytes of the whole model with layer 0's fp32 state on the device only (what the planner
     chooses with ``host_memory_limit`` one byte short of the whole model's need)."""
     m = model if model is not None else _model()
-    wrapped = megatrain.wrap(m, device="cpu", device_state_layers=k, host_memory_limit=_full_host(ga, m) - 1,
+    wrapped = kept_wrap(m, device="cpu", device_state_layers=k, host_memory_limit=_full_host(ga, m) - 1,
                              **({"grad_accumulator": True} if ga > 1 else {}))
     assert wrapped.megatrain.placement()["exclusive_layers"] == [0]  # the fewest: one layer is enough
     need = wrapped.megatrain.offload_plan.host_bytes
@@ -48,7 +54,7 @@ def _wrap(exclusive=True, ga=1, model=None, **kw):
         frozen = model is not None  # a caller's model: measured on a copy built the same way
         kw["host_memory_limit"] = _one_exclusive_host(ga, _frozen_model() if frozen else None) - 1
     m = model if model is not None else _model()
-    return megatrain.wrap(m, device="cpu", device_state_layers=K, **kw)
+    return kept_wrap(m, device="cpu", device_state_layers=K, **kw)
 
 
 def test_exclusive_layers_leave_the_host_store():
@@ -172,7 +178,7 @@ def test_checkpoint_resumes_bit_identically_and_reads_anywhere(tmp_path):
     _train(model, 3, 2, 1.0, opt=opt, start=3)
     _assert_bits(_state(model, opt), _state(ref, ref_opt))
     # a host-only model reads the same checkpoint (the format does not depend on where the state lived)
-    plain = megatrain.wrap(_model(), device="cpu")
+    plain = kept_wrap(_model(), device="cpu")
     megatrain.load_checkpoint(str(tmp_path / "ckpt"), plain)
     megatrain.export_pretrained(model, str(tmp_path / "export"))
     model.save_pretrained(str(tmp_path / "pretrained"))
@@ -236,7 +242,7 @@ def test_a_limit_too_small_even_for_exclusive_layers_is_refused_before_allocatin
 def test_explicit_k_makes_only_the_fewest_layers_exclusive():
     """device_state_layers=4 with a limit one byte short of the whole model: layer 0 alone is exclusive,
     layers 1..3 keep their host sections (the replanner may still give them back)."""
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers=4, host_memory_limit=_full_host() - 1)
+    model = kept_wrap(_model(), device="cpu", device_state_layers=4, host_memory_limit=_full_host() - 1)
     eng = model.megatrain
     pl = eng.placement()
     assert pl["exclusive_layers"] == [0] and pl["device_state_layers"] == 4
@@ -253,7 +259,7 @@ def _auto_room(monkeypatch, layers_room):
 
     dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
     core = importlib.import_module("megatrain.runtime.engine.core")
-    sizer = megatrain.wrap(_model(), device="cpu", device_state_layers=0).megatrain
+    sizer = kept_wrap(_model(), device="cpu", device_state_layers=0).megatrain
     res = next(u for u in sizer.units if u.kind == "resident")
     room = dsp.unit_device_bytes(res, torch.float32, with_compute=False) + \
         sum(dsp.unit_device_bytes(u, torch.float32) for u in sizer.layers[:layers_room])
@@ -270,8 +276,8 @@ def test_auto_makes_the_fewest_layers_exclusive_and_trains_bit_identically(monke
     bit-identical to the same placement with every section in the host store."""
     _auto_room(monkeypatch, 3)
     kw = dict(device="cpu", device_state_layers="auto", **({"grad_accumulator": True} if ga > 1 else {}))
-    ref = megatrain.wrap(_model(), **kw)
-    model = megatrain.wrap(_model(), host_memory_limit=_full_host(ga) - 1, **kw)
+    ref = kept_wrap(_model(), **kw)
+    model = kept_wrap(_model(), host_memory_limit=_full_host(ga) - 1, **kw)
     assert ref.megatrain.placement()["exclusive_layers"] == []
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0] and pl["device_state_layers"] == 3 and pl["device_state_resident"]
@@ -285,18 +291,18 @@ def test_auto_refusal_names_the_layers_the_device_budget_would_need(monkeypatch,
     naming the 2 layers, the device budget and the options; with offload_dir, layer 0 is exclusive (the
     device budget) and the deepest layers go to disk."""
     _auto_room(monkeypatch, 1)
-    one = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_full_host() - 1)
+    one = kept_wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=_full_host() - 1)
     assert one.megatrain.placement()["exclusive_layers"] == [0]
     need_one = one.megatrain.offload_plan.host_bytes
     one.megatrain.close()
     with pytest.raises(_C.HostMemoryError) as info:
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1)
+        kept_wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1)
     msg = str(info.value)
     assert "\n" not in msg and "Nothing was allocated" in msg
     assert "holds the whole state of 1 decoder layers" in msg
     assert "the fp32 state of 2 layers (0..1) would have to live on the device only" in msg
     assert "gpu_memory_limit" in msg and "offload_dir" in msg and "host_memory_limit" in msg
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1,
+    model = kept_wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=need_one - 1,
                            offload_dir=str(tmp_path / "tier"))
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0] and pl["disk_layers"] and min(pl["disk_layers"]) > 1
@@ -315,8 +321,8 @@ def test_cuda_bf16_exclusive_layers_train_like_host_sections_and_resume(tmp_path
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
         kw = {}
         if exclusive:
-            kw["host_memory_limit"] = megatrain.estimate(m, device="cuda", compute_dtype=torch.bfloat16).host_bytes - 1
-        return megatrain.wrap(m, device="cuda", compute_dtype=torch.bfloat16, device_state_layers=K,
+            kw["host_memory_limit"] = kept_estimate(m, device="cuda", compute_dtype=torch.bfloat16).host_bytes - 1
+        return kept_wrap(m, device="cuda", compute_dtype=torch.bfloat16, device_state_layers=K,
                               activation_policy="recompute", **kw)
 
     def run(model, opt, batches):
@@ -387,7 +393,7 @@ def test_replacing_a_moment_tensor_is_the_state_from_then_on_as_in_torch(placeme
     ref = _model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=PARITY_EPS, weight_decay=0.0)
     if placement == "host":
-        model = megatrain.wrap(_model(), device="cpu")
+        model = kept_wrap(_model(), device="cpu")
     else:
         model = _wrap(exclusive=placement == "exclusive")
         assert bool(model.megatrain.placement()["exclusive_layers"]) == (placement == "exclusive")

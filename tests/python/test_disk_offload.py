@@ -20,6 +20,12 @@ from megatrain.runtime.options import options_set
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at, train_reference  # noqa: E402
+from parity import keep_compute_copy  # noqa: E402
+
+# These tests pin today's layout (a compute copy per layer) to exercise the exclusive / disk tiers.
+kept_wrap, kept_estimate = keep_compute_copy(megatrain.wrap), keep_compute_copy(megatrain.estimate)
+kept_from_pretrained = keep_compute_copy(megatrain.from_pretrained)
+kept_from_config = keep_compute_copy(megatrain.from_config)
 
 LAYERS = 6
 VOCAB = 96
@@ -41,7 +47,7 @@ def _model(seed=0):
 
 def _limit(ga=1):
     """One byte less than the host bytes of the whole model without a disk tier: some layers must go to disk."""
-    return megatrain.estimate(_model(), device="cpu", gradient_accumulation_steps=ga).host_bytes - 1
+    return kept_estimate(_model(), device="cpu", gradient_accumulation_steps=ga).host_bytes - 1
 
 
 def _wrap(tmp_path, name="tier", ga=1, **kw):
@@ -49,10 +55,10 @@ def _wrap(tmp_path, name="tier", ga=1, **kw):
     (accumulation: the accumulator planned at wrap, ``grad_accumulator=True``)."""
     m = _model()
     if name is None:
-        return megatrain.wrap(m, device="cpu", **kw)
+        return kept_wrap(m, device="cpu", **kw)
     if ga > 1:
         kw.setdefault("grad_accumulator", True)
-    return megatrain.wrap(m, device="cpu", offload_dir=str(tmp_path / name), host_memory_limit=_limit(ga), **kw)
+    return kept_wrap(m, device="cpu", offload_dir=str(tmp_path / name), host_memory_limit=_limit(ga), **kw)
 
 
 def _train(model, steps, ga, max_grad_norm, batches=None, opt=None, start=0):
@@ -175,9 +181,9 @@ def test_frozen_entries_and_nonfinite_skip_are_exact(tmp_path):
         for n, p in m.named_parameters():
             if "layernorm" in n and "layers.4" in n:
                 p.requires_grad_(False)
-        limit = megatrain.estimate(m, device="cpu").host_bytes - 1
+        limit = kept_estimate(m, device="cpu").host_bytes - 1
         kw = dict(offload_dir=str(tmp_path / name), host_memory_limit=limit) if name else {}
-        ms.append(megatrain.wrap(m, device="cpu", **kw))
+        ms.append(kept_wrap(m, device="cpu", **kw))
     results = []
     for m in ms:
         opt = megatrain.optim.CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=PARITY_EPS)
@@ -359,13 +365,13 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
         _wrap(tmp_path, "missing/tier")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
-        megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "file"))
+        kept_wrap(_model(), device="cpu", offload_dir=str(tmp_path / "file"))
     with pytest.raises(ValueError, match="host_memory_limit must be a number of bytes"):
-        megatrain.wrap(_model(), device="cpu", host_memory_limit="1 gigabyte")
+        kept_wrap(_model(), device="cpu", host_memory_limit="1 gigabyte")
     with pytest.raises(_C.HostMemoryError, match="pass offload_dir"):
-        megatrain.wrap(_model(), device="cpu", host_memory_limit=_limit())
+        kept_wrap(_model(), device="cpu", host_memory_limit=_limit())
     with pytest.raises(_C.HostMemoryError, match="even with the fp32 state of 6 decoder layers on disk"):
-        megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "small"), host_memory_limit=200_000)
+        kept_wrap(_model(), device="cpu", offload_dir=str(tmp_path / "small"), host_memory_limit=200_000)
     assert not (tmp_path / "small").exists()
     monkeypatch.setattr(disk_offload, "free_bytes", lambda d: 4096)
     with pytest.raises(_C.DiskSpaceError) as info:
@@ -374,7 +380,7 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
     assert info.value.needed_bytes > 4096
     assert "Nothing was written" in str(info.value) and not (tmp_path / "nospace").exists()
     monkeypatch.undo()
-    auto = megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "auto"), host_memory_limit=_limit())
+    auto = kept_wrap(_model(), device="cpu", offload_dir=str(tmp_path / "auto"), host_memory_limit=_limit())
     with pytest.raises(_C.HostMemoryError, match="accumulator.*host_memory_limit.*grad_accumulator=True"):
         megatrain.optim.CPUAdamW(auto.parameters(), gradient_accumulation_steps=2)
     # layers 0..4 never go to disk: the fewest of them (layer 0 is enough) keep their fp32 state on the device
@@ -382,29 +388,29 @@ def test_bad_offload_arguments_fail_before_anything_is_written(tmp_path, monkeyp
     ds = _wrap(tmp_path, "ds", device_state_layers=5)
     assert ds.megatrain.placement()["exclusive_layers"] == [0] and ds.megatrain.disk is None
     with pytest.raises(_C.HostMemoryError, match="1 decoder layers on disk and of layers 0..4 on the device only"):
-        megatrain.wrap(_model(), device="cpu", offload_dir=str(tmp_path / "ds2"), host_memory_limit=200_000,
+        kept_wrap(_model(), device="cpu", offload_dir=str(tmp_path / "ds2"), host_memory_limit=200_000,
                        device_state_layers=5)
     if os.geteuid() != 0:  # root may write anywhere
         ro = tmp_path / "ro"
         ro.mkdir()
         ro.chmod(0o500)
         with pytest.raises(ValueError, match="not writable"):
-            megatrain.wrap(_model(), device="cpu", offload_dir=str(ro), host_memory_limit=_limit())
+            kept_wrap(_model(), device="cpu", offload_dir=str(ro), host_memory_limit=_limit())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a directory nobody can write)")
 def test_unwritable_offload_dir_is_refused_even_with_no_layer_on_disk(tmp_path):
     # Root ignores permission bits: /proc is a directory where no file can be created, by anyone.
-    big = 2 * megatrain.estimate(_model(), device="cpu").host_bytes  # every layer fits: none would go to disk
+    big = 2 * kept_estimate(_model(), device="cpu").host_bytes  # every layer fits: none would go to disk
     model = _model()
     model.save_pretrained(str(tmp_path / "ckpt"))
     for bad, msg in (("/proc/megatrain_tier", "cannot be created: /proc is not writable"),
                      ("/proc", "offload_dir=/proc is not writable")):
         calls = {
-            "megatrain.wrap": lambda kw: megatrain.wrap(model, device="cpu", **kw),
-            "megatrain.estimate": lambda kw: megatrain.estimate(_config(), device="cpu", **kw),
-            "megatrain.from_config": lambda kw: megatrain.from_config(_config(), seed=0, device="cpu", **kw),
-            "megatrain.from_pretrained": lambda kw: megatrain.from_pretrained(str(tmp_path / "ckpt"), device="cpu",
+            "megatrain.wrap": lambda kw: kept_wrap(model, device="cpu", **kw),
+            "megatrain.estimate": lambda kw: kept_estimate(_config(), device="cpu", **kw),
+            "megatrain.from_config": lambda kw: kept_from_config(_config(), seed=0, device="cpu", **kw),
+            "megatrain.from_pretrained": lambda kw: kept_from_pretrained(str(tmp_path / "ckpt"), device="cpu",
                                                                               **kw),
         }
         for where, call in calls.items():
@@ -417,12 +423,12 @@ def test_unwritable_offload_dir_is_refused_even_with_no_layer_on_disk(tmp_path):
     assert getattr(model, "megatrain", None) is None
     # a writable one still works, and the probe leaves nothing behind
     (tmp_path / "tier").mkdir()
-    wrapped = megatrain.wrap(model, device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=big)
+    wrapped = kept_wrap(model, device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=big)
     assert wrapped.megatrain.disk is None and os.listdir(tmp_path / "tier") == []
 
 
 def test_estimate_says_what_wrap_puts_on_disk(tmp_path):
-    est = megatrain.estimate(_config(), device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=_limit())
+    est = kept_estimate(_config(), device="cpu", offload_dir=str(tmp_path / "tier"), host_memory_limit=_limit())
     assert est.fits and est.disk_layers == 3 and "disk tier" in str(est)
     model = _wrap(tmp_path)
     files = [os.path.join(tmp_path / "tier", n) for n in os.listdir(tmp_path / "tier")]
@@ -430,7 +436,7 @@ def test_estimate_says_what_wrap_puts_on_disk(tmp_path):
     assert est.host_bytes == model.megatrain.offload_plan.host_bytes
     model.megatrain.close()  # the working files go with the tier (a normal exit closes it too)
     assert not (tmp_path / "tier").exists()
-    short = megatrain.estimate(_config(), device="cpu", host_memory_limit=_limit())
+    short = kept_estimate(_config(), device="cpu", host_memory_limit=_limit())
     assert not short.fits and "host_memory_limit" in short.reason()
 
 
@@ -456,7 +462,7 @@ def test_cli_run_with_the_tier_saves_the_model_of_the_run_without(tmp_path, caps
     code, out, err = run_cli(["train", "--out", str(tmp_path / "plain")] + argv, capsys)
     assert code == 0, err
     code, out, err = run_cli(["train", "--out", str(tmp_path / "disk"), "--offload-dir", str(tmp_path / "tier"),
-                              "--host-memory-limit", str(host - 1)] + argv, capsys)
+                              "--host-memory-limit", str(host - 1), "--host-compute-copy", "true"] + argv, capsys)
     assert code == 0, err
     assert "fp32 state on disk" in out + err
     summary = json.loads((tmp_path / "disk" / "summary.json").read_text())
@@ -482,9 +488,9 @@ def test_cuda_bf16_training_with_the_tier_matches_without(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
         kw = {}
         if disk:
-            limit = megatrain.estimate(m, device="cuda", compute_dtype=torch.bfloat16).host_bytes - 1
+            limit = kept_estimate(m, device="cuda", compute_dtype=torch.bfloat16).host_bytes - 1
             kw = dict(offload_dir=str(tmp_path / "tier"), host_memory_limit=limit)
-        return megatrain.wrap(m, device="cuda", compute_dtype=torch.bfloat16, device_state_layers=0, **kw)
+        return kept_wrap(m, device="cuda", compute_dtype=torch.bfloat16, device_state_layers=0, **kw)
 
     out = []
     for disk in (False, True):
@@ -516,8 +522,8 @@ def test_from_pretrained_and_from_config_fill_the_tier(tmp_path):
     src = _model()
     src.save_pretrained(str(tmp_path / "hf"))
     limit = _limit()
-    for load in (lambda **kw: megatrain.from_pretrained(str(tmp_path / "hf"), device="cpu", **kw),
-                 lambda **kw: megatrain.from_config(_config(), seed=4, device="cpu", **kw)):
+    for load in (lambda **kw: kept_from_pretrained(str(tmp_path / "hf"), device="cpu", **kw),
+                 lambda **kw: kept_from_config(_config(), seed=4, device="cpu", **kw)):
         plain = load()
         tiered = load(offload_dir=str(tmp_path / "tier"), host_memory_limit=limit)
         assert [u.index for u in tiered.megatrain.disk.units] == [3, 4, 5]

@@ -164,9 +164,11 @@ def test_fits_follows_the_budget_check(monkeypatch):
     with pytest.raises(MemoryError, match="gradient accumulator"):
         megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
     monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(one.host_bytes - 1))
-    assert not megatrain.estimate(cfg, device="cpu").fits
+    auto = megatrain.estimate(cfg, device="cpu")  # host_compute_copy="auto": the deepest layer streams from its master
+    assert auto.fits and auto.master_streamed_layers == 1 and "1 master-streamed" in str(auto)
+    assert not megatrain.estimate(cfg, device="cpu", host_compute_copy=True).fits
     with pytest.raises(MemoryError, match="of host memory but only"):
-        megatrain.from_config(cfg, seed=0, device="cpu")
+        megatrain.from_config(cfg, seed=0, device="cpu", host_compute_copy=True)
 
 
 def test_a_host_memory_limit_too_small_is_blamed_alone():
@@ -311,19 +313,19 @@ def test_on_the_cpu_a_model_far_too_large_gets_only_advice_that_would_fit(monkey
 def test_offload_dir_is_suggested_only_where_it_makes_the_model_fit(monkeypatch, tmp_path):
     """Host memory for the compute copies and the CPU device's batch but not for the fp32 state:
     offload_dir is suggested with the number of layers (and the host_memory_limit that leaves room for
-    the CPU device's batch), and with those the model fits."""
+    the CPU device's batch), and with those the model fits (with the compute copies kept: host_compute_copy=True)."""
     monkeypatch.delenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", raising=False)
     cfg = _wide_llama()
-    full = megatrain.estimate(cfg, device="cpu", seq_len=256)
+    full = megatrain.estimate(cfg, device="cpu", seq_len=256, host_compute_copy=True)
     room = full.host_bytes * 3 // 4 + full.gpu_bytes
     monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(room))
-    est = megatrain.estimate(cfg, device="cpu", seq_len=256)
+    est = megatrain.estimate(cfg, device="cpu", seq_len=256, host_compute_copy=True)
     assert not est.fits
     line = est.reason()
     assert "or offload_dir=<a local disk> and host_memory_limit=" in line and " of 8 decoder layers" in line, line
     n = int(line.split("the fp32 state of ")[1].split(" of 8")[0])
     limit = int(line.split("host_memory_limit=")[1].split(" ")[0])
-    on_disk = megatrain.estimate(cfg, device="cpu", seq_len=256, offload_dir=str(tmp_path), host_memory_limit=limit)
+    on_disk = megatrain.estimate(cfg, device="cpu", seq_len=256, host_compute_copy=True, offload_dir=str(tmp_path), host_memory_limit=limit)
     assert on_disk.disk_layers == n and on_disk.host_fits and on_disk.gpu_fits, on_disk.reason()
     assert list(tmp_path.iterdir()) == []  # the estimate creates nothing
 

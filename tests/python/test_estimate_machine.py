@@ -57,7 +57,7 @@ def test_given_host_memory_replaces_this_machines_limits(monkeypatch):
     assert big.host_fits and big.host_available_bytes == GIB and big.pinned_bytes > 0  # no memlock there
     assert big.host_memory_given == GIB and big.to_dict()["assumed_machine"]["host"] == "1.00 GiB (given)"
     assert "assumed machine: host 1.00 GiB (given), GPU this machine" in str(big)
-    small = megatrain.estimate(cfg, device="cuda", host_memory=big.host_bytes - 1)
+    small = megatrain.estimate(cfg, device="cuda", host_memory=big.host_bytes - 1, host_compute_copy=True)
     assert not small.host_fits and not small.fits
     line = small.reason()
     given = format_bytes(big.host_bytes - 1, largest="TiB")
@@ -107,7 +107,13 @@ def test_the_paper_setting_on_one_h200_with_1_5_tib():
     shape = dict(h=10240, inter=28672, layers=108, heads=80, kv=8, vocab=32000)
     cfg = LlamaConfig(hidden_size=10240, intermediate_size=28672, num_hidden_layers=108, num_attention_heads=80,
                       num_key_value_heads=8, vocab_size=32000)
-    est = megatrain.estimate(cfg, host_memory="1.5TiB", gpu_memory="141GB", micro_batch_size=4, seq_len=4096)
+    auto = megatrain.estimate(cfg, host_memory="1.5TiB", gpu_memory="141GB", micro_batch_size=4, seq_len=4096)
+    # the default (host_compute_copy="auto"): the deepest layers drop their bf16 host copy (12 B/param): it fits
+    assert auto.fits and auto.master_streamed_layers > 0 and auto.exclusive_layers == 0
+    assert f"({auto.master_streamed_layers} master-streamed: no compute copy)" in str(auto)
+    # today's layout (a compute copy per layer), as before:
+    est = megatrain.estimate(cfg, host_memory="1.5TiB", gpu_memory="141GB", micro_batch_size=4, seq_len=4096,
+                             host_compute_copy=True)
     n = _llama_params(**shape)
     assert est.num_params == n and est.trainable_params == n
     sections = est.host_sections
@@ -142,7 +148,7 @@ def test_a_host_below_the_full_need_moves_the_fewest_layers_fp32_state_to_the_gp
                       num_key_value_heads=8, vocab_size=32000)
     full = megatrain.estimate(cfg, host_memory="1TiB", gpu_memory="141GiB")
     assert full.exclusive_layers == 0 and full.exclusive_bytes == 0 and "tiers:" not in str(full)
-    one = megatrain.estimate(cfg, host_memory=full.host_bytes - 1, gpu_memory="141GiB")
+    one = megatrain.estimate(cfg, host_memory=full.host_bytes - 1, gpu_memory="141GiB", host_compute_copy=True)
     assert one.exclusive_layers == 1 and one.fits
     layer_state = one.exclusive_bytes
     layer_params = (_llama_params(5120, 13824, 48, 40, 8, 32000) - _llama_params(5120, 13824, 0, 40, 8, 32000)) // 48
@@ -156,7 +162,7 @@ def test_a_host_below_the_full_need_moves_the_fewest_layers_fp32_state_to_the_gp
     assert full.host_bytes - one.host_bytes == moved - layer_state
     assert "device-state exclusive layers 1 (layers 0..0" in str(one) and "host + device hold it" in str(one)
     # 85 GiB of host (100 GiB fits since a device-state layer holds no fp32 gradient buffer: 14 B/param)
-    est = megatrain.estimate(cfg, host_memory="85GiB", gpu_memory="141GiB")
+    est = megatrain.estimate(cfg, host_memory="85GiB", gpu_memory="141GiB", host_compute_copy=True)
     assert est.exclusive_max == 18 and est.exclusive_layers == est.capacity_max == 30 and est.exclusive_needed == 32
     assert not est.fits and est.exclusive_share == "capacity"
     assert est.activation_reserve_bytes == int(0.2 * 141 * 2**30)

@@ -520,7 +520,8 @@ def test_trainer_with_the_disk_tier_is_bit_identical_and_resumes(tmp_path):
         if disk:
             limit = megatrain.estimate(m, device="cpu", compute_dtype=torch.float32,
                                        gradient_accumulation_steps=2).host_bytes - 1
-            kw = dict(offload_dir=str(tmp_path / disk), host_memory_limit=limit, grad_accumulator=True)
+            kw = dict(offload_dir=str(tmp_path / disk), host_memory_limit=limit, grad_accumulator=True,
+                      host_compute_copy=True)  # (the disk tier; "auto" would first drop compute copies)
         return megatrain.wrap(m, device="cpu", compute_dtype=torch.float32, **kw)
 
     plain = MegatrainTrainer(model=wrapped(), args=_args(str(tmp_path / "plain")), train_dataset=_dataset())

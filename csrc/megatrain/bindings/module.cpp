@@ -151,7 +151,8 @@ std::vector<megatrain::host_store::UnitSpec> to_specs(const std::vector<PyUnit>&
 }
 
 HostStoreOptions make_options(at::ScalarType compute_dtype, bool with_grad_accum,
-                              const std::vector<bool>& offloaded = {}) {
+                              const std::vector<bool>& offloaded = {},
+                              const std::vector<bool>& compute_absent = {}) {
   if (compute_dtype != at::kBFloat16 && compute_dtype != at::kFloat) {
     throw std::invalid_argument(
         std::string("HostStore: compute_dtype must be torch.bfloat16 or torch.float32, got ") +
@@ -162,6 +163,7 @@ HostStoreOptions make_options(at::ScalarType compute_dtype, bool with_grad_accum
                                                    : megatrain::host_store::ComputeDtype::kFloat32;
   o.with_grad_accum = with_grad_accum;
   o.state_offloaded = offloaded;
+  o.compute_absent = compute_absent;
   return o;
 }
 
@@ -307,8 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                        bool with_grad_accum, bool pin, int64_t memory_limit_bytes,
                        const std::vector<std::vector<bool>>& frozen, int shared_fd, bool check_budget,
-                       const std::vector<bool>& offloaded) {
-             HostStoreOptions o = make_options(compute_dtype, with_grad_accum, offloaded);
+                       const std::vector<bool>& offloaded, const std::vector<bool>& compute_absent) {
+             HostStoreOptions o = make_options(compute_dtype, with_grad_accum, offloaded, compute_absent);
              auto specs = to_specs(units, frozen);
              o.pin = pin;
              o.shared_fd = shared_fd;
@@ -321,14 +323,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("pin") = false, py::arg("memory_limit_bytes") = -1,
            py::arg("frozen") = std::vector<std::vector<bool>>{}, py::arg("shared_fd") = -1,
            py::arg("check_budget") = true, py::arg("offloaded") = std::vector<bool>{},
+           py::arg("compute_absent") = std::vector<bool>{},
            "shared_fd: -1 (a private arena) or a file descriptor of a file of at least total_bytes "
            "(page-rounded) mapped MAP_SHARED: processes mapping the same file share the store. "
            "check_budget=False: skip the MemAvailable / cgroup / memlock check (the caller ran it, "
            "with a credit of its own); memory_limit_bytes is checked either way. "
            "offloaded: per unit (empty: none), whether its fp32 sections live outside the store (the "
-           "disk tier): the arena holds only its compute section; its fp32 sections raise ValueError.")
+           "disk tier): the arena holds only its compute section; its fp32 sections raise ValueError. "
+           "compute_absent: per unit (empty: none), whether it has no compute section (0 bytes; "
+           "section(u, 'compute') raises ValueError): its compute copy is derived from the master.")
       .def("state_offloaded", &HostStore::state_offloaded, py::arg("u"),
            "Whether unit u's fp32 sections are kept outside the store (offloaded=...).")
+      .def("compute_absent", &HostStore::compute_absent, py::arg("u"),
+           "Whether unit u has no compute section in the store (compute_absent=...).")
       .def_property_readonly("num_units", &HostStore::num_units)
       .def_property_readonly("is_shared", &HostStore::is_shared,
                              "Whether the arena is a MAP_SHARED mapping of a file (shared_fd).")
@@ -408,18 +415,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("bytes_required",
                   [](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                      bool with_grad_accum, const std::vector<std::vector<bool>>& frozen,
-                     const std::vector<bool>& offloaded) {
-                    return HostStore::bytes_required(to_specs(units, frozen),
-                                                     make_options(compute_dtype, with_grad_accum, offloaded));
+                     const std::vector<bool>& offloaded, const std::vector<bool>& compute_absent) {
+                    return HostStore::bytes_required(
+                        to_specs(units, frozen), make_options(compute_dtype, with_grad_accum, offloaded, compute_absent));
                   },
                   py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
                   py::arg("frozen") = std::vector<std::vector<bool>>{}, py::arg("offloaded") = std::vector<bool>{},
+                  py::arg("compute_absent") = std::vector<bool>{},
                   "Arena bytes a HostStore with these units would need (nothing allocated).")
       .def_static("layout_required",
                   [](const std::vector<PyUnit>& units, at::ScalarType compute_dtype,
                      bool with_grad_accum, const std::vector<std::vector<bool>>& frozen,
-                     const std::vector<bool>& offloaded) {
-                    const auto options = make_options(compute_dtype, with_grad_accum, offloaded);
+                     const std::vector<bool>& offloaded, const std::vector<bool>& compute_absent) {
+                    const auto options = make_options(compute_dtype, with_grad_accum, offloaded, compute_absent);
                     const auto L = HostStore::layout_required(to_specs(units, frozen), options);
                     py::dict sections;
                     for (int i = 0; i < megatrain::host_store::kNumSections; ++i) {
@@ -439,6 +447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   },
                   py::arg("units"), py::arg("compute_dtype"), py::arg("with_grad_accum") = false,
                   py::arg("frozen") = std::vector<std::vector<bool>>{}, py::arg("offloaded") = std::vector<bool>{},
+                  py::arg("compute_absent") = std::vector<bool>{},
                   "The layout a HostStore with these units would have, nothing allocated: dict of "
                   "total_bytes, total_numel, frozen_numel, section_bytes {section: bytes} (the "
                   "store's section_bytes), unit_numel and unit_state_numel (padded elements per unit, "

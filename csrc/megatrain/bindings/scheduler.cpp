@@ -373,8 +373,9 @@ on its thread).)doc")
            "TaskHandle.")
       .def("submit_adam",
            [](PyWorker& w, std::shared_ptr<sch::Ledger> ledger, int64_t unit,
-              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                           double, double, double, double, double, int64_t>>& items,
+              const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                           std::optional<at::Tensor>, double, double, double, double, double,
+                                           int64_t>>& items,
               double grad_scale, const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore,
               const std::vector<int64_t>& ledger_entries, std::shared_ptr<sch::GradOutcome> finite_from,
               const std::vector<std::tuple<at::Tensor, at::Tensor>>& restore_on_skip, int klass, int64_t key,
@@ -402,10 +403,16 @@ on its thread).)doc")
                it.args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
                it.args.grad_dtype = grad_dtype_of(grad, op, n);
                it.args.grad = grad.data_ptr();
-               it.args.out_dtype = out_dtype_of(compute, op, "compute", n);
-               it.args.compute_out = compute.data_ptr();
+               if (compute.has_value()) {  // None: no compute copy written (a master-streamed unit)
+                 it.args.out_dtype = out_dtype_of(*compute, op, "compute", n);
+                 it.args.compute_out = compute->data_ptr();
+                 keep.tensors.push_back(*compute);
+               } else {
+                 it.args.out_dtype = ca::OutDtype::kNone;
+                 it.args.compute_out = nullptr;
+               }
                it.hyper = megatrain::bindings::adam_hyper(lr, b1, b2, eps, wd, step);
-               for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, &grad, &compute}) keep.tensors.push_back(*t);
+               for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, &grad}) keep.tensors.push_back(*t);
                task.items.push_back(it);
              }
              for (const auto& [entry, offset, grad, compute, lr, b1, b2, eps, wd, step] : tier_items) {

@@ -89,6 +89,17 @@ class PySlotPool {
     pool_->load(slot, unit, version, src.data_ptr(), src.numel() * src.element_size(), o);
   }
 
+  // The slot filled by `fill` (called on the H2D stream after the slot's buffer_free, before
+  // weights_ready is recorded) instead of a copy of a host tensor.
+  void fill(int slot, int64_t unit, int64_t version, const py::object& fill, bool sync) {
+    TORCH_CHECK_VALUE(!fill.is_none(), "SlotPool.fill: fill must be a callable");
+    buffer(slot);  // a live slot
+    sch::LoadOptions o;
+    o.sync = sync;
+    o.before_copy = callback_of(fill);
+    pool_->load(slot, unit, version, nullptr, 0, o);
+  }
+
   const at::Tensor& buffer(int slot) const {
     if (slot < 0 || slot >= static_cast<int>(buffers_.size()) || !buffers_[static_cast<size_t>(slot)].defined()) {
       throw std::out_of_range("SlotPool: no live slot " + std::to_string(slot));
@@ -189,6 +200,12 @@ until their template is dropped.)doc")
            "which then holds ``unit`` at ``version``: on the H2D stream after the slot's buffer_free, then "
            "weights_ready is recorded. ``timing``: (start, end) CudaEvents around the copy; ``before_copy``: "
            "called once the stream waits for the slot. sync=True: returns after the copy completed.")
+      .def("fill", &PySlotPool::fill, py::arg("slot"), py::arg("unit"), py::arg("version"), py::arg("fill"),
+           py::arg("sync") = false,
+           "Like load, but the slot is filled by the callable ``fill()`` (it enqueues its work on the H2D "
+           "stream, which then already waits for the slot's buffer_free; weights_ready is recorded after it): "
+           "a master-streamed unit's fp32 master copied H2D and cast on the device. On the CPU backend fill "
+           "runs at once. sync=True: returns after the H2D stream completed it.")
       .def("acquire", [](PySlotPool& p, int slot, uintptr_t stream) { p.get().acquire(slot, as_ptr(stream)); },
            py::arg("slot"), py::arg("compute_stream") = 0,
            "One more use of ``slot``: ``compute_stream`` waits for its weights_ready.")

@@ -162,6 +162,10 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
     throw std::invalid_argument("host store: state_offloaded has " + std::to_string(options.state_offloaded.size()) +
                                 " flags for " + std::to_string(units.size()) + " units");
   }
+  if (!options.compute_absent.empty() && options.compute_absent.size() != units.size()) {
+    throw std::invalid_argument("host store: compute_absent has " + std::to_string(options.compute_absent.size()) +
+                                " flags for " + std::to_string(units.size()) + " units");
+  }
   std::vector<UnitLayout> layouts;
   layouts.reserve(units.size());
   int64_t cursor = 0;
@@ -191,12 +195,13 @@ std::vector<HostStore::UnitLayout> HostStore::plan(const std::vector<UnitSpec>& 
     L.base_bytes = cursor;
     int64_t rel = 0;
     L.state_offloaded = !options.state_offloaded.empty() && options.state_offloaded[u];
+    L.compute_absent = !options.compute_absent.empty() && options.compute_absent[u];
     const bool skew = options.skew_sections && !L.state_offloaded &&
                       checked_mul(L.state_numel, 4) >= kSkewMinSectionBytes;
     for (int s = 0; s < kNumSections; ++s) {
       const Section sec = static_cast<Section>(s);
       int64_t bytes = 0;
-      const bool in_arena = sec == Section::kCompute || !L.state_offloaded;
+      const bool in_arena = sec == Section::kCompute ? !L.compute_absent : !L.state_offloaded;
       if (in_arena && (sec != Section::kGradAccum || options.with_grad_accum)) {
         const int64_t esize =
             (sec == Section::kCompute && options.compute_dtype == ComputeDtype::kBFloat16) ? 2 : 4;
@@ -287,6 +292,11 @@ bool HostStore::state_offloaded(int64_t u) const {
   return units_[u].state_offloaded;
 }
 
+bool HostStore::compute_absent(int64_t u) const {
+  check_unit(u);
+  return units_[u].compute_absent;
+}
+
 void* HostStore::section_data(int64_t u, Section s) const {
   check_unit(u);
   if (!has_section(s)) {
@@ -298,6 +308,10 @@ void* HostStore::section_data(int64_t u, Section s) const {
     throw std::invalid_argument("host store unit " + std::to_string(u) + " keeps its fp32 state (" +
                                 section_name(s) + " included) outside the store, in the disk tier; only its "
                                 "compute section is here");
+  }
+  if (L.compute_absent && s == Section::kCompute) {
+    throw std::invalid_argument("host store unit " + std::to_string(u) + " has no compute section (compute_absent: "
+                                "its compute copy is derived from the fp32 master or kept on the device)");
   }
   char* base = static_cast<char*>(arena_->data());
   if (base == nullptr) return nullptr;  // empty store

@@ -112,6 +112,12 @@ struct HostStoreOptions {
   /// compute section only, while unit_state_numel and the entries' state offsets still describe
   /// the fp32 layout that lives elsewhere.
   std::vector<bool> state_offloaded;
+  /// Per unit (empty: none): the unit has no compute section in the arena (0 bytes; section_data
+  /// of it throws). Its compute copy is derived elsewhere: a "master-streamed" unit's slot is
+  /// filled from its fp32 master (cast on the device), or a device-exclusive layer keeps it on
+  /// the device only. The entries' compute offsets still describe the layout a compute copy of
+  /// the unit would have (unit_numel is unchanged), so device slots keep the same layout.
+  std::vector<bool> compute_absent;
 };
 
 /// \brief What a store of given units and options would hold, without allocating it
@@ -178,9 +184,12 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
   bool has_section(Section s) const;
   /// \brief Whether unit u's fp32 sections are kept outside the store (HostStoreOptions::state_offloaded).
   bool state_offloaded(int64_t u) const;
+  /// \brief Whether unit u has no compute section in the store (HostStoreOptions::compute_absent).
+  bool compute_absent(int64_t u) const;
   /// \brief Start of section s of unit u (4 KiB aligned).
   /// \throws std::out_of_range for a bad unit; std::invalid_argument for an absent section (an
-  ///         fp32 section of a unit whose fp32 state is offloaded included).
+  ///         fp32 section of a unit whose fp32 state is offloaded, the compute section of a unit
+  ///         with compute_absent, included).
   void* section_data(int64_t u, Section s) const;
   /// \brief Bytes per element of section s (2 for a bf16 compute section, else 4).
   int64_t element_size(Section s) const;
@@ -212,6 +221,7 @@ class HostStore : public std::enable_shared_from_this<HostStore> {
     int64_t numel = 0;        ///< compute section elements
     int64_t state_numel = 0;  ///< fp32 section elements
     bool state_offloaded = false;  ///< the fp32 sections are not in the arena
+    bool compute_absent = false;   ///< the compute section is not in the arena
     int64_t base_bytes = 0;  ///< byte offset of the unit block in the arena
     std::array<int64_t, kNumSections> section_offset_bytes{};  ///< relative to base
     std::array<int64_t, kNumSections> section_bytes{};

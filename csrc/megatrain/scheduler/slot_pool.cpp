@@ -10,7 +10,7 @@ namespace scheduler {
 
 void HostCopyEngine::load(int, void* dst, const void* src, int64_t bytes, bool, const LoadOptions& options) {
   if (options.before_copy) options.before_copy();
-  std::memcpy(dst, src, static_cast<size_t>(bytes));
+  if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
 SlotPool::SlotPool(std::unique_ptr<CopyEngine> engine) : engine_(std::move(engine)) {
@@ -92,7 +92,9 @@ void SlotPool::load(int slot, int64_t unit, int64_t version, const void* src, in
     throw std::logic_error("SlotPool.load: slot " + std::to_string(slot) + " is in use (" +
                            std::to_string(s.in_use) + " acquires not released)");
   }
-  if (src == nullptr || bytes <= 0 || bytes > s.bytes) {
+  // src null with 0 bytes: the caller's before_copy fills the slot (on the copy stream, after buffer_free).
+  const bool filled_by_caller = src == nullptr && bytes == 0 && static_cast<bool>(options.before_copy);
+  if (!filled_by_caller && (src == nullptr || bytes <= 0 || bytes > s.bytes)) {
     throw std::invalid_argument("SlotPool.load: " + std::to_string(bytes) + " bytes into slot " +
                                 std::to_string(slot) + " of " + std::to_string(s.bytes) + " bytes" +
                                 (src ? "" : " from a null address"));

@@ -111,9 +111,13 @@ class SlotPool {
   /// \brief Loads `unit` at `version` into free `slot`: `bytes` bytes from host `src` (the
   /// unit's compute copy). The slot holds it from now on; the copy may still be running (the
   /// compute stream waits for it in acquire).
+  /// `src` null and `bytes` 0 with options.before_copy set: the caller fills the slot itself from
+  /// before_copy (run on the copy stream after buffer_free, before weights_ready is recorded: a
+  /// master-streamed unit's fp32 master copied and cast on the device).
   /// \pre `src` stays valid until the copy completed (always, when options.sync).
   /// \throws std::logic_error if the slot is in use or dropped; std::invalid_argument if `bytes`
-  ///         exceeds the slot's buffer or `src` is null; what the engine throws (then the slot is empty).
+  ///         exceeds the slot's buffer or `src` is null (outside the case above); what the engine
+  ///         throws (then the slot is empty).
   void load(int slot, int64_t unit, int64_t version, const void* src, int64_t bytes,
             const LoadOptions& options = {});
   /// \brief The compute stream's use of `slot` begins: it waits for the slot's weights_ready.

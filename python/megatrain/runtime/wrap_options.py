@@ -22,10 +22,12 @@ from .model.fused_kernels import check_liger_kernel, resolve_liger_kernel
 from .placement.device_state_plan import check_device_state_layers, check_gpu_memory_limit, \
     resolve_device_state_layers, resolve_gpu_memory_limit
 from .placement.disk_plan import check_host_memory_limit, check_offload_args, check_offload_dir_value
+from .placement.master_streamed import check_host_compute_copy
 
 # The options ``megatrain.estimate`` takes (the others change no byte it counts).
 ESTIMATE_OPTIONS = ("device", "compute_dtype", "activation_policy", "num_slots", "grad_accumulator", "chunked_loss",
-                    "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "gpu_memory_limit")
+                    "tile_mlp", "device_state_layers", "offload_dir", "host_memory_limit", "gpu_memory_limit",
+                    "host_compute_copy")
 # The batch (wrap's micro_batch_size / seq_len): megatrain.estimate takes them too, as the batch it estimates for.
 BATCH_OPTIONS = ("micro_batch_size", "seq_len")
 
@@ -59,6 +61,7 @@ class WrapOptions:
         micro_batch_size, seq_len: the batch trained on (sequences per micro-batch, tokens per sequence; ints >= 1,
             or None): with both, the capacity share of exclusive device-state layers keeps this batch's activation
             estimate (``megatrain.estimate``'s) instead of a share of the free device memory.
+        host_compute_copy: ``"auto"``, ``True`` or ``False`` (:mod:`~.placement.master_streamed`).
 
     Args:
         where: starts each error message of the construction (not a field): ``"megatrain.WrapOptions"``;
@@ -84,6 +87,7 @@ class WrapOptions:
     liger_kernel: Optional[bool] = None
     micro_batch_size: Optional[int] = None
     seq_len: Optional[int] = None
+    host_compute_copy: Any = "auto"
     where: InitVar[str] = "megatrain.WrapOptions"
 
     def __post_init__(self, where: str):
@@ -157,6 +161,7 @@ class WrapOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{where}: {name} must be an int >= 1 ({what}) or None, got {v!r}")
+        check_host_compute_copy(self.host_compute_copy, where)
 
     @property
     def batch_tokens(self) -> int:

@@ -164,6 +164,9 @@ class RuntimeConfig:
     gpu_memory_limit: Optional[DeviceMemoryLimit] = None
     # Liger-Kernel's fused kernels (pip install megatrain[kernels]): auto (when installed, on CUDA) | true | false
     liger_kernel: AutoSwitch = "auto"
+    # A bf16 compute copy per decoder layer in host memory: auto (unless the host store does not fit: then the
+    # deepest layers stream from their fp32 master, 12 B/param) | true | false (every eligible layer streams)
+    host_compute_copy: AutoSwitch = "auto"
 
 
 @dataclass

@@ -27,6 +27,7 @@ def wrap_options(cfg: Config, device, compute_dtype) -> WrapOptions:
                        device_state_layers=wrap_device_state_layers(r.device_state_layers),
                        gpu_memory_limit=r.gpu_memory_limit, liger_kernel=wrap_auto_switch(r.liger_kernel),
                        micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+                       host_compute_copy={"auto": "auto", "true": True, "false": False}[r.host_compute_copy],
                        where="runtime")  # the config checked each value: a message here names its section
     if r.offload_dir is not None and cfg.train.gradient_accumulation_steps > 1:
         opts = dataclasses.replace(opts, grad_accumulator=True)

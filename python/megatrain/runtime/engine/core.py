@@ -7,38 +7,34 @@ memory) and moves bytes between it and the compute device:
   head) is copied into a *device slot* on the H2D stream, gated by the slot's ``buffer_free`` event;
   its ``weights_ready`` event gates the compute stream. Forward prefetches layer ``i+1``, backward ``i-1``.
 * **D2H**: a layer's weight gradients are copied on the D2H stream after its backward.
-* **CPU worker**: one thread accumulates each gradient that needs it into fp32 and runs each unit's
-  fused CPU AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only
-  for unit ``i``'s update.
-
-Without a GPU the same engine runs with slots in host memory and synchronous copies (the "CPU backend").
+* **CPU worker**: one thread accumulates each gradient that needs it into fp32 and runs each unit's fused CPU
+  AdamW (which also writes the new compute copy); the next load of unit ``i`` waits only for unit ``i``'s update.
+  Without a GPU the same engine runs with slots in host memory and synchronous copies (the "CPU backend").
 
 :class:`Engine` is the one interface the other parts of megatrain use. It builds the store (budget
 check, disk tier) and owns these parts, each with its own state, built and connected in
 ``Engine._build_parts`` (the settings they share: :class:`~.context.EngineContext`); they call each
 other's public methods only:
 
-* ``counters`` (:class:`~.stats.EngineCounters`): bytes and seconds of the copies, the CPU Adam and
-  the waits; ``stats()`` / ``placement()`` report them (:func:`~.stats.engine_stats`);
+* ``counters`` (:class:`~.stats.EngineCounters`): bytes and seconds of the copies, the CPU Adam and the waits;
+  ``stats()`` / ``placement()`` report them (:func:`~.stats.engine_stats`);
 * ``timeline`` (:class:`~.timeline.WorkerTimeline`): the per-step timeline of the worker's tasks
   (``worker_timeline()``, ``set_worker_timeline``, ``timeline_step_end``);
 * ``accumulator`` (:class:`~.memory.Accumulator`): the fp32 accumulator outside the store
   (``enable_accumulator``, ``accumulator_bytes``, ``has_accumulator``);
 * ``views`` (:class:`~.views.StoreViews`): ``section``, ``entry_view``, ``task_view``, ``state_window``, ``state_tier``;
-* ``slot_pool`` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): the device slots and the
-  H2D stream: ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``, ``bind`` / ``unbind``,
-  ``add_slots`` / ``drop_slots``, ``invalidate``, ``compute_stream`` (``slots``, ``h2d_stream``);
+* ``slot_pool`` (:class:`~.slots.SlotPool`, over the C++ ``_C.SlotPool``): the device slots and the H2D stream:
+  ``acquire`` / ``prefetch`` / ``release``, ``copy_h2d``, ``bind`` / ``unbind``, ``add_slots`` / ``drop_slots``,
+  ``invalidate``, ``compute_stream`` (``slots``, ``h2d_stream``);
 * ``grads`` (:class:`~.grads.GradLedger`): the ledger, the optimizer attached, the staging pool:
   ``submit_grads`` (hand-over + accumulation), ``settle``, ``submit_grad_task``;
 * ``copies`` (:class:`~.grad_copies.GradCopies`): the gradient D2H and the D2H stream (``copy_grads_d2h``);
 * ``updates`` (:class:`~.updates.UpdateQueue`): ``submit_update``, ``ensure_weights``, ``zero_grad``;
 * ``waits`` (:class:`~.waits.Waits`): ``flush``, ``wait_grads``, ``wait_update``, ``wait_task``, ``wait_event``;
-* ``device_layers`` (:class:`~.memory.DeviceStateLayers`): ``init_device_state``,
-  ``resize_device_state`` (``device_state``);
+* ``device_layers`` (:class:`~.memory.DeviceStateLayers`): ``init_device_state``, ``resize_device_state``;
 * ``worker`` (:class:`~.worker._Worker`): the CPU thread;
-* ``sharding`` (:class:`~.sharding.SingleProcess`, or data parallel's
-  :class:`~megatrain.runtime.data_parallel.strategy.DataParallelStrategy`): the strategy whose hooks the
-  parts call where ranks share the work (``dp``: its ``DataParallel`` group, or None).
+* ``sharding`` (:class:`~.sharding.SingleProcess`, or data parallel's :class:`~megatrain.runtime.data_parallel.
+  strategy.DataParallelStrategy`): the hooks the parts call where ranks share the work (``dp``: its group, or None).
 
 The engine's own methods: host-store state (``sync_host`` / ``host_written``, ``take_state_dict_writes`` /
 ``refresh_state_dict_views``), the attached optimizer (``attach_optimizer``, ``register_param``, :func:`locate`:
@@ -58,6 +54,7 @@ from ..._loader import load_extension
 from .. import data_parallel
 from ..placement.disk_plan import DiskOffload, check_host_memory_limit, check_offload_args, plan_offload
 from ..placement.host_memory import check_host_budget
+from ..placement.master_streamed import master_streamable
 from ..options import Options, options
 from .context import EngineContext, forward_to, part_attribute
 from .grad_copies import GradCopies
@@ -106,6 +103,7 @@ class Engine:
             host store does not fit, the fewest leading ones needed (of K, or under ``"auto"`` / ``"boundary"`` of those
             the ``"auto"`` rule or the capacity share, less ``activation_reserve_of(free)`` when set, places in
             ``free_device_bytes``) hold their fp32 state on the device only (exclusive).
+        host_compute_copy: ``wrap``'s ``"auto"`` / True / False (:mod:`~..placement.master_streamed`).
 
     Raises:
         ValueError: a bad ``offload_dir`` / ``host_memory_limit``, or ``offload_dir`` with data parallel.
@@ -116,7 +114,7 @@ class Engine:
     def __init__(self, units: List[Unit], device: torch.device, compute_dtype: torch.dtype,
                  num_slots: int = 2, staging_buffers: int = 4, grad_accumulator: Optional[bool] = True,
                  reclaimable_bytes: int = 0, offload_dir: Optional[str] = None,
-                 host_memory_limit: Optional[int] = None, keep_host_layers=0):
+                 host_memory_limit: Optional[int] = None, keep_host_layers=0, host_compute_copy="auto"):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         offload_dir, host_memory_limit = check_offload_args(offload_dir, None), check_host_memory_limit(host_memory_limit)
@@ -139,6 +137,7 @@ class Engine:
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
             if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
             device_free=self.planned_device_free, num_slots=num_slots, activation_reserve=reserve,
+            compute_copy=host_compute_copy, streamable=master_streamable(units, data_parallel.active()),
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan
         store_bytes, staging_bytes = self.host_plan["store_bytes"], self.host_plan["staging_bytes"]
@@ -153,8 +152,10 @@ class Engine:
                                               self.cuda and not self.pin_after_fill, frozen, store_bytes)
         else:
             self.store = _C.HostStore(tables, compute_dtype, in_store, self.cuda and not self.pin_after_fill,
-                                      frozen=frozen, check_budget=False, offloaded=self.offload_plan.offloaded)
+                                      frozen=frozen, check_budget=False, offloaded=self.offload_plan.offloaded,
+                                      compute_absent=self.offload_plan.compute_absent)
         for u in units:
+            u.master_streamed = u.index in self.offload_plan.master_streamed
             state_offs = self.store.state_offsets(u.index)
             for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
                 assert e.numel == numel, (e.name, e.numel, numel)
@@ -169,11 +170,10 @@ class Engine:
                                     fault=self.options.disk_fault)
             if self._accumulator_mode is True:
                 self.disk.enable_accumulator()
-        self.debug = self.options.debug_races
-        self.overlap = self.options.overlap
-        self.d2h_overlap = self.options.d2h_overlap
-        self.eager_updates = self.options.eager_updates and self.sharding.allows_eager_updates
-        self.fused_grad_norms = self.options.fused_grad_norms
+        o = self.options
+        self.debug, self.overlap, self.d2h_overlap, self.fused_grad_norms = o.debug_races, o.overlap, o.d2h_overlap, \
+            o.fused_grad_norms
+        self.eager_updates = o.eager_updates and self.sharding.allows_eager_updates
         self._build_parts(num_slots, staging_buffers)
         self.device_layers.reserve_exclusive([units[k] for k in self.offload_plan.exclusive_units])  # fp32 on device only
 
@@ -354,10 +354,8 @@ class Engine:
 
     def check_resident_params(self, where: str, overwritten=()) -> None:
         """Raise if a parameter outside the store's control was written in place (:class:`~..model.wrapped_engine.WrappedEngine`)."""
-
     def note_resident_params(self) -> None:
         """Record the state :meth:`check_resident_params` compares against (:class:`~..model.wrapped_engine.WrappedEngine`)."""
-
     def device_state_resident(self) -> Optional[Unit]:
         """The resident unit ``device_state_layers="auto"`` may keep on the device with the layers
         (its compute copy must already be a device buffer: :class:`~..model.wrapped_engine.WrappedEngine`), or None."""
@@ -390,7 +388,9 @@ class Engine:
             self.disk.check()
 
     def close(self) -> None:
-        """Run what the CPU worker has queued and stop it; drop the disk tier (its working files are removed)."""
+        """Run what the CPU worker has queued (and master-streamed layers' deferred updates) and stop it; drop the disk tier."""
+        if not self.worker.failed:
+            self.grads.held.pump(everything=True)
         self.worker.close()
         if self.disk is not None:
             self.disk.close()

@@ -23,6 +23,7 @@ import torch
 
 from ..._loader import load_extension
 from ..model.thread_guard import _graph_task_id  # noqa: F401 - read from here by data_parallel
+from .held_grads import HeldGrads
 from .unit_grads import UnitGrads, in_compute, landed  # noqa: F401 - UnitGrads, landed: public here too
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class GradLedger:
         self._settle_lock = threading.RLock()
         self._grad_outcomes: list = []
         self._update_outcomes: list = []
+        # Master-streamed units: their device gradients held until the update may run (HeldGrads), and
+        # the pool staging buffers an update task reads, back once it ran.
+        self.held = HeldGrads(self)
+        self._update_staging: list = []
         self.worker = self.counters = self.timeline = self.views = self.accumulator = None
         self.copies = self.updates = self.waits = self.slots = self.device_layers = None
 
@@ -146,6 +151,13 @@ class GradLedger:
                 if staging is not None:
                     self._staging.put(staging)
             del self._grad_outcomes[:n]
+            kept = []
+            for rec in self._update_staging:  # one read of each handle (it may finish meanwhile)
+                if rec[0].done:
+                    self._staging.put(rec[1])
+                else:
+                    kept.append(rec)
+            self._update_staging = kept
             if not self._update_outcomes:
                 return
             left = []
@@ -161,6 +173,19 @@ class GradLedger:
                     opt.skip_unit_update(unit, items, step_number)
             self._update_outcomes = left
 
+    def try_staging_buffer(self) -> Optional[torch.Tensor]:
+        """A buffer of the staging pool if one is free or may still be allocated now, else None (no wait)."""
+        with self._settle_lock:
+            self.settle()
+            try:
+                return self._staging.get_nowait()
+            except queue.Empty:
+                pass
+            if self.staging_made < self.staging_max:
+                self.staging_made += 1
+                return self.views.host_buffer(self.staging_numel)
+        return None
+
     def staging_buffer(self) -> torch.Tensor:
         """A gradient staging buffer of the bounded pool (allocated on first use; waits while all are in flight)."""
         while True:
@@ -173,7 +198,8 @@ class GradLedger:
                 if self.staging_made < self.staging_max:
                     self.staging_made += 1
                     return self.views.host_buffer(self.staging_numel)  # counted in the store's budget check
-                holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None), None)
+                holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None),
+                              self._update_staging[0][0] if self._update_staging else None)
             if holder is None:
                 raise RuntimeError("megatrain: no gradient staging buffer is free and none is in flight")
             self.waits.wait_task(holder)
@@ -233,15 +259,31 @@ class GradLedger:
         elif callable(staging):  # a caller's buffer, allocated only when a gradient is staged
             staging = staging() if any(staged) else None
         norm_idx = [i for i, d in enumerate(direct) if d]
-        norms, ev = self._copy_to_host(unit, grads, direct, staging, norm_idx, opt)
+        held_buf = None
+        if unit.master_streamed and any(direct):  # no compute section: held on the device, or D2H'd for the update
+            held_buf = self.staging_buffer() if plan is not None else None
+            if held_buf is None:
+                self.held.hold(unit, {i: grads[i] for i in norm_idx})
+        norms, ev = self._copy_to_host(unit, grads, direct, staging, norm_idx, opt, held_buf)
         handle, outcome = self._queue_accumulate(unit, norms, ev, staging, staged, overwrite, norm_idx)
         unit.grad_task = handle
         self.record_grad(handle, outcome, staging if own_staging else None, unit.index)
         if plan is not None:
             items, scale = plan
             self.updates.submit_adam(unit, items, scale, after=handle, entries=[i for i, p in enumerate(present) if p],
-                                     finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None)
+                                     finite_from=outcome if getattr(opt, "nonfinite", None) is not None else None,
+                                     grad_buf=held_buf)
         return handle
+
+    # ------------------------------------------------------------------ pool buffers read by update tasks
+    def record_update_staging(self, handle, staging: torch.Tensor) -> None:
+        """The update task ``handle`` reads pool buffer ``staging``: ``settle`` gives it back once it ran."""
+        with self._settle_lock:
+            self._update_staging.append((handle, staging))
+
+    def give_back(self, staging: torch.Tensor) -> None:
+        """Pool buffer ``staging`` is free again (read by a task that was waited for)."""
+        self._staging.put(staging)
 
     def _where_grads_land(self, unit: Unit, present: List[bool], opt, task_id) -> List[bool]:
         """Per entry, whether its gradient goes straight into the compute section (*direct*); raises
@@ -287,15 +329,21 @@ class GradLedger:
                                accum_read=any(p and not d and not o for p, d, o in zip(present, direct, overwrite)))
         return overwrite, plan
 
-    def _copy_to_host(self, unit: Unit, grads, direct: List[bool], staging, norm_idx: List[int], opt):
+    def _copy_to_host(self, unit: Unit, grads, direct: List[bool], staging, norm_idx: List[int], opt, held_buf=None):
         """``(norms, ready)``: the squared-norm inputs of the direct gradients (for clipping, and for the
-        finite check before any update) reduced on the device, and every gradient copied D2H."""
+        finite check before any update) reduced on the device, and every gradient copied D2H (a master-streamed
+        unit's direct ones into ``held_buf``, or not at all: they are held on the device)."""
         need_norm = any(direct) and (getattr(opt, "max_grad_norm", None) is not None or
                                      getattr(opt, "nonfinite", None) is not None)
-        compute = self.views.section(unit, "compute") if any(direct) else None
         if need_norm:
             with torch.no_grad():
                 dev_norms = grad_norms([grads[i] for i in norm_idx], self.fused_grad_norms)
+        if unit.master_streamed:
+            compute = held_buf
+            if held_buf is None:  # held: only the staged ones (a second micro-batch) are copied now
+                grads = [None if d else g for g, d in zip(grads, direct)]
+        else:
+            compute = self.views.section(unit, "compute") if any(direct) else None
         return self.copies.copy_grads_d2h(unit, grads, direct, compute, staging, norm_idx,
                                           dev_norms if need_norm else None)
 

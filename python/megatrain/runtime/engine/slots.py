@@ -85,6 +85,7 @@ class SlotPool:
         self._template_ids: dict = {}
         self._use_clock = 0
         self._pool = None
+        self._master_staging = None  # master-streamed units: the device fp32 buffer their masters are copied into
         if self.cpp_slots:
             self._pool = _C.SlotPool(self.cuda, self.h2d_stream.cuda_stream if self.cuda else 0, self._device_index)
         for u in ctx.layers:
@@ -150,9 +151,48 @@ class SlotPool:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(2_000_000)
 
+    def fill_from_master(self, dst: torch.Tensor, unit: Unit) -> None:
+        """Fill device buffer ``dst`` (the compute dtype, ``unit.numel``) with master-streamed ``unit``'s
+        weights: the fp32 master section copied H2D into a device fp32 staging buffer, then cast into ``dst``
+        (round to nearest even: the bits the CPU AdamW's compute copy would have), both on the H2D stream (the
+        caller made it wait for ``dst``'s ``buffer_free`` and records ``weights_ready`` after). On the CPU
+        backend a cast copy, at once. The caller waited for the unit's pending update."""
+        master = self.views.section(unit, "master")
+        self.counters.add("h2d_bytes", master.numel() * master.element_size())
+        self.counters.add("h2d_copies", 1)
+        if not self.cuda:
+            dst.copy_(master[:dst.numel()])
+            return
+        with torch.cuda.stream(self.h2d_stream):
+            if self._master_staging is None or self._master_staging.numel() < master.numel():
+                self._master_staging = torch.empty(master.numel(), dtype=torch.float32, device=self.device)
+            staging = self._master_staging[:master.numel()]
+            if self.debug:
+                torch.cuda._sleep(2_000_000)  # ~1 ms: make copy races visible
+            end = self.counters.timed("h2d", self.h2d_stream)
+            staging.copy_(master, non_blocking=True)
+            dst.copy_(staging[:dst.numel()])  # the cast, on the device (the same stream: after the copy)
+            end.record(self.h2d_stream)
+
+    def _ms_sync(self, unit: Unit) -> bool:
+        """A master-streamed unit's load must complete before returning: its gradients wait for an update that
+        may be queued before the load ran (a load between backward and ``step()``)."""
+        return bool(self.cuda and unit.grads_in_compute)
+
     def copy_h2d(self, dst: torch.Tensor, unit: Unit, ready_event=None, free_event=None) -> None:
         """Copy ``unit``'s compute copy into device buffer ``dst`` (async on the H2D stream; the
-        resident unit's buffer, and the slots when ``cpp_slots`` is off)."""
+        resident unit's buffer, and the slots when ``cpp_slots`` is off). A master-streamed unit's is cast
+        from its fp32 master (:meth:`fill_from_master`)."""
+        if unit.master_streamed:
+            self.waits.wait_update(unit)
+            if self.cuda and free_event is not None:
+                self.h2d_stream.wait_event(free_event)
+            self.fill_from_master(dst, unit)
+            if self.cuda and ready_event is not None:
+                ready_event.record(self.h2d_stream)
+            if self._ms_sync(unit):
+                self.h2d_stream.synchronize()
+            return
         src, rebuilt = self._h2d_source(unit)
         if not self.cuda:
             dst.copy_(src)
@@ -267,6 +307,12 @@ class SlotPool:
         i = self._pool.pick(self._template_ids[unit.template], keep)
         if i < 0:
             return None
+        if unit.master_streamed:  # filled on the H2D stream after the slot's buffer_free (C++ pool's state machine)
+            self.waits.wait_update(unit)
+            slot = self._native_slot(unit, i)
+            self._pool.fill(i, unit.index, unit.version, lambda: self.fill_from_master(slot.buf, unit),
+                            sync=self._ms_sync(unit))
+            return slot
         src, rebuilt = self._h2d_source(unit)
         timing = self.counters.copy_timing("h2d") if self.cuda else None
         delay = (lambda: self.debug_delay(self.h2d_stream)) if self.cuda and self.debug else None

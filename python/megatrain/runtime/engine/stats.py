@@ -110,6 +110,10 @@ def placement_report(eng) -> dict:
     why (``"batch 4 x 4096"``: ``wrap(micro_batch_size=4, seq_len=4096)``, the activation estimate of
     ``megatrain.estimate`` for that batch; ``"20% of free memory"``: no batch given) and
     ``activation_reserve_bytes``: the bytes it kept (None: the capacity share was not sized).
+    ``master_streamed_layers``: indices of the layers with no compute copy in the host store
+    (``wrap(host_compute_copy=)``, :mod:`~..placement.master_streamed`); ``host_bytes_per_param``: the host
+    store's bytes per parameter whose fp32 state it holds (about 14 with compute copies, 12 without, at one
+    backward per step with a store-less accumulator).
     """
     k = len(eng.device_state.layers) if eng.device_state else 0
     decisions = getattr(eng, "auto_decisions", None) if getattr(eng, "auto_policy", False) else None
@@ -128,7 +132,9 @@ def placement_report(eng) -> dict:
                 disk_bytes=disk.plan.disk_bytes if disk else 0, offload_dir=disk.dir if disk else None,
                 replan=getattr(eng, "replan_info", None),
                 gpu_memory_limit_bytes=getattr(eng, "gpu_memory_limit_bytes", None),
-                liger_kernel=getattr(eng, "liger_kernel", None), **_reserve_report(eng))
+                liger_kernel=getattr(eng, "liger_kernel", None),
+                master_streamed_layers=[u.index for u in eng.units if u.master_streamed],
+                host_bytes_per_param=_host_bytes_per_param(eng), **_reserve_report(eng))
 
 
 def _reserve_report(eng) -> dict:
@@ -141,6 +147,14 @@ def _reserve_report(eng) -> dict:
     words = f"batch {batch[0]} x {batch[1]}" if by_batch and batch else (
         f"{CAPACITY_ACTIVATION_RESERVE_FRACTION:.0%} of free memory")
     return dict(activation_reserve=words, activation_reserve_bytes=capacity["reserve_bytes"] if capacity else None)
+
+
+def _host_bytes_per_param(eng) -> float:
+    """The host store's bytes over the parameters whose fp32 state it holds (0.0 without any)."""
+    plan = getattr(eng, "offload_plan", None)
+    off = plan.offloaded if plan is not None and plan.offloaded else [False] * len(eng.units)
+    n = sum(e.numel for u in eng.units if not off[u.index] for e in u.entries)
+    return float(eng.store.total_bytes) / n if n else 0.0
 
 
 def engine_stats(eng) -> dict:

@@ -69,6 +69,10 @@ class Unit(UnitGrads):
     # A unit whose fp32 state (master, exp_avg, exp_avg_sq, grad_accum) is in the disk tier: its
     # unit index there, else None (the host store holds it). See ``megatrain.runtime.placement.disk_plan``.
     disk: Optional[int] = None
+    # A master-streamed layer (``wrap(host_compute_copy=False | "auto")``): the host store holds no compute
+    # section for it (12 B/param); its slot is filled from the fp32 master, cast on the device, and its
+    # gradients wait on the device for its update (``SlotPool.fill_from_master``, ``GradLedger.held``).
+    master_streamed: bool = False
     # A layer unit's parameters that other decoder layers hold too (a shared block): their indices in the
     # resident unit's entries (see ``layers.model_units``).
     shared: List[int] = field(default_factory=list)
@@ -90,7 +94,8 @@ def unit_tables(units: List[Unit]) -> Tuple[list, list]:
 
 
 def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumulator: Optional[bool],
-                     staging_buffers: int = 4, offloaded: Optional[List[bool]] = None) -> dict:
+                     staging_buffers: int = 4, offloaded: Optional[List[bool]] = None,
+                     compute_absent: Optional[List[bool]] = None) -> dict:
     """Host bytes an :class:`Engine` over ``units`` allocates, computed without allocating.
 
     The engine's budget check and :func:`megatrain.estimate` both use this, and the store part comes
@@ -103,6 +108,7 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         staging_buffers: pinned staging buffers for layer gradients.
         offloaded: per unit, whether its fp32 sections live in the disk tier (the store then holds
             its compute section only; see :mod:`..placement.disk_plan`). None: none.
+        compute_absent: per unit, whether it has no compute section (a master-streamed layer). None: none.
 
     Returns:
         dict: ``layout`` (``HostStore.layout_required``'s dict: ``section_bytes``, ``unit_numel``,
@@ -117,7 +123,8 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         raise RuntimeError("megatrain: the compiled extension megatrain._C is older than its Python code (no "
                            "HostStore.layout_required); rebuild it: python setup.py build_ext --inplace")
     off = [bool(x) for x in offloaded] if offloaded is not None else []
-    layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen, off)
+    absent = [bool(x) for x in compute_absent] if compute_absent is not None else []
+    layout = _C.HostStore.layout_required(tables, compute_dtype, grad_accumulator is True, frozen, off, absent)
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     layer_numel = [n for n, u in zip(layout["unit_numel"], units) if u.kind == "layer"]
     resident_numel = sum(n for n, u in zip(layout["unit_numel"], units) if u.kind != "layer")

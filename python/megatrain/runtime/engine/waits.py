@@ -62,7 +62,9 @@ class Waits:
             self.worker.check()
 
     def wait_update(self, unit: Unit) -> None:
-        """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done."""
+        """Block the calling (main) thread until ``unit``'s pending CPU Adam update is done (a deferred one of a
+        master-streamed unit submitted first; the others submitted while staging buffers are free)."""
+        self.grads.held.pump(until=unit)
         pending = [h for h in unit.update_tasks if not h.done]
         if pending:
             t0 = time.perf_counter()
@@ -77,7 +79,9 @@ class Waits:
         self.sharding.after_wait_update(unit)
 
     def flush(self) -> None:
-        """Wait until every submitted gradient has been accumulated and every update applied."""
+        """Wait until every submitted gradient has been accumulated and every update applied (the deferred
+        updates of master-streamed units submitted first)."""
+        self.grads.held.pump(everything=True)
         t0 = time.perf_counter()
         w0 = self.timeline.clock()
         self.worker.drain()

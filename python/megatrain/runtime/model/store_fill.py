@@ -52,7 +52,8 @@ def _fill_unit(eng, u: Unit, source) -> None:
             eng.entry_view(u, i, "master").copy_(e.param.detach())
         if eng.state_tier(u) is not None:
             continue  # compute copy at release; a fresh tier unit is zeros
-        eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
+        if not u.master_streamed:  # (its compute copy is cast from the master at each load)
+            eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         eng.entry_view(u, i, "exp_avg").zero_()
         eng.entry_view(u, i, "exp_avg_sq").zero_()
 
@@ -61,7 +62,7 @@ def compute_from_masters(eng, u: Unit) -> None:
     """Rewrite ``u``'s compute copy from its fp32 masters (a disk or exclusive unit held by a writing window)."""
     with torch.no_grad():
         for i, e in enumerate(u.entries):
-            if not e.frozen:
+            if not e.frozen and not u.master_streamed:
                 eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
 
 

@@ -42,7 +42,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
          chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
          host_memory_limit: Optional[Union[int, str]] = None, reuse_attention: bool = True,
          lean_activations: bool = False, gpu_memory_limit=None, liger_kernel: Optional[bool] = None,
-         micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> nn.Module:
+         micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+         host_compute_copy="auto") -> nn.Module:
     """Move a causal LM's training state into host memory and stream its decoder layers.
 
     Args:
@@ -140,6 +141,14 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             ``None`` (default): when liger-kernel is installed and the device is CUDA; ``True``:
             required; ``False``: off. Applied to the model before the engine is built; see
             ``megatrain.runtime.model.fused_kernels`` (where its loss and ``chunked_loss`` meet).
+        host_compute_copy: whether a decoder layer's bf16 compute copy is kept in host memory beside its
+            fp32 master, exp_avg and exp_avg_sq (14 B/param at one backward per step). ``False``: no layer
+            keeps it (*master-streamed*, 12 B/param): its slot is filled from the fp32 master, cast on the
+            device (the same bits), and its gradients wait on the device for its update; ``True``: every
+            layer keeps it; ``"auto"`` (default): kept unless the host store does not fit, then the fewest,
+            deepest layers are master-streamed before any layer's fp32 state goes to the device only or to
+            disk. Layers with a frozen parameter, disk-tier or device-exclusive layers and data parallel
+            runs keep the compute copy (``megatrain.runtime.placement.master_streamed``).
         reuse_attention: under ``block:K``, keep the attention output and log-sum-exp that the
             backward's re-run of a block computes, so that each layer's own re-run with grad takes
             them instead of running its attention forward again (SDPA's cuDNN / flash kernels;
@@ -194,7 +203,8 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
         grad_accumulator=grad_accumulator, chunked_loss=chunked_loss, tile_mlp=tile_mlp,
         device_state_layers=device_state_layers, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
         reuse_attention=reuse_attention, lean_activations=lean_activations, gpu_memory_limit=gpu_memory_limit,
-        liger_kernel=liger_kernel, micro_batch_size=micro_batch_size, seq_len=seq_len, where="megatrain.wrap"))
+        liger_kernel=liger_kernel, micro_batch_size=micro_batch_size, seq_len=seq_len,
+        host_compute_copy=host_compute_copy, where="megatrain.wrap"))
 
 
 def _wrap(model: nn.Module, options: WrapOptions, source=None):
@@ -232,7 +242,7 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
                            opts.num_slots, grad_accumulator=opts.grad_accumulator, source=source,
                            device_state_layers=opts.device_state_layers, offload_dir=opts.offload_dir,
                            host_memory_limit=opts.host_memory_limit, gpu_memory_limit=opts.gpu_memory_limit,
-                           batch=opts)
+                           batch=opts, host_compute_copy=opts.host_compute_copy)
     engine.liger_kernel = liger
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags

@@ -67,7 +67,7 @@ class WrappedEngine(Engine):
                  compute_dtype: torch.dtype, activation_policy, num_slots: int,
                  grad_accumulator: Optional[bool] = True, source=None, device_state_layers=0,
                  offload_dir: Optional[str] = None, host_memory_limit: Optional[int] = None,
-                 gpu_memory_limit: Optional[int] = None, batch=None):
+                 gpu_memory_limit: Optional[int] = None, batch=None, host_compute_copy="auto"):
         from ..placement.estimate_bytes import batch_reserve
 
         self.policy = LayerActivations(self, activation_policy)  # (raises on a bad policy before anything is built)
@@ -86,7 +86,7 @@ class WrappedEngine(Engine):
             e.numel * e.param.element_size() for u in units for e in u.entries if e.param.device.type == "cpu")
         super().__init__(units, device, compute_dtype, num_slots=num_slots, grad_accumulator=grad_accumulator,
                          reclaimable_bytes=reclaim, offload_dir=offload_dir, host_memory_limit=host_memory_limit,
-                         keep_host_layers=device_state_layers)
+                         keep_host_layers=device_state_layers, host_compute_copy=host_compute_copy)
         fill_store(self, units, source)
         self.finish_fill()
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it

@@ -174,8 +174,10 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
-            host = eng.store.section(u.index, "compute")
-            if du.trained_runs is None:
+            host = None if u.master_streamed else eng.store.section(u.index, "compute")  # none: from the master
+            if host is None:
+                pass
+            elif du.trained_runs is None:
                 host.copy_(du.compute)
             else:
                 for a, b in du.trained_runs:
@@ -216,7 +218,8 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive:  # an exclusive unit's are written through the device tier
                     getattr(du, name).copy_(eng.store.section(u.index, name))
-            host = eng.store.section(u.index, "compute")
+            # a master-streamed layer has no host compute section: its weights are its master's, rounded
+            host = eng.store.section(u.index, "master" if u.master_streamed else "compute")
             if not du.grad_in_compute:
                 du.compute.copy_(host)
             else:  # a direct gradient's slice keeps it: its weights are rebuilt from the (new) master

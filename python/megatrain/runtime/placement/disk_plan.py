@@ -34,6 +34,7 @@ from .device_state_plan import CAPACITY_ACTIVATION_RESERVE_FRACTION
 from .device_tier import scratch_bytes
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
 from .host_memory import host_budget_shortfall
+from .master_streamed import streamed_choice
 from .offload_plan import OffloadPlan
 
 _C = load_extension()
@@ -140,15 +141,19 @@ def free_bytes(directory: str) -> int:
 
 
 def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk, num_buffers, cuda,
-               with_accumulator, exclusive=()) -> dict:
-    """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier and those of the
-    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them)."""
+               with_accumulator, exclusive=(), streamed=()) -> dict:
+    """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier, those of the
+    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them), and the
+    units ``streamed`` (indices; those neither on disk nor exclusive) master-streamed: no compute section."""
     from ..engine.units import plan_host_memory
 
     offloaded = list(on_disk)
     for k in exclusive:
         offloaded[k] = True
-    hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded)
+    absent = [False] * len(offloaded)
+    for k in streamed:
+        absent[k] = not offloaded[k]
+    hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded, absent)
     numel = hp["layout"]["unit_state_numel"]
     disk = [k for k, o in enumerate(on_disk) if o]
     layouts = [state_layout(numel[k]) for k in disk]
@@ -162,7 +167,7 @@ def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk,
         host += apool + (hp["accumulator_bytes"] if accumulator_mode is None else 0)
     return dict(host_plan=hp, disk=disk, layouts=layouts, alayouts=alayouts, pool=pool, apool=apool, host=host,
                 pinned=hp["store_bytes"] + hp["staging_bytes"] if cuda else 0, nb=nb, exclusive=list(exclusive),
-                offloaded=offloaded, scratch=scratch)
+                offloaded=offloaded, scratch=scratch, absent=absent)
 
 
 def _configs(layers, n_exclusive: int, n_cands: int) -> list:
@@ -178,20 +183,22 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
                  cuda: bool = False, keep_layers: int = 0, num_buffers: int = 2, with_accumulator: bool = False,
                  check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None,
                  exclusive_ok: bool = False, device_free: Optional[int] = None, num_slots: int = 2,
-                 activation_reserve: Optional[int] = None) -> OffloadPlan:
+                 activation_reserve: Optional[int] = None, compute_copy="auto",
+                 streamable: Optional[List[int]] = None) -> OffloadPlan:
     """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
     allocated or written.
 
-    Order of preference: everything in the host store; then *exclusive* device-state layers (their
-    fp32 state held on the device alone, the host store keeping their compute copy; :mod:`.device_tier`),
-    the fewest leading layers (0, then 0..1, ...) that make the host part fit: under ``device_free``, first of
-    those the ``"auto"`` share holds, and when that is too few, of those the *capacity share* holds
-    (:func:`~.device_state_plan.capacity_room`: the free device bytes less the streamed schedule's minimum
-    and an activation reserve; ``plan.exclusive_share`` says which); then, with ``offload_dir``
-    and every layer the device budget allows exclusive, the deepest layers' fp32 state on disk, as few
-    as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive one).
-    The device-state layers that need not be exclusive keep their host sections (the placement planner
-    may still move them).
+    Order of preference: everything in the host store; with an explicit ``keep_layers`` K, the fewest of layers
+    ``0 .. K-1`` exclusive when that suffices (on the device anyway); then (``compute_copy="auto"``) the fewest
+    deepest ``streamable`` layers *master-streamed* (no compute section in the host store: the slot is filled
+    from the fp32 master); then *exclusive* device-state layers (fp32 state on the device alone, the host store
+    keeping their compute copy; :mod:`.device_tier`), the fewest leading layers (0, then 0..1, ...) that make
+    the host part fit: under ``device_free``, first of those the ``"auto"`` share holds, and when that is too
+    few, of those the *capacity share* holds (:func:`~.device_state_plan.capacity_room`: the free device bytes
+    less the streamed schedule's minimum and an activation reserve; ``plan.exclusive_share`` says which); then,
+    with ``offload_dir`` and every layer the device budget allows exclusive, the deepest layers' fp32 state on
+    disk, as few as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive
+    one). The device-state layers that need not be exclusive keep their host sections (the planner may move them).
 
     Fitting: ``store + staging + the tiers' RAM pools + one exclusive unit's scratch [+ accumulators]``
     within ``host_memory_limit`` (if given) and the host budget check's limits (MemAvailable, cgroup,
@@ -217,6 +224,9 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         num_slots: the engine's device slots per layer shape (the streamed schedule's minimum).
         activation_reserve: device bytes the capacity share keeps for activations and logits (the estimate's,
             when the batch is known); None: ``CAPACITY_ACTIVATION_RESERVE_FRACTION`` of ``device_free``.
+        compute_copy: ``wrap``'s ``host_compute_copy`` (``"auto"``, True, False; see :func:`~.master_streamed.streamed_choice`).
+        streamable: the units that may be master-streamed (:func:`~.master_streamed.master_streamable`); None: none. An exclusive
+            or disk unit keeps its compute section (it is never master-streamed).
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer exclusive / on disk, or
@@ -239,13 +249,17 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         return host_budget_shortfall(need["host"], need["pinned"], reclaimable_bytes, limits,
                                      honour_skip=not given_limits) is None
 
-    def need_of(excl, n, cands=()):
+    def need_of(excl, n, cands=(), streamed=None):
         off = [False] * n_units
         for k in cands[:n]:
             off[k] = True
         return _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
-                          with_accumulator, excl)
+                          with_accumulator, excl, chosen_streamed if streamed is None else streamed)
 
+    if compute_copy == "auto" and keep_layers and exclusive_ok and any(
+            fits(need_of(layers[:j], 0, streamed=[])) for j in range(1, min(keep_layers, len(layers)) + 1)):
+        compute_copy = True  # an explicit K's layers are on the device anyway: exclusive costs them no device memory
+    chosen_streamed: List[int] = streamed_choice(compute_copy, streamable or [], fits, need_of)
     need = need_of([], 0)
     n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
         units, need, compute_dtype, keep_layers, device_free)
@@ -298,6 +312,7 @@ def _plan_of(need: dict, offload_dir, host_memory_limit, with_accumulator: bool)
     disk = need["disk"]
     return OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=need["nb"],
                        disk_units=disk, offloaded=need["offloaded"], host_plan=need["host_plan"],
+                       compute_absent=need["absent"], master_streamed=[k for k, a in enumerate(need["absent"]) if a],
                        exclusive_units=need["exclusive"], scratch_bytes=need["scratch"],
                        state_layouts=need["layouts"], accum_layouts=need["alayouts"],
                        disk_bytes=_C.DiskTier.bytes_required(need["layouts"]) if disk else 0,

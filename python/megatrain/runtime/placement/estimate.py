@@ -90,7 +90,7 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
              transform=None, micro_batch_size: int = 1, seq_len: Optional[int] = None,
              staging_buffers: int = 4, chunked_loss="auto", tile_mlp="auto", device_state_layers=None, offload_dir=None,
              host_memory_limit: Optional[Union[int, str]] = None, host_margin_bytes: int = 0, gpu_memory_limit=None,
-             host_memory=None, gpu_memory=None, **model_kwargs) -> MemoryEstimate:
+             host_memory=None, gpu_memory=None, host_compute_copy="auto", **model_kwargs) -> MemoryEstimate:
     """The host and device memory ``wrap`` / ``from_pretrained`` / ``from_config`` would take, without allocating.
 
     Args:
@@ -103,6 +103,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
         device, compute_dtype, activation_policy, num_slots, grad_accumulator: as :func:`megatrain.wrap`
             (same defaults: CUDA when available; bf16 on CUDA, fp32 on CPU; ``activation_policy``
             ``"auto"`` on CUDA, ``"recompute"`` on CPU).
+        host_compute_copy: as :func:`megatrain.wrap`: master-streamed layers count 12 B/param in the store
+            (``master_streamed_layers`` of the result; the tiers line names them).
         gpu_memory_limit: as :func:`megatrain.wrap`: the free device memory the estimate checks
             against is capped the same way.
         device_state_layers: as :func:`megatrain.wrap` (same default): which leading layers keep their whole
@@ -169,8 +171,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
     options = WrapOptions(device=device, compute_dtype=compute_dtype, activation_policy=activation_policy,
                           num_slots=num_slots, grad_accumulator=grad_accumulator, chunked_loss=chunked_loss,
                           tile_mlp=tile_mlp, device_state_layers=device_state_layers, offload_dir=offload_dir,
-                          host_memory_limit=host_memory_limit,
-                          gpu_memory_limit=gpu_memory_limit, where="megatrain.estimate")
+                          host_memory_limit=host_memory_limit, gpu_memory_limit=gpu_memory_limit,
+                          host_compute_copy=host_compute_copy, where="megatrain.estimate")
     run = EstimateRun(gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                       trainable=trainable, transform=transform, micro_batch_size=micro_batch_size, seq_len=seq_len,
                       staging_buffers=staging_buffers, host_margin_bytes=host_margin_bytes, model_kwargs=model_kwargs,
@@ -267,6 +269,7 @@ def _result(module, layers, opts, run: EstimateRun, hp: HostPart, dev: DevicePar
         device_name=run.machine.gpu_name if cuda and run.machine.gpu_bytes is not None else device_name(opts.device),
         host_memory_given=run.machine.host_bytes, gpu_memory_given=run.machine.gpu_bytes,
         exclusive_layers=len(oplan.exclusive_units), exclusive_bytes=hp.exclusive_bytes,
+        master_streamed_layers=len(oplan.master_streamed),
         exclusive_max=oplan.exclusive_max, exclusive_needed=oplan.exclusive_needed,
         exclusive_device_bytes=hp.exclusive_device_bytes, exclusive_share=oplan.exclusive_share,
         capacity_max=oplan.capacity["layers"] if oplan.capacity else None,

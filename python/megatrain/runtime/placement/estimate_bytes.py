@@ -196,6 +196,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     own planning), and the budget check's verdict with ``margin`` bytes kept free on ``machine``;
     ``reserve``: the capacity share's activation reserve (:func:`activation_reserve`)."""
     from .disk_plan import plan_offload
+    from .master_streamed import master_streamable
     from ..options import options
 
     accum_mode = opts.grad_accumulator
@@ -206,11 +207,15 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
                       if e.param.device.type == "cpu")
     accumulating = accum_mode is None and gradient_accumulation_steps > 1
     # The layers wrap would put on disk (none without offload_dir), by the engine's own planning.
-    oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, offload_dir=opts.offload_dir,
-                         host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim, cuda=cuda,
-                         num_buffers=options().disk_buffers, with_accumulator=accumulating, check=False,
-                         limits=machine.host_limits() if machine.host_bytes is not None else None,
-                         **_exclusive_args(opts, machine, reserve))
+    kw = dict(offload_dir=opts.offload_dir, host_memory_limit=opts.host_memory_limit, reclaimable_bytes=reclaim,
+              cuda=cuda, num_buffers=options().disk_buffers, check=False,
+              limits=machine.host_limits() if machine.host_bytes is not None else None,
+              **_exclusive_args(opts, machine, reserve))
+    # The master-streamed layers as wrap chooses them: it plans before any accumulator is known of.
+    streamed = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, compute_copy=opts.host_compute_copy,
+                            streamable=master_streamable(units), **kw).master_streamed
+    oplan = plan_offload(units, opts.compute_dtype, accum_mode, staging_buffers, with_accumulator=accumulating,
+                         compute_copy=False, streamable=streamed, **kw)
     plan = oplan.host_plan
     accum = plan["accumulator_bytes"] if accumulating else 0
     store, staging = plan["store_bytes"], plan["staging_bytes"]
@@ -315,6 +320,7 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     plans for the host part alone, so the ``host_memory_limit`` returned (None: none needed) keeps
     that much free."""
     from .disk_plan import plan_offload
+    from .master_streamed import master_streamable
     from ..options import options
 
     cap = opts.host_memory_limit
@@ -327,7 +333,8 @@ def offload_would_fit(units, opts, hp: HostPart, staging_buffers: int, device_ne
     plan = plan_offload(units, opts.compute_dtype, hp.accum_mode, staging_buffers, offload_dir=os.sep,
                         host_memory_limit=cap, reclaimable_bytes=hp.reclaim, cuda=opts.device.type == "cuda",
                         num_buffers=options().disk_buffers, with_accumulator=hp.accumulating, check=False,
-                        limits=hp.machine.host_limits() if hp.machine.host_bytes is not None else None)
+                        limits=hp.machine.host_limits() if hp.machine.host_bytes is not None else None,
+                        compute_copy=opts.host_compute_copy, streamable=master_streamable(units))
     if not plan.disk_units or hp.machine.shortfall(plan.host_bytes, plan.pinned_bytes, hp.reclaim) is not None:
         return None
     if cap is not None and plan.host_bytes > cap:

@@ -82,6 +82,7 @@ class MemoryEstimate:
     host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
     host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's)
     gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
+    master_streamed_layers: int = 0  # decoder layers without a compute copy in the host store (12 B/param)
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
     exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): out of host_bytes
     exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
@@ -142,7 +143,8 @@ class MemoryEstimate:
                f"{_fmt(self.activation_reserve_bytes)} activation reserve)" if self.capacity_max is not None else "")
         need = (f"; {self.exclusive_needed} would have to be, the device budget holds {self.exclusive_max}{cap}"
                 if self.exclusive_needed else "")
-        return (f"tiers: host store {host} layers' fp32 state; device-state exclusive layers {excl}{need}; disk "
+        ms = f" ({self.master_streamed_layers} master-streamed: no compute copy)" if self.master_streamed_layers else ""
+        return (f"tiers: host store {host} layers' fp32 state{ms}; device-state exclusive layers {excl}{need}; disk "
                 f"{self.disk_layers} layers: host + device " + ("hold it" if self.fits else "DO NOT hold it"))
 
     def __str__(self) -> str:
@@ -182,7 +184,7 @@ class MemoryEstimate:
         if self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
-        if self.exclusive_layers or self.exclusive_needed:
+        if self.exclusive_layers or self.exclusive_needed or self.master_streamed_layers:
             L.append(self._tiers_line())
         if self.offload_dir is not None:
             L.append(f"disk tier ({self.offload_dir}): fp32 state of {self.disk_layers} of {self.num_layers} decoder "

@@ -20,6 +20,9 @@ class OffloadPlan:
             only (exclusive; :mod:`.device_tier`), ascending; empty: none.
         offloaded: per engine unit, whether its fp32 state is outside the host store (a disk unit or an
             exclusive one: ``HostStore(offloaded=...)``).
+        master_streamed: engine unit indices of the master-streamed layers (no compute section in the host
+            store: 12 B/param; ``wrap(host_compute_copy=...)``), ascending; empty: none.
+        compute_absent: per engine unit, whether it is master-streamed (``HostStore(compute_absent=...)``).
         host_plan: :func:`~megatrain.runtime.engine.units.plan_host_memory` of the store without their fp32 sections.
         state_layouts / accum_layouts: per disk unit, the section bytes of its state / accumulator file.
         disk_bytes: files of the state tier; accum_disk_bytes: of the accumulator tier.
@@ -51,6 +54,8 @@ class OffloadPlan:
     disk_units: List[int] = field(default_factory=list)
     exclusive_units: List[int] = field(default_factory=list)
     offloaded: List[bool] = field(default_factory=list)
+    master_streamed: List[int] = field(default_factory=list)
+    compute_absent: List[bool] = field(default_factory=list)
     host_plan: dict = field(default_factory=dict)
     state_layouts: List[List[int]] = field(default_factory=list)
     accum_layouts: List[List[int]] = field(default_factory=list)

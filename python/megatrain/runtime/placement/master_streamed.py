@@ -1,0 +1,55 @@
+"""Master-streamed layers: host-stored decoder layers without a compute copy in the host store.
+
+A master-streamed layer keeps only its fp32 master, ``exp_avg`` and ``exp_avg_sq`` in the host store
+(12 B/param at one backward per step, against 14 with the bf16 compute copy; 16 with accumulation,
+the fp32 accumulator being allocated from the first micro-batch). Its device slot is filled from the
+fp32 master (H2D, then cast on the device: the same bits as the compute copy the CPU AdamW would have
+written), and its bf16 gradients wait on the device until its update may run (after the global norm with
+``max_grad_norm``), then go D2H into the bounded pinned staging pool that the CPU AdamW reads.
+
+``wrap(host_compute_copy=...)``: ``True`` keeps the compute copy for every layer; ``False`` streams every
+eligible layer from its master; ``"auto"`` (the default) keeps it unless the host store does not fit, and
+then streams the fewest, deepest eligible layers, before any layer's fp32 state is made device-exclusive or
+goes to disk (:func:`~.disk_plan.plan_offload`). Eligible (:func:`master_streamable`): decoder layers
+without a frozen entry (a frozen entry's only copy is its compute copy), not under data parallel; a layer
+whose fp32 state is on disk or device-exclusive keeps its compute section.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+
+def master_streamable(units, data_parallel: bool = False) -> List[int]:
+    """The engine unit indices that may be master-streamed (no compute section in the host store): decoder
+    layers without a frozen entry, and none under data parallel (ascending)."""
+    if data_parallel:
+        return []
+    return [u.index for u in units if u.kind == "layer" and not any(e.frozen for e in u.entries)]
+
+
+def check_host_compute_copy(value, where: str = "megatrain.wrap"):
+    """``host_compute_copy`` as ``wrap`` takes it: ``"auto"``, ``True`` or ``False``.
+
+    Raises:
+        ValueError: one line naming the value.
+    """
+    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+        return value
+    raise ValueError(f"{where}: host_compute_copy must be 'auto' (a bf16 compute copy in host memory unless the store "
+                     "does not fit), True (always) or False (stream every eligible layer from its fp32 master: "
+                     f"12 B/param), got {value!r}")
+
+
+def streamed_choice(compute_copy, streamable: List[int], fits, need_of) -> List[int]:
+    """The master-streamed layers: ``host_compute_copy=False``: every streamable one; True: none; ``"auto"``:
+    none when the store fits, else the fewest deepest ones that make it fit (all when none does)."""
+    if compute_copy is False:
+        return list(streamable)
+    if compute_copy is True or not streamable or fits(need_of([], 0, streamed=[])):
+        return []
+    deepest = list(reversed(streamable))
+    for k in range(1, len(deepest) + 1):
+        if fits(need_of([], 0, streamed=deepest[:k])):
+            return sorted(deepest[:k])
+    return list(streamable)
