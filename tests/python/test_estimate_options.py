@@ -93,3 +93,22 @@ def test_an_accumulator_over_the_limit_with_exclusive_layers_names_what_makes_ro
                            grad_accumulator=True)
     assert len(fixed.megatrain.placement()["exclusive_layers"]) > 1
     fixed.megatrain.close()
+
+
+def test_clipping_counts_the_master_streamed_layers_held_gradients_on_the_gpu():
+    """With max_grad_norm at one backward per step, a master-streamed layer's bf16 gradient waits on the GPU for the
+    global norm: the estimate's GPU total grows by exactly those layers' compute-dtype bytes (none without clipping,
+    none with every compute copy in the host store, none with accumulation: the host accumulator takes them)."""
+    kw = dict(device="cuda", gpu_memory="80GiB", host_memory="1TiB", seq_len=64, micro_batch_size=2)
+    streamed = megatrain.estimate(_config(), host_compute_copy=False, max_grad_norm=1.0, **kw)
+    assert streamed.held_grad_bytes > 0
+    layers = streamed.num_layers
+    per_layer = streamed.held_grad_bytes // layers
+    assert per_layer * layers == streamed.held_grad_bytes and per_layer % 2 == 0  # bf16, every layer alike
+    unclipped = megatrain.estimate(_config(), host_compute_copy=False, **kw)
+    assert unclipped.held_grad_bytes == 0 and streamed.gpu_bytes - unclipped.gpu_bytes == streamed.held_grad_bytes
+    assert megatrain.estimate(_config(), host_compute_copy=True, max_grad_norm=1.0, **kw).held_grad_bytes == 0
+    accumulating = megatrain.estimate(_config(), host_compute_copy=False, max_grad_norm=1.0,
+                                      gradient_accumulation_steps=2, **kw)
+    assert accumulating.held_grad_bytes == 0
+    assert "held gradients" in str(streamed) and "held gradients" not in str(unclipped)

@@ -112,8 +112,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             them may be exclusive (an int K: at most K, as wrap plans them).
         gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
             ``grad_accumulator=None``, ``gradient_accumulation_steps > 1`` allocates the fp32
-            accumulator (4 B per trainable parameter); ``max_grad_norm`` changes no byte (the
-            clip reads the gradients where they are).
+            accumulator (4 B per trainable parameter); ``max_grad_norm`` adds, on a GPU at one backward per
+            step, the master-streamed layers' gradients held there until the global norm (``held_grad_bytes``).
         trainable: ``name -> bool`` (parameter names as ``named_parameters`` gives them); the
             others are frozen (2 B/param in bf16). None: as the model has them
             (``requires_grad``), everything for a config or a directory.
@@ -220,12 +220,16 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     rows = long_context_rows(module, shape, layers, tokens, dev.elem, rows_free, opts.chunked_loss, opts.tile_mlp)
     act, chosen = activation_bytes(shape, len(layers), tokens, dev.elem, opts.activation_policy, rows_free, rows[1])
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])
-    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_device_bytes + act + logits
+    # with clipping at one backward per step, the master-streamed layers' gradients wait on the device for the norm
+    held = sum(dev.elem * int(hp.layout["unit_numel"][k]) for k in hp.oplan.master_streamed) \
+        if cuda and run.max_grad_norm is not None and not hp.accumulating else 0
+    gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_device_bytes + held + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
     judged = run.machine.host_bytes is not None or not run_options().skip_host_memory_check
     checked = cuda or (tokens > 0 and judged and not host_short_cpu)
     gpu_fits = (gpu <= dev.free) if dev.free is not None and checked else None
     est = _result(module, layers, opts, run, hp, dev, rows, act, chosen, logits, gpu, gpu_fits)
+    est.held_grad_bytes = held
     if isinstance(model, (str, os.PathLike)) and not has_weight_files(os.fspath(model)):
         est.notes.append(f"{os.fspath(model)} holds no weights: estimated from its config.json alone")
     if host_short_cpu and tokens:

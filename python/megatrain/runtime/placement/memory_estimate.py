@@ -86,6 +86,7 @@ class MemoryEstimate:
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
     exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): out of host_bytes
     exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
+    held_grad_bytes: int = 0  # master-streamed layers' compute-dtype gradients held on the GPU until the norm: in gpu_bytes
     exclusive_device_bytes: int = 0  # their whole device state (compute copy + 3 fp32 sections, + the accumulator when summing): in gpu_bytes
     exclusive_share: Optional[str] = None  # "auto" / "capacity" / "explicit" (placement()'s), None: none
     capacity_max: Optional[int] = None  # how many the capacity share holds (sized when the "auto" share is too few)
@@ -196,6 +197,9 @@ class MemoryEstimate:
                  f"{tokens}):")
         L.append(f"  {'layer slots':<28}{_fmt(self.slot_bytes):>12}  ({self.num_slots} per layer shape)")
         L.append(f"  {'resident unit + grads':<28}{_fmt(self.resident_bytes):>12}")
+        if self.held_grad_bytes:
+            L.append(f"  {'held gradients':<28}{_fmt(self.held_grad_bytes):>12}  (master-streamed layers', until the "
+                     "global norm: max_grad_norm)")
         if self.device_state_bytes:
             L.append(f"  {'boundary units fp32 state':<28}{_fmt(self.device_state_bytes):>12}  (resident unit, layer 0: "
                      "device_state_layers='boundary')")
