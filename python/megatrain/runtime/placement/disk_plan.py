@@ -34,7 +34,7 @@ from .device_state_plan import CAPACITY_ACTIVATION_RESERVE_FRACTION
 from .device_tier import scratch_bytes
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
 from .host_memory import host_budget_shortfall
-from .master_streamed import streamed_choice
+from .master_streamed import held_free, streamed_choice
 from .offload_plan import OffloadPlan
 
 _C = load_extension()
@@ -261,13 +261,13 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         compute_copy = True  # an explicit K's layers are on the device anyway: exclusive costs them no device memory
     chosen_streamed: List[int] = streamed_choice(compute_copy, streamable or [], fits, need_of)
     need = need_of([], 0)
+    dev_free = held_free(device_free, need["host_plan"]["layout"], chosen_streamed, compute_dtype)
     n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
-        units, need, compute_dtype, keep_layers, device_free)
+        units, need, compute_dtype, keep_layers, dev_free)
     n_auto, capacity = n_excl, None
-    if exclusive_ok and device_free is not None and n_excl < len(layers) and not fits(need_of(layers[:n_excl], 0)):
+    if exclusive_ok and dev_free is not None and n_excl < len(layers) and not fits(need_of(layers[:n_excl], 0)):
         from .device_state_plan import capacity_room  # the auto share holds too few: the capacity share
-
-        capacity = capacity_room(units, need["host_plan"]["layout"], compute_dtype, device_free, num_slots,
+        capacity = capacity_room(units, need["host_plan"]["layout"], compute_dtype, dev_free, num_slots,
                                  activation_reserve)
         n_excl = max(n_excl, capacity["layers"])
     cands = list(reversed(layers[max(keep_layers, n_excl):])) if offload_dir is not None else []  # deepest first

@@ -53,3 +53,15 @@ def streamed_choice(compute_copy, streamable: List[int], fits, need_of) -> List[
         if fits(need_of([], 0, streamed=deepest[:k])):
             return sorted(deepest[:k])
     return list(streamable)
+
+
+def held_free(device_free, layout: dict, streamed: List[int], compute_dtype) -> object:
+    """``device_free`` (bytes, or None) less the GPU memory the ``streamed`` (master-streamed) layers' gradients
+    take while they wait for the global norm (compute-dtype bytes of each one's compute layout: ``max_grad_norm``
+    at one backward per step, the Hugging Face Trainer's default; reserved whether or not the run clips), so that
+    the exclusive device-state layers are planned in what is left."""
+    if device_free is None or not streamed:
+        return device_free
+    import torch
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    return max(0, int(device_free) - sum(elem * int(layout["unit_numel"][k]) for k in streamed))
