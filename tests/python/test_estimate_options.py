@@ -112,3 +112,16 @@ def test_clipping_counts_the_master_streamed_layers_held_gradients_on_the_gpu():
                                       gradient_accumulation_steps=2, **kw)
     assert accumulating.held_grad_bytes == 0
     assert "held gradients" in str(streamed) and "held gradients" not in str(unclipped)
+
+
+def test_the_planner_reserves_the_master_streamed_layers_held_gradients_before_exclusive_layers():
+    """``held_free``: the device memory the exclusive layers are planned in is the free memory less each master-streamed
+    layer's compute-dtype bytes (its gradient waits there for the global norm); nothing to reserve without them."""
+    from megatrain.runtime.placement.master_streamed import held_free
+
+    layout = {"unit_numel": [100, 200, 300]}
+    assert held_free(None, layout, [1], torch.bfloat16) is None
+    assert held_free(10_000, layout, [], torch.bfloat16) == 10_000
+    assert held_free(10_000, layout, [1, 2], torch.bfloat16) == 10_000 - 2 * (200 + 300)
+    assert held_free(10_000, layout, [2], torch.float32) == 10_000 - 4 * 300
+    assert held_free(100, layout, [2], torch.float32) == 0
