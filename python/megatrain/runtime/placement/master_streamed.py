@@ -36,9 +36,9 @@ def check_host_compute_copy(value, where: str = "megatrain.wrap"):
     """
     if value is True or value is False or (isinstance(value, str) and value == "auto"):
         return value
-    raise ValueError(f"{where}: host_compute_copy must be 'auto' (a bf16 compute copy in host memory unless the store "
-                     "does not fit), True (always) or False (stream every eligible layer from its fp32 master: "
-                     f"12 B/param), got {value!r}")
+    raise ValueError(f"{where}: host_compute_copy must be 'auto' (each layer's compute copy in host memory unless the "
+                     "store does not fit), True (always) or False (stream every eligible layer from its fp32 master: "
+                     f"12 B/param at one backward per step), got {value!r}")
 
 
 def streamed_choice(compute_copy, streamable: List[int], fits, need_of) -> List[int]:
