@@ -6,6 +6,7 @@ sections; the "auto" planner streams the deepest layer when the store is one uni
 import os
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -332,3 +333,22 @@ def test_cuda_master_streamed_equals_the_compute_copy_layout_bf16_clipped():
     (la, sa), (lb, sb) = run(False), run(True)
     assert la == lb
     _assert_same(sa, sb)
+
+
+
+def test_false_with_no_eligible_layer_warns_that_nothing_is_streamed():
+    """``host_compute_copy=False`` on a model whose every decoder layer has a frozen parameter (a LoRA base): no layer
+    can be master-streamed, and the user is told so instead of the option doing nothing silently; no warning when a
+    layer is streamed."""
+    frozen = _model()
+    for layer in frozen.model.layers:
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match="streams no layer from its master"):
+        model = megatrain.wrap(frozen, device="cpu", host_compute_copy=False)
+    assert model.megatrain.placement()["master_streamed_layers"] == []
+    model.megatrain.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = megatrain.wrap(_model(), device="cpu", host_compute_copy=False)
+    assert model.megatrain.placement()["master_streamed_layers"]
+    model.megatrain.close()

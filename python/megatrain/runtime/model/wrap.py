@@ -17,6 +17,7 @@ so autograd sums both contributions before the hook fires).
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -244,6 +245,10 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
                            host_memory_limit=opts.host_memory_limit, gpu_memory_limit=opts.gpu_memory_limit,
                            batch=opts, host_compute_copy=opts.host_compute_copy)
     engine.liger_kernel = liger
+    if opts.host_compute_copy is False and not any(u.master_streamed for u in engine.units):
+        warnings.warn("megatrain.wrap: host_compute_copy=False streams no layer from its master: every decoder layer "
+                      "has a frozen parameter (e.g. a LoRA base), or data parallel is on; the compute copies stay in "
+                      "host memory", stacklevel=3)
     object.__setattr__(model, "megatrain", engine)
     engine.user_cache_flags = user_cache_flags
     engine.long_context = long_context.install(model, engine, opts.chunked_loss, opts.tile_mlp, opts.lean_activations)
