@@ -7,7 +7,7 @@ first optimizer step the engine measures what the choice depends on; at the firs
 forward after it, it places once more (:meth:`PlacementReplan.replan`, by :func:`choose_placement`):
 
 * one more device-state layer costs its state bytes ``S`` (compute copy + fp32 master,
-  exp_avg, exp_avg_sq, grad accumulator) and takes that layer's CPU AdamW (``adam_s`` per layer,
+  exp_avg, exp_avg_sq; + the fp32 grad accumulator when gradients are summed) and takes that layer's CPU AdamW (``adam_s`` per layer,
   measured on the CPU worker) off the host;
 * one more kept graph (``store``) costs ``G - I`` (its graph bytes minus the saved input a
   recomputed layer keeps anyway) and saves one layer forward in backward.
