@@ -8,6 +8,7 @@ same compute dtype and policy, so that both plan from the same numbers."""
 import importlib
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -22,7 +23,9 @@ from test_disk_offload import _model  # noqa: E402
 dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
 core = importlib.import_module("megatrain.runtime.engine.core")
 BATCH = dict(micro_batch_size=2, seq_len=8)
-SAME = dict(compute_dtype=torch.float32, activation_policy="recompute", host_compute_copy=True)  # wrap's CPU defaults (and the store layout the exclusive tier is tested with), for the estimate too
+# wrap's CPU defaults, for the estimate too; every compute copy in the host store (the layout the exclusive tier is
+# tested with: "auto" would stream layers from their masters first)
+SAME = dict(compute_dtype=torch.float32, activation_policy="recompute", host_compute_copy=True)
 EXCLUSIVE = 5  # layers the host limit makes exclusive; the 20% reserve leaves room for 4 of them only
 
 
@@ -54,7 +57,8 @@ def test_wrap_with_the_batch_plans_the_exclusive_layers_the_estimate_plans(monke
     free, limit = _fake_device(monkeypatch)
     est = _estimate(free, limit, **BATCH)
     assert est.exclusive_layers == EXCLUSIVE and est.exclusive_share == "capacity" and est.host_fits
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit, **BATCH)
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True,
+                           host_memory_limit=limit, **BATCH)
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == list(range(est.exclusive_layers)) and pl["exclusive_share"] == "capacity"
     assert pl["activation_reserve"] == "batch 2 x 8"
@@ -62,13 +66,15 @@ def test_wrap_with_the_batch_plans_the_exclusive_layers_the_estimate_plans(monke
     assert model.megatrain.offload_plan.capacity["budget_bytes"] == est.capacity_budget_bytes
     model.megatrain.close()
     with pytest.raises(_C.HostMemoryError) as info:  # the batch unknown: 20% of the free memory
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit)
+        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True,
+                       host_memory_limit=limit)
     msg = str(info.value)
     assert "\n" not in msg and "activation reserve, 20% of the free memory" in msg
     assert f"the whole state of {EXCLUSIVE - 1} decoder layers" in msg
     # one of the two alone is not a batch: the fraction too
     with pytest.raises(_C.HostMemoryError):
-        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True, host_memory_limit=limit, seq_len=8)
+        megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True,
+                       host_memory_limit=limit, seq_len=8)
 
 
 def test_placement_names_the_fraction_without_a_batch(monkeypatch):
@@ -94,3 +100,16 @@ def test_a_bad_batch_is_refused_in_one_line_before_anything_is_built(name, value
     assert getattr(model, "megatrain", None) is None
     with pytest.raises(ValueError, match=f"^megatrain.from_config: {name} must be an int >= 1"):
         megatrain.from_config(model.config, device="cpu", **{name: value})
+
+
+def test_a_seq_len_above_the_models_positions_warns():
+    """``seq_len`` above ``max_position_embeddings`` (which ``megatrain train`` refuses) is wrapped with a one-line
+    warning naming both; within the limit, no warning."""
+    model = _model()
+    limit = model.config.max_position_embeddings
+    above = rf"seq_len={limit + 1} is above the model's max_position_embeddings \({limit}\)"
+    with pytest.warns(UserWarning, match=above):
+        megatrain.wrap(model, device="cpu", micro_batch_size=1, seq_len=limit + 1).megatrain.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megatrain.wrap(_model(), device="cpu", micro_batch_size=1, seq_len=limit).megatrain.close()

@@ -225,6 +225,11 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
                          "choose with activation_policy='recompute' | 'store' | 'auto' | 'block:K')")
     layers_name, layers, units = _check_model(model, source, opts.device_state_layers)
     cfg = getattr(model, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if opts.seq_len and isinstance(limit, int) and opts.seq_len > limit:  # (megatrain train refuses it)
+        warnings.warn(f"megatrain.wrap: seq_len={opts.seq_len} is above the model's max_position_embeddings ({limit}): "
+                      "the activation reserve is planned for it; check the sequence length you train with",
+                      stacklevel=2)
     long_context.check(model, layers, opts.chunked_loss, opts.tile_mlp)
     check_wrap_gpu_memory_limit(units, opts, options.gpu_memory_limit)  # a cap below the streamed schedule's need
     del units  # their entries hold the parameters: the engine's fill frees each layer's weights as it copies them
