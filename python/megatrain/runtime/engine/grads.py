@@ -176,34 +176,33 @@ class GradLedger:
     def try_staging_buffer(self) -> Optional[torch.Tensor]:
         """A buffer of the staging pool if one is free or may still be allocated now, else None (no wait)."""
         with self._settle_lock:
-            self.settle()
-            try:
-                return self._staging.get_nowait()
-            except queue.Empty:
-                pass
-            if self.staging_made < self.staging_max:
-                self.staging_made += 1
-                return self.views.host_buffer(self.staging_numel)
+            return self._free_staging_buffer()
+
+    def _free_staging_buffer(self) -> Optional[torch.Tensor]:
+        """Under ``_settle_lock``: settle, then a free pool buffer, or a new one while the pool may still grow
+        (counted in the store's budget check), else None."""
+        self.settle()
+        try:
+            return self._staging.get_nowait()
+        except queue.Empty:
+            pass
+        if self.staging_made < self.staging_max:
+            self.staging_made += 1
+            return self.views.host_buffer(self.staging_numel)
         return None
 
     def staging_buffer(self) -> torch.Tensor:
         """A gradient staging buffer of the bounded pool (allocated on first use; waits while all are in flight)."""
         while True:
             with self._settle_lock:
-                self.settle()
-                try:
-                    return self._staging.get_nowait()
-                except queue.Empty:
-                    pass
-                if self.staging_made < self.staging_max:
-                    self.staging_made += 1
-                    return self.views.host_buffer(self.staging_numel)  # counted in the store's budget check
+                buf = self._free_staging_buffer()
+                if buf is not None:
+                    return buf
                 holder = next((h for h, _, st, _ in self._grad_outcomes if st is not None),
                               self._update_staging[0][0] if self._update_staging else None)
             if holder is None:
                 raise RuntimeError("megatrain: no gradient staging buffer is free and none is in flight")
             self.waits.wait_task(holder)
-
 
     # ------------------------------------------------------------------ the hand-over, step by step
     def submit_grads(self, unit: Unit, grads: List[Optional[torch.Tensor]], staging: Optional[torch.Tensor] = None,
