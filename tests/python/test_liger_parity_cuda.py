@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from parity import make_batches, train_megatrain, train_reference
-from test_parity_cuda import STEPS, llama_1b
+from test_parity_cuda import STEPS, assert_trained_alike, llama_1b
 
 pytestmark = pytest.mark.cuda
 
@@ -38,13 +38,4 @@ def test_default_placement_with_liger_matches_pytorch_with_liger_1b():
     print(f"\nplacement: liger {placement.get('liger_kernel')}, device_state_layers "
           f"{placement.get('device_state_layers')}, replan {placement.get('replan')}")
     assert placement.get("liger_kernel"), placement  # applied by default, as it is installed
-    rel = [abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)]
-    print(f"losses ref {['%.4f' % x for x in ref.losses]}\nlosses mt  {['%.4f' % x for x in got.losses]}"
-          f"\nmax rel loss diff {max(rel):.2e}")
-    assert len(got.losses) == STEPS
-    assert max(rel) < 1e-2, rel
-    assert ref.losses[-1] < ref.losses[0]  # the reference really trained
-    worst = min((torch.nn.functional.cosine_similarity(got.params[n].double().flatten(), b.double().flatten(),
-                                                       dim=0).item(), n) for n, b in ref.params.items())
-    print(f"min per-tensor cosine {worst[0]:.6f} ({worst[1]})")
-    assert worst[0] > 0.9999, worst
+    assert_trained_alike(ref, got)

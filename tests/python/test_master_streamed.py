@@ -16,6 +16,7 @@ from megatrain import _C
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity import PARITY_EPS, assert_close_rel, make_batches, poison_gradient_at  # noqa: E402
+from test_disk_offload import _state  # noqa: E402 - every fp32 training state by name (copies)
 
 LAYERS = 4
 VOCAB = 96
@@ -46,16 +47,6 @@ def _train(model, opt, batches, ga):
         opt.zero_grad()
         losses.append(total)
     return losses
-
-
-def _state(model, opt):
-    """Every fp32 training state by name (copies): masters and moments."""
-    out = {f"master.{k}": v.clone() for k, v in megatrain.master_state_dict(model).items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k in ("exp_avg", "exp_avg_sq"):
-            out[f"{k}.{names[id(p)]}"] = st[k].clone()
-    return out
 
 
 def _assert_same(a: dict, b: dict):
