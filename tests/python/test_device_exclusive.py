@@ -63,12 +63,17 @@ def test_exclusive_layers_leave_the_host_store():
     assert [u.index for u in eng.device_state.units] == [0, 1]
     assert all(u.device_state.exclusive for u in eng.device_state.units)
     assert not any(u.device_state.exclusive for u in ref.megatrain.device_state.units)
-    # the host store lost exactly those layers' fp32 sections (master, exp_avg, exp_avg_sq: 12 B/param)
-    fp32 = sum(12 * u.state_numel for u in eng.device_state.units)
-    assert ref.megatrain.store.total_bytes - eng.store.total_bytes >= fp32
-    assert ref.megatrain.store.total_bytes - eng.store.total_bytes < fp32 + 4096 * 3 * K  # page padding at most
-    with pytest.raises(ValueError):
-        eng.store.section(0, "master")
+    # the host store lost exactly those layers' sections: fp32 master, exp_avg, exp_avg_sq (12 B/param) and the
+    # compute copy (no frozen entry: the device compute buffer is the only one); nothing is held twice
+    elem = torch.tensor([], dtype=eng.compute_dtype).element_size()
+    gone = sum(12 * u.state_numel + elem * u.numel for u in eng.device_state.units)
+    assert ref.megatrain.store.total_bytes - eng.store.total_bytes >= gone
+    assert ref.megatrain.store.total_bytes - eng.store.total_bytes < gone + 4096 * 4 * K  # page padding at most
+    for name in ("master", "compute"):
+        with pytest.raises(ValueError):
+            eng.store.section(0, name)
+    assert all(eng.store.compute_absent(k) for k in (0, 1)) and not eng.store.compute_absent(2)
+    assert not ref.megatrain.store.compute_absent(0)
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0, 1] and pl["device_state_layers"] == K
     assert pl["host_store_bytes"] == eng.store.total_bytes
@@ -115,6 +120,8 @@ def test_frozen_entries_and_nonfinite_skip_are_exact():
     for exclusive in (False, True):
         m = _wrap(exclusive, model=_frozen_model())
         assert m.megatrain.placement()["exclusive_layers"] == ([0, 1] if exclusive else [])
+        # layer 1's frozen norms have no copy but their compute section: it stays; layer 0 has none
+        assert [m.megatrain.store.compute_absent(k) for k in (0, 1)] == [exclusive, False]
         opt = megatrain.optim.CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=PARITY_EPS,
                                        weight_decay=0.1)
         for s, (x,) in enumerate(make_batches(VOCAB, 4, 1, 2, 8, seed=7)):

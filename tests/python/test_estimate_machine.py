@@ -122,9 +122,11 @@ def test_the_paper_setting_on_one_h200_with_1_5_tib():
     # device-state layers, and 5 are enough (at 18 B/param, with an fp32 gradient buffer, 4 fit and 5 were needed)
     assert est.exclusive_max == 3 and est.capacity_max == est.exclusive_layers == 5 and est.exclusive_needed is None
     assert est.exclusive_share == "capacity"
-    excl = est.exclusive_bytes  # 12 B/param of layers 0..4: out of the host store
-    scratch = excl // est.exclusive_layers  # one exclusive layer's fp32 state: a device-tier window's host buffer
-    assert sections["compute"] >= 2 * n and sections["master"] + excl // 3 >= 4 * n
+    excl = est.exclusive_bytes  # 14 B/param of layers 0..4 (fp32 state and compute copy): out of the host store
+    excl_numel = excl // 14
+    assert excl == 14 * excl_numel
+    scratch = 12 * excl_numel // est.exclusive_layers  # one exclusive layer's fp32 state: a device-tier window's buffer
+    assert sections["compute"] + 2 * excl_numel >= 2 * n and sections["master"] + 4 * excl_numel >= 4 * n
     assert sections["exp_avg"] == sections["exp_avg_sq"] == sections["master"]
     assert sum(sections.values()) + excl - 14 * n < 4096 * 4 * (len(est.host_sections) * (shape["layers"] + 1))
     assert est.host_bytes == est.store_bytes + est.staging_bytes + scratch and est.accumulator_bytes == 0
@@ -140,10 +142,10 @@ def test_the_paper_setting_on_one_h200_with_1_5_tib():
 def test_a_host_below_the_full_need_moves_the_fewest_layers_fp32_state_to_the_gpu():
     """~14B Llama (hidden 5120, MLP 13824, 48 layers, 40/8 heads): with the host one byte short of the whole
     model's need, the estimate plans wrap's exclusive device-state layers (layer 0 alone): its fp32 state
-    (12 B/param) leaves the host store, and its whole device state (14 B/param: the bf16 compute copy and 3 fp32
-    sections, as DeviceUnit allocates them without accumulation) joins the GPU total, exactly; at 100 GiB of host and 141 GiB of
-    GPU the auto rule's device budget holds 14 layers, the capacity share (no batch given: 20% of the GPU kept
-    for activations) 23, but 27 would have to be exclusive: it says so."""
+    and compute copy (14 B/param) leave the host store, and its whole device state (14 B/param: the bf16 compute copy and 3 fp32
+    sections, as DeviceUnit allocates them without accumulation) joins the GPU total, exactly; at 70 GiB of host and 141 GiB of
+    GPU the auto rule's device budget holds 18 layers, the capacity share (no batch given: 20% of the GPU kept
+    for activations) 30, but 32 would have to be exclusive: it says so."""
     cfg = LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                       num_key_value_heads=8, vocab_size=32000)
     full = megatrain.estimate(cfg, host_memory="1TiB", gpu_memory="141GiB")
@@ -152,17 +154,19 @@ def test_a_host_below_the_full_need_moves_the_fewest_layers_fp32_state_to_the_gp
     assert one.exclusive_layers == 1 and one.fits
     layer_state = one.exclusive_bytes
     layer_params = (_llama_params(5120, 13824, 48, 40, 8, 32000) - _llama_params(5120, 13824, 0, 40, 8, 32000)) // 48
-    assert 12 * layer_params <= layer_state < 12 * layer_params + 4096 * 64  # 12 B/param (padded sections)
+    assert 14 * layer_params <= layer_state < 14 * layer_params + 4096 * 64  # 14 B/param (padded sections)
+    scratch = 12 * (layer_state // 14)  # a device-tier window's host buffer: master, exp_avg, exp_avg_sq
     assert 14 * layer_params <= one.exclusive_device_bytes < 14 * layer_params + 4096 * 64
     assert one.gpu_bytes - full.gpu_bytes == one.exclusive_device_bytes  # the device total grows by exactly those
     assert one.exclusive_share == "auto" and one.capacity_max is None  # the "auto" share held it
     moved = full.store_bytes - one.store_bytes  # the host store loses them (and their sections' page alignment)
     assert 0 <= moved - layer_state < 4096 * 64
     # the host total keeps one layer's scratch buffer (a device-tier window: master, exp_avg, exp_avg_sq)
-    assert full.host_bytes - one.host_bytes == moved - layer_state
+    assert full.host_bytes - one.host_bytes == moved - scratch
     assert "device-state exclusive layers 1 (layers 0..0" in str(one) and "host + device hold it" in str(one)
-    # 85 GiB of host (100 GiB fits since a device-state layer holds no fp32 gradient buffer: 14 B/param)
-    est = megatrain.estimate(cfg, host_memory="85GiB", gpu_memory="141GiB", host_compute_copy=True)
+    # 70 GiB of host (85 GiB fits since an exclusive layer holds no fp32 gradient buffer on the device and no
+    # compute copy on the host)
+    est = megatrain.estimate(cfg, host_memory="70GiB", gpu_memory="141GiB", host_compute_copy=True)
     assert est.exclusive_max == 18 and est.exclusive_layers == est.capacity_max == 30 and est.exclusive_needed == 32
     assert not est.fits and est.exclusive_share == "capacity"
     assert est.activation_reserve_bytes == int(0.2 * 141 * 2**30)

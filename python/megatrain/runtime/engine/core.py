@@ -155,7 +155,7 @@ class Engine:
                                       frozen=frozen, check_budget=False, offloaded=self.offload_plan.offloaded,
                                       compute_absent=self.offload_plan.compute_absent)
         for u in units:
-            u.master_streamed = u.index in self.offload_plan.master_streamed
+            u.master_streamed, u.compute_absent = u.index in self.offload_plan.master_streamed, self.store.compute_absent(u.index)
             state_offs = self.store.state_offsets(u.index)
             for e, (_, _, numel, off), soff in zip(u.entries, self.store.entries(u.index), state_offs):
                 assert e.numel == numel, (e.name, e.numel, numel)

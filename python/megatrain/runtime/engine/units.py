@@ -73,6 +73,9 @@ class Unit(UnitGrads):
     # section for it (12 B/param); its slot is filled from the fp32 master, cast on the device, and its
     # gradients wait on the device for its update (``SlotPool.fill_from_master``, ``GradLedger.held``).
     master_streamed: bool = False
+    # No compute section in the host store: a master-streamed layer, or an exclusive device-state layer
+    # without a frozen entry (its weights are its device compute buffer, cast from its device master).
+    compute_absent: bool = False
     # A layer unit's parameters that other decoder layers hold too (a shared block): their indices in the
     # resident unit's entries (see ``layers.model_units``).
     shared: List[int] = field(default_factory=list)
@@ -108,7 +111,8 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         staging_buffers: pinned staging buffers for layer gradients.
         offloaded: per unit, whether its fp32 sections live in the disk tier (the store then holds
             its compute section only; see :mod:`..placement.disk_plan`). None: none.
-        compute_absent: per unit, whether it has no compute section (a master-streamed layer). None: none.
+        compute_absent: per unit, whether it has no compute section (a master-streamed layer, an exclusive
+            device-state layer without a frozen entry). None: none.
 
     Returns:
         dict: ``layout`` (``HostStore.layout_required``'s dict: ``section_bytes``, ``unit_numel``,

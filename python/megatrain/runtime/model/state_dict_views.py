@@ -232,7 +232,7 @@ def _compute_from_masters(eng, written, refresh_device: bool = True) -> None:
     written = list(written)
     for u, idx in written:
         for i in sorted(idx):
-            if not u.entries[i].frozen and not u.master_streamed and not u.direct[i]:  # master-streamed: none
+            if not u.entries[i].frozen and not u.compute_absent and not u.direct[i]:  # absent: cast at load
                 eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
         eng.invalidate([u])  # device slots / the resident buffer reload from the new compute copy
     if refresh_device:

@@ -62,7 +62,7 @@ def compute_from_masters(eng, u: Unit) -> None:
     """Rewrite ``u``'s compute copy from its fp32 masters (a disk or exclusive unit held by a writing window)."""
     with torch.no_grad():
         for i, e in enumerate(u.entries):
-            if not e.frozen and not u.master_streamed:
+            if not e.frozen and not u.compute_absent:  # none: cast from the master where it is loaded
                 eng.entry_view(u, i, "compute").copy_(eng.entry_view(u, i, "master"))
 
 

@@ -174,17 +174,16 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive and (name != "master" or du.host_master_stale):
                     eng.store.section(u.index, name).copy_(getattr(du, name))
-            host = None if u.master_streamed else eng.store.section(u.index, "compute")  # none: from the master
-            if host is None:
-                pass
-            elif du.trained_runs is None:
-                host.copy_(du.compute)
-            else:
-                for a, b in du.trained_runs:
-                    host[a:b].copy_(du.compute[a:b])
-            for i in du.grad_in_compute:  # a direct gradient there: the weights are the master's, rounded
-                e = u.entries[i]
-                host[e.offset:e.offset + e.numel].copy_(du.fp32("master", i))
+            if not u.compute_absent:  # (absent: the weights are the master's, rounded; nothing to copy)
+                host = eng.store.section(u.index, "compute")
+                if du.trained_runs is None:
+                    host.copy_(du.compute)
+                else:
+                    for a, b in du.trained_runs:
+                        host[a:b].copy_(du.compute[a:b])
+                for i in du.grad_in_compute:  # a direct gradient there: the weights are the master's, rounded
+                    e = u.entries[i]
+                    host[e.offset:e.offset + e.numel].copy_(du.fp32("master", i))
             du.host_stale = du.host_master_stale = False
 
     @torch.no_grad()
@@ -218,8 +217,9 @@ class DeviceState:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if u.state_numel and not du.exclusive:  # an exclusive unit's are written through the device tier
                     getattr(du, name).copy_(eng.store.section(u.index, name))
-            # a master-streamed layer has no host compute section: its weights are its master's, rounded
-            host = eng.store.section(u.index, "master" if u.master_streamed else "compute")
+            # no host compute section (master-streamed, exclusive): the weights are the master's, rounded
+            host = eng.store.section(u.index, "compute") if not u.compute_absent else \
+                du.master if du.exclusive else eng.store.section(u.index, "master")
             if not du.grad_in_compute:
                 du.compute.copy_(host)
             else:  # a direct gradient's slice keeps it: its weights are rebuilt from the (new) master

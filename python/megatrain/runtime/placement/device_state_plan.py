@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ...byte_units import format_bytes
 from ..activations.activation_policy import ActivationPolicy
 
 # device_state_layers="auto": as many layers (from layer 0) as fit in this fraction of the device
@@ -247,3 +248,16 @@ def capped_free_bytes(free_bytes: int, allocated_bytes: int, limit_bytes: Option
     if limit_bytes is None:
         return free
     return max(0, min(free, int(limit_bytes) - int(allocated_bytes)))
+
+
+def capacity_words(capacity: Optional[dict]) -> str:
+    """The capacity share's numbers for a message (``''`` when it was not sized): its budget, how it is made
+    and how many decoder layers' whole state it holds."""
+    if not capacity:
+        return ""
+    why = "the batch's activation estimate" if capacity["reserve"] == "batch" else (
+        f"{CAPACITY_ACTIVATION_RESERVE_FRACTION:.0%} of the free memory, no batch known")
+    b = {k: format_bytes(capacity[k]) for k in ("budget_bytes", "free_bytes", "streamed_bytes", "reserve_bytes")}
+    return (f"its capacity share ({b['budget_bytes']}: {b['free_bytes']} free less {b['streamed_bytes']} for the "
+            f"streamed schedule and a {b['reserve_bytes']} activation reserve, {why}) the whole state of "
+            f"{capacity['layers']} decoder layers, ")

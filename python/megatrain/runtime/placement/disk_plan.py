@@ -30,11 +30,11 @@ import torch
 from ...byte_units import format_bytes, parse_bytes
 from ..._loader import load_extension
 from ...state.atomic import write_probe_error
-from .device_state_plan import CAPACITY_ACTIVATION_RESERVE_FRACTION
+from .device_state_plan import capacity_words
 from .device_tier import scratch_bytes
 from .disk_tier import ACCUM_DIR, STATE_SECTIONS, DiskOffload  # noqa: F401 - DiskOffload: public here
 from .host_memory import host_budget_shortfall
-from .master_streamed import held_free, streamed_choice
+from .master_streamed import capacity_beside_held, held_free, streamed_choice
 from .offload_plan import OffloadPlan
 
 _C = load_extension()
@@ -143,8 +143,9 @@ def free_bytes(directory: str) -> int:
 def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk, num_buffers, cuda,
                with_accumulator, exclusive=(), streamed=()) -> dict:
     """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier, those of the
-    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them), and the
-    units ``streamed`` (indices; those neither on disk nor exclusive) master-streamed: no compute section."""
+    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them; without a
+    frozen entry, no compute section either: their device compute buffer is their only one), and the units
+    ``streamed`` (indices; those neither on disk nor exclusive) master-streamed: no compute section."""
     from ..engine.units import plan_host_memory
 
     offloaded = list(on_disk)
@@ -153,6 +154,8 @@ def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk,
     absent = [False] * len(offloaded)
     for k in streamed:
         absent[k] = not offloaded[k]
+    for k in exclusive:  # a frozen entry's only copy is its compute section: kept
+        absent[k] = not any(e.frozen for e in units[k].entries)
     hp = plan_host_memory(units, compute_dtype, accumulator_mode, staging_buffers, offloaded, absent)
     numel = hp["layout"]["unit_state_numel"]
     disk = [k for k, o in enumerate(on_disk) if o]
@@ -191,11 +194,12 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     Order of preference: everything in the host store; with an explicit ``keep_layers`` K, the fewest of layers
     ``0 .. K-1`` exclusive when that suffices (on the device anyway); then (``compute_copy="auto"``) the fewest
     deepest ``streamable`` layers *master-streamed* (no compute section in the host store: the slot is filled
-    from the fp32 master); then *exclusive* device-state layers (fp32 state on the device alone, the host store
-    keeping their compute copy; :mod:`.device_tier`), the fewest leading layers (0, then 0..1, ...) that make
+    from the fp32 master); then *exclusive* device-state layers (whole state on the device alone: the host store
+    keeps only a frozen entry's compute copy; :mod:`.device_tier`), the fewest leading layers (0, then 0..1, ...) that make
     the host part fit: under ``device_free``, first of those the ``"auto"`` share holds, and when that is too
-    few, of those the *capacity share* holds (:func:`~.device_state_plan.capacity_room`: the free device bytes
-    less the streamed schedule's minimum and an activation reserve; ``plan.exclusive_share`` says which); then,
+    few, of those the *capacity share* holds (:func:`~.master_streamed.capacity_beside_held`: the free device bytes
+    less the streamed schedule's minimum, an activation reserve and the held gradients of the layers still
+    master-streamed; ``plan.exclusive_share`` says which); then,
     with ``offload_dir`` and every layer the device budget allows exclusive, the deepest layers' fp32 state on
     disk, as few as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive
     one). The device-state layers that need not be exclusive keep their host sections (the planner may move them).
@@ -211,11 +215,10 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         keep_layers: an explicit ``device_state_layers=K``: layers ``0 .. K-1`` never go to disk and, with
             ``exclusive_ok`` and no ``device_free``, may be exclusive.
         num_buffers: RAM buffers per tier (``Options.disk_buffers``).
-        check: raise when it does not fit (False: return the plan of "every candidate exclusive / on disk"
-            with ``host_bytes`` / ``free_bytes`` / ``exclusive_needed`` for :func:`megatrain.estimate` to report).
-        limits: the host limits to fit in (:func:`~.host_memory.host_memory_limits`' dict), judged
-            even with ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``: another machine's, for
-            ``megatrain.estimate(host_memory=)``. None: this machine's, read when first needed.
+        check: raise when it does not fit (False: return the plan of "every candidate exclusive / on disk",
+            ``host_bytes`` / ``free_bytes`` / ``exclusive_needed`` for :func:`megatrain.estimate`).
+        limits: the host limits to fit in (:func:`~.host_memory.host_memory_limits`' dict), judged even with
+            ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1`` (``megatrain.estimate(host_memory=)``). None: this machine's.
         exclusive_ok: device-state layers may hold their fp32 state on the device only (not under data parallel).
         device_free: ``device_state_layers="auto"`` / ``"boundary"``: the free device bytes (capped by
             ``gpu_memory_limit``) in which the ``"auto"`` rule (:func:`~.device_state_plan.exclusive_room`)
@@ -225,8 +228,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         activation_reserve: device bytes the capacity share keeps for activations and logits (the estimate's,
             when the batch is known); None: ``CAPACITY_ACTIVATION_RESERVE_FRACTION`` of ``device_free``.
         compute_copy: ``wrap``'s ``host_compute_copy`` (``"auto"``, True, False; see :func:`~.master_streamed.streamed_choice`).
-        streamable: the units that may be master-streamed (:func:`~.master_streamed.master_streamable`); None: none. An exclusive
-            or disk unit keeps its compute section (it is never master-streamed).
+        streamable: the units that may be master-streamed (:func:`~.master_streamed.master_streamable`); None: none.
+            A disk unit keeps its compute section; an exclusive one has none unless it has a frozen entry.
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer exclusive / on disk, or
@@ -266,9 +269,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         units, need, compute_dtype, keep_layers, dev_free)
     n_auto, capacity = n_excl, None
     if exclusive_ok and dev_free is not None and n_excl < len(layers) and not fits(need_of(layers[:n_excl], 0)):
-        from .device_state_plan import capacity_room  # the auto share holds too few: the capacity share
-        capacity = capacity_room(units, need["host_plan"]["layout"], compute_dtype, dev_free, num_slots,
-                                 activation_reserve)
+        capacity = capacity_beside_held(units, need["host_plan"]["layout"], compute_dtype, device_free,
+                                        chosen_streamed, layers, num_slots, activation_reserve)
         n_excl = max(n_excl, capacity["layers"])
     cands = list(reversed(layers[max(keep_layers, n_excl):])) if offload_dir is not None else []  # deepest first
     chosen = need if fits(need) else None
@@ -312,7 +314,8 @@ def _plan_of(need: dict, offload_dir, host_memory_limit, with_accumulator: bool)
     disk = need["disk"]
     return OffloadPlan(offload_dir=offload_dir, host_memory_limit=host_memory_limit, num_buffers=need["nb"],
                        disk_units=disk, offloaded=need["offloaded"], host_plan=need["host_plan"],
-                       compute_absent=need["absent"], master_streamed=[k for k, a in enumerate(need["absent"]) if a],
+                       compute_absent=need["absent"],
+                       master_streamed=[k for k, a in enumerate(need["absent"]) if a and k not in need["exclusive"]],
                        exclusive_units=need["exclusive"], scratch_bytes=need["scratch"],
                        state_layouts=need["layouts"], accum_layouts=need["alayouts"],
                        disk_bytes=_C.DiskTier.bytes_required(need["layouts"]) if disk else 0,
@@ -345,18 +348,6 @@ def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, 
                 f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
     return msg + ("pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not "
                   "fit there, or raise host_memory_limit. Nothing was allocated.")
-
-
-def capacity_words(capacity: Optional[dict]) -> str:
-    """The capacity share's numbers for a message (``''`` when it was not sized): its budget, how it is made
-    and how many decoder layers' whole state it holds."""
-    if not capacity:
-        return ""
-    why = "the batch's activation estimate" if capacity["reserve"] == "batch" else (
-        f"{CAPACITY_ACTIVATION_RESERVE_FRACTION:.0%} of the free memory, no batch known")
-    return (f"its capacity share ({_gib(capacity['budget_bytes'])}: {_gib(capacity['free_bytes'])} free less "
-            f"{_gib(capacity['streamed_bytes'])} for the streamed schedule and a {_gib(capacity['reserve_bytes'])} "
-            f"activation reserve, {why}) the whole state of {capacity['layers']} decoder layers, ")
 
 
 def _raise_disk_space(plan: OffloadPlan, offload_dir: str, where: str) -> None:

@@ -122,7 +122,7 @@ class HostPart:
     available: Optional[int]
     limit_name: Optional[str]
     machine: AssumedMachine = AssumedMachine()  # the machine judged (default: this one)
-    exclusive_bytes: int = 0  # the exclusive device-state layers' fp32 state, on the device instead of the host
+    exclusive_bytes: int = 0  # the exclusive device-state layers' host sections (fp32 state, compute copy) on the device instead
     exclusive_device_bytes: int = 0  # their whole device state: compute copy + 3 fp32 sections (14 B/param in bf16; 18 accumulating)
 
 
@@ -221,8 +221,10 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     store, staging = plan["store_bytes"], plan["staging_bytes"]
     pools = oplan.pool_bytes + oplan.accum_pool_bytes
     per = 16 if oplan.with_accumulator else 12  # fp32 master, exp_avg, exp_avg_sq [, accumulator] per element
-    excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) for k in oplan.exclusive_units)
     elem = torch.tensor([], dtype=opts.compute_dtype).element_size()  # their device state (DeviceUnit's buffers)
+    absent = oplan.compute_absent or [False] * len(units)  # and their compute copy, unless a frozen entry keeps it
+    excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) + (elem * int(plan["layout"]["unit_numel"][k])
+                                                                   if absent[k] else 0) for k in oplan.exclusive_units)
     dev_per = 16 if accumulating or accum_mode is True else 12  # no fp32 grad buffer without accumulation
     excl_dev = sum(elem * int(plan["layout"]["unit_numel"][k]) + dev_per * int(plan["layout"]["unit_state_numel"][k])
                    for k in oplan.exclusive_units)

@@ -17,7 +17,7 @@ whose fp32 state is on disk or device-exclusive keeps its compute section.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 
 def master_streamable(units, data_parallel: bool = False) -> List[int]:
@@ -65,3 +65,20 @@ def held_free(device_free, layout: dict, streamed: List[int], compute_dtype) -> 
     import torch
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     return max(0, int(device_free) - sum(elem * int(layout["unit_numel"][k]) for k in streamed))
+
+
+def capacity_beside_held(units, layout: dict, compute_dtype, device_free: int, streamed: List[int], layers: List[int],
+                         num_slots: int, reserve: Optional[int]) -> dict:
+    """The capacity share (:func:`~.device_state_plan.capacity_room`, the auto share holding too few) in the device
+    memory the master-streamed layers' held gradients leave, counting only the layers that stay master-streamed: a
+    leading layer made exclusive holds its state on the device instead of a gradient waiting there, so the share is
+    sized again until it holds no more layers (each pass frees held bytes; it stops within ``len(layers)``)."""
+    from .device_state_plan import capacity_room
+
+    n = 0
+    while True:
+        free = held_free(device_free, layout, [k for k in streamed if k not in layers[:n]], compute_dtype)
+        capacity = capacity_room(units, layout, compute_dtype, free, num_slots, reserve)
+        if capacity["layers"] <= n:
+            return capacity
+        n = capacity["layers"]

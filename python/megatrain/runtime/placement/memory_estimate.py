@@ -84,7 +84,7 @@ class MemoryEstimate:
     gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
     master_streamed_layers: int = 0  # decoder layers without a compute copy in the host store (12 B/param)
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
-    exclusive_bytes: int = 0  # their fp32 state (12 B/param, 16 with the accumulator): out of host_bytes
+    exclusive_bytes: int = 0  # their host sections (14 B/param in bf16, 18 with the accumulator): out of host_bytes
     exclusive_max: int = 0  # how many the device budget holds (device_state_layers' "auto" rule, or K)
     held_grad_bytes: int = 0  # master-streamed layers' compute-dtype gradients held on the GPU until the norm: in gpu_bytes
     exclusive_device_bytes: int = 0  # their whole device state (compute copy + 3 fp32 sections, + the accumulator when summing): in gpu_bytes

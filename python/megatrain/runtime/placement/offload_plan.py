@@ -22,7 +22,8 @@ class OffloadPlan:
             exclusive one: ``HostStore(offloaded=...)``).
         master_streamed: engine unit indices of the master-streamed layers (no compute section in the host
             store: 12 B/param; ``wrap(host_compute_copy=...)``), ascending; empty: none.
-        compute_absent: per engine unit, whether it is master-streamed (``HostStore(compute_absent=...)``).
+        compute_absent: per engine unit, whether the host store has no compute section for it
+            (``HostStore(compute_absent=...)``): a master-streamed layer, or an exclusive one without a frozen entry.
         host_plan: :func:`~megatrain.runtime.engine.units.plan_host_memory` of the store without their fp32 sections.
         state_layouts / accum_layouts: per disk unit, the section bytes of its state / accumulator file.
         disk_bytes: files of the state tier; accum_disk_bytes: of the accumulator tier.

@@ -166,7 +166,7 @@ def _read_unit(path: str, access: StateAccess, u, sections) -> None:
                     raise CheckpointError(f"megatrain.load_checkpoint: {path} is truncated at {key}")
     with torch.no_grad():
         for i, e in enumerate(u.entries):
-            if not e.frozen and not u.master_streamed:  # a master-streamed unit's is cast from the master at load
+            if not e.frozen and not u.compute_absent:  # none in the store: cast from the master where it is loaded
                 access.view(u, i, "compute").copy_(access.view(u, i, "master"))
     access.reload([u])  # device slots / the resident buffer reload from the new compute copy
 
