@@ -54,8 +54,8 @@ def parse_bytes(value: Any, saturate: bool = False) -> int:
 
     Args:
         value: the count (int, float or string).
-        saturate: a count above ``MAX_BYTES`` (``1e30``, ``float("inf")``) reads as ``MAX_BYTES`` instead of
-            being refused: for a limit, where that much means no limit beyond the machine's.
+        saturate: a count above ``MAX_BYTES`` (``1e30``, ``float("inf")``, the string ``"inf"``) reads as
+            ``MAX_BYTES`` instead of being refused: for a limit, where that much means no limit beyond the machine's.
 
     Raises:
         ValueError: a bool, a number <= 0 or (unless ``saturate``) > ``MAX_BYTES``, a non-integral float, or a
@@ -63,7 +63,8 @@ def parse_bytes(value: Any, saturate: bool = False) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"not a number of bytes: {value!r}")
-    if saturate and isinstance(value, float) and value == float("inf"):
+    if saturate and (value == float("inf") if isinstance(value, float) else
+                     isinstance(value, str) and value.strip().lower() in ("inf", "infinity")):
         return MAX_BYTES
     n = _parse(value)
     if n is not None and n > MAX_BYTES and saturate:

@@ -47,7 +47,8 @@ def test_parse_bytes_reads_sizes(value, n):
     assert parse_bytes(value) == n
 
 
-@pytest.mark.parametrize("value", [0, -1, True, 0.5, "0.5", "lots", "5 parsecs", None, "", 2**63, 1e30, "9EiB", "1e30GB"])
+@pytest.mark.parametrize("value", [0, -1, True, 0.5, "0.5", "lots", "5 parsecs", None, "", 2**63, 1e30, "9EiB", "1e30GB",
+                                   float("inf"), "inf", float("nan")])
 def test_parse_bytes_refuses_what_is_not_a_size(value):
     from megatrain.byte_units import parse_bytes
     with pytest.raises(ValueError, match="not a number of bytes"):

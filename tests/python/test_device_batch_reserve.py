@@ -71,8 +71,8 @@ def test_wrap_with_the_batch_plans_the_exclusive_layers_the_estimate_plans(monke
     msg = str(info.value)
     assert "\n" not in msg and "activation reserve, 20% of the free memory" in msg
     assert f"the whole state of {EXCLUSIVE - 1} decoder layers" in msg
-    # one of the two alone is not a batch: the fraction too
-    with pytest.raises(_C.HostMemoryError):
+    # one of the two alone is not a batch: refused before any planning (not the fraction, silently)
+    with pytest.raises(ValueError, match="^megatrain.wrap: seq_len=8 was given without micro_batch_size; pass both"):
         megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_compute_copy=True,
                        host_memory_limit=limit, seq_len=8)
 
@@ -100,6 +100,26 @@ def test_a_bad_batch_is_refused_in_one_line_before_anything_is_built(name, value
     assert getattr(model, "megatrain", None) is None
     with pytest.raises(ValueError, match=f"^megatrain.from_config: {name} must be an int >= 1"):
         megatrain.from_config(model.config, device="cpu", **{name: value})
+
+
+@pytest.mark.parametrize("given,value,missing", [("micro_batch_size", 4, "seq_len"), ("seq_len", 4096, "micro_batch_size")])
+def test_one_of_the_batch_alone_is_refused_in_one_line_before_anything_is_built(given, value, missing):
+    """``micro_batch_size`` without ``seq_len`` (or the reverse) meant the batch to count: it would not (the
+    reserve would silently be 20% of the free memory), so wrap, from_config and WrapOptions refuse it, naming the
+    missing one, before the model is touched."""
+    msg = (f"{given}={value} was given without {missing}; pass both (the batch the capacity share reserves "
+           "activations for) or neither")
+    model = _model()
+    with pytest.raises(ValueError) as info:
+        megatrain.wrap(model, device="cpu", **{given: value})
+    assert str(info.value) == f"megatrain.wrap: {msg}"
+    assert getattr(model, "megatrain", None) is None
+    with pytest.raises(ValueError) as info:
+        megatrain.from_config(model.config, device="cpu", **{given: value})
+    assert str(info.value) == f"megatrain.from_config: {msg}"
+    with pytest.raises(ValueError) as info:
+        megatrain.WrapOptions(**{given: value})
+    assert str(info.value) == f"megatrain.WrapOptions: {msg}"
 
 
 def test_a_seq_len_above_the_models_positions_warns():

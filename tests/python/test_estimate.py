@@ -68,6 +68,32 @@ def test_estimate_of_a_config_equals_the_real_store(cfg, compute_dtype, accum):
         assert word in text, word
 
 
+@pytest.mark.parametrize("grad_accumulator", [True, None], ids=["in-store", "auto"])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_estimate_of_the_accumulator_equals_wrap_after_a_step(grad_accumulator, gas):
+    """``estimate(grad_accumulator=, gradient_accumulation_steps=)`` of a tiny Llama and the real ``wrap`` of the same
+    model trained one step at that accumulation: the store is ``placement()["host_store_bytes"]`` exactly, the
+    staging the pool's bound plus the resident unit's buffer, the accumulator (outside the store in auto mode, only
+    when summing) what ``CPUAdamW`` allocated; no margin between them."""
+    cfg = _llama()
+    est = megatrain.estimate(cfg, device="cpu", grad_accumulator=grad_accumulator, gradient_accumulation_steps=gas)
+    torch.manual_seed(0)
+    model = megatrain.wrap(AutoModelForCausalLM.from_config(cfg), device="cpu", grad_accumulator=grad_accumulator)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=gas)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    for _ in range(gas):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    real = _real_bytes(model)
+    assert est.store_bytes == model.megatrain.placement()["host_store_bytes"] == real["store"]
+    assert est.staging_bytes == real["staging"] and real["staging"] > 0
+    assert est.accumulator_bytes == real["accum"] and (real["accum"] > 0) == (grad_accumulator is None and gas > 1)
+    assert ("grad_accum" in est.host_sections) == (grad_accumulator is True)
+    assert est.host_bytes == real["store"] + real["staging"] + real["accum"] == model.megatrain.offload_plan.host_bytes \
+        + real["accum"]
+    model.megatrain.close()
+
+
 def test_estimate_of_a_module_with_frozen_parameters_equals_wrap():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama(tied=True))

@@ -22,18 +22,45 @@ def _limits(mem_available, memlock=None):
 
 def _host_msg(value):
     return (f"megatrain.estimate: host_memory must be a number of bytes > 0 (an int, or a string such as '1.5TiB' "
+            f"or '141GB'), float('inf') or 'inf' for no host limit, or None for this machine's, got {value!r}")
+
+
+def _gpu_msg(value):
+    return (f"megatrain.estimate: gpu_memory must be a number of bytes > 0 (an int, or a string such as '1.5TiB' "
             f"or '141GB') or None for this machine's, got {value!r}")
 
 
-@pytest.mark.parametrize("value", [0, -1, -1.5, "lots", "", "-2GiB", "1.5 parsecs", True, 0.5, [1], 1e30, 2**63, "1e30GB"])
+_BAD = [0, -1, -1.5, "lots", "", "-2GiB", "1.5 parsecs", True, 0.5, [1], float("-inf"), float("nan"), "-inf"]
+
+
+@pytest.mark.parametrize("value", _BAD + [1e30, 2**63, "1e30GB", float("inf"), "inf"])
 def test_bad_sizes_are_refused_in_one_line_before_anything_is_computed(value):
     # object() is no model: an estimate that got as far as reading it would raise TypeError instead.
-    with pytest.raises(ValueError) as exc:
-        megatrain.estimate(object(), host_memory=value)
-    assert str(exc.value) == _host_msg(value)
-    with pytest.raises(ValueError) as exc:
+    if value in _BAD or value != value:  # (nan != nan)
+        with pytest.raises(ValueError) as exc:
+            megatrain.estimate(object(), host_memory=value)
+        assert str(exc.value) == _host_msg(value)
+    with pytest.raises(ValueError) as exc:  # a GPU of unlimited memory is no GPU: only the host may be unlimited
         megatrain.estimate(object(), gpu_memory=value)
-    assert str(exc.value) == _host_msg(value).replace("host_memory", "gpu_memory")
+    assert str(exc.value) == _gpu_msg(value)
+
+
+@pytest.mark.parametrize("value", [float("inf"), "inf", "Infinity", 1e30, 2**63, "1e30GB"])
+def test_an_infinite_host_memory_is_a_host_without_limit(monkeypatch, value):
+    """``host_memory=float("inf")`` (wrap's spellings of "no limit" for ``host_memory_limit``: inf, "inf", any
+    count above 2**63 - 1): the host is judged with no cap at all, whatever this machine has, and the table says so."""
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: _limits(1024, memlock=1))  # this machine: 1 KiB
+    cfg = tiny_llama_config()
+    assert not megatrain.estimate(cfg, device="cuda").host_fits
+    est = megatrain.estimate(cfg, device="cuda", host_memory=value, host_compute_copy=True)
+    assert est.host_fits and est.fits and est.reason() == "" and est.host_available_bytes is None
+    assert est.host_memory_given == 2**63 - 1 and est.to_dict()["assumed_machine"]["host"] == "no limit (given)"
+    text = str(est)
+    assert "assumed machine: host no limit (given), GPU this machine" in text
+    assert "  host check: none (host_memory given as unlimited: no host limit)" in text.splitlines()
+    assert text.splitlines()[-1] == "fits the assumed machine"
+    exact = megatrain.estimate(cfg, device="cuda", host_memory=est.host_bytes, host_compute_copy=True)
+    assert exact.host_bytes == est.host_bytes and exact.host_fits  # the same bytes counted, only the cap differs
 
 
 def test_gpu_memory_with_a_cpu_device_is_refused():

@@ -46,15 +46,18 @@ def test_estimate_counts_an_explicit_k_of_device_state_layers_on_the_gpu():
     assert two.gpu_bytes - none.gpu_bytes == sum(layer_bytes)
 
 
-@pytest.mark.parametrize("value", [1e30, float("inf"), "1e30"])
+@pytest.mark.parametrize("value", [1e30, float("inf"), "1e30", "inf", " INF "])
 def test_a_huge_host_memory_limit_is_no_limit_beyond_the_machine(value):
     """A float count of bytes > 0 is not refused as "must be > 0": above 2**63 - 1 it reads as that (no limit
-    beyond the machine's), in wrap and estimate alike."""
+    beyond the machine's), in wrap and estimate alike; the string "inf" too. The estimate's table says "none"
+    rather than printing 2**63 - 1 bytes as a limit."""
     assert megatrain.WrapOptions(host_memory_limit=value).host_memory_limit == MAX_BYTES
     model = megatrain.wrap(_model(), device="cpu", host_memory_limit=value)
     assert model.megatrain.offload_plan.host_memory_limit == MAX_BYTES and not model.megatrain.offload_plan.disk_units
     model.megatrain.close()
-    assert megatrain.estimate(_model(), device="cpu", host_memory_limit=value).host_fits
+    est = megatrain.estimate(_model(), device="cpu", host_memory_limit=value)
+    assert est.host_fits and est.host_memory_limit == MAX_BYTES
+    assert "  host_memory_limit: none (no limit beyond the machine's)" in str(est).splitlines()
     with pytest.raises(ValueError, match=r"^not a number of bytes > 0 and <= 2\*\*63 - 1: 1e\+30$"):
         parse_bytes(1e30)  # a count itself (not a limit) is still refused, for the true reason
     with pytest.raises(ValueError, match="host_memory_limit must be a number of bytes > 0"):

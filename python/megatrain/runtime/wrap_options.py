@@ -60,7 +60,8 @@ class WrapOptions:
         liger_kernel: ``None`` (when installed and on CUDA), ``True`` (required) or ``False``.
         micro_batch_size, seq_len: the batch trained on (sequences per micro-batch, tokens per sequence; ints >= 1,
             or None): with both, the capacity share of exclusive device-state layers keeps this batch's activation
-            estimate (``megatrain.estimate``'s) instead of a share of the free device memory.
+            estimate (``megatrain.estimate``'s) instead of a share of the free device memory. Both or neither: one
+            alone is refused (it would not count).
         host_compute_copy: ``"auto"``, ``True`` or ``False`` (:mod:`~.placement.master_streamed`).
 
     Args:
@@ -68,7 +69,8 @@ class WrapOptions:
             ``wrap`` passes ``"megatrain.wrap"``, ``estimate`` ``"megatrain.estimate"``.
 
     Raises:
-        ValueError: a bad value, one line naming the option, the rule and the value (as :meth:`check`).
+        ValueError: a bad value, one line naming the option, the rule and the value (as :meth:`check`);
+            ``micro_batch_size`` without ``seq_len`` or the reverse.
     """
 
     device: Optional[Union[torch.device, str]] = None
@@ -161,6 +163,11 @@ class WrapOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{where}: {name} must be an int >= 1 ({what}) or None, got {v!r}")
+        given = [n for n in BATCH_OPTIONS if getattr(self, n) is not None]
+        if len(given) == 1:  # the batch would silently not count: the reserve would be 20% of free memory
+            other = next(n for n in BATCH_OPTIONS if n not in given)
+            raise ValueError(f"{where}: {given[0]}={getattr(self, given[0])} was given without {other}; pass both "
+                             "(the batch the capacity share reserves activations for) or neither")
         check_host_compute_copy(self.host_compute_copy, where)
 
     @property

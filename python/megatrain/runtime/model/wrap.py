@@ -162,7 +162,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             many layers keep their graphs, a loss where every graph fits anyway (see
             ``megatrain.runtime.activations.lean_ops``). Default ``False``: the plain autograd graphs.
         micro_batch_size, seq_len: the batch you will train on (sequences per micro-batch, tokens per sequence;
-            ints >= 1), as ``megatrain.estimate`` takes them. Used only when the host store does not fit and more
+            ints >= 1; both or neither: one alone is refused), as ``megatrain.estimate`` takes them. Used only when the host store does not fit and more
             leading layers must keep their fp32 state on the device only than the ``"auto"`` share holds: their
             *capacity share* (the free device memory less the streamed schedule's minimum) then keeps exactly the
             activation + logits bytes ``megatrain.estimate`` counts for this batch, so ``wrap`` plans the exclusive

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ...byte_units import format_bytes
+from ...byte_units import MAX_BYTES, format_bytes
 
 
 _SECTION_LABELS = [("compute", "compute copy"), ("master", "master (fp32)"), ("exp_avg", "exp_avg (fp32)"),
@@ -71,7 +71,7 @@ class MemoryEstimate:
     mlp_rows: Optional[int] = None  # rows per MLP tile (None: untiled)
     norm_rows: Optional[int] = None  # rows per tile of the layers' norms (None: untiled)
     device_name: str = ""  # the device checked, for messages: "this CPU", "cuda:0 (NVIDIA H200)"
-    host_memory_limit: Optional[int] = None  # as wrap's (None: the budget check's limits alone)
+    host_memory_limit: Optional[int] = None  # as wrap's (None, or MAX_BYTES for inf: the budget check's limits alone)
     offload_dir: Optional[str] = None  # the disk tier's directory (None: no disk tier)
     disk_layers: int = 0  # decoder layers whose fp32 state goes to disk
     disk_bytes: int = 0  # the tier's files (state, and the accumulators when counted)
@@ -80,7 +80,7 @@ class MemoryEstimate:
     disk_fits: Optional[bool] = None  # None: no disk tier
     host_available_fits: Optional[bool] = None  # host_bytes against the available memory alone (None: host_fits)
     host_margin_bytes: int = 0  # host memory kept free beyond everything counted (megatrain train: 1 GiB)
-    host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's)
+    host_memory_given: Optional[int] = None  # estimate(host_memory=): the host judged (None: this machine's; MAX_BYTES: no limit)
     gpu_memory_given: Optional[int] = None  # estimate(gpu_memory=): the GPU's free bytes judged (None: this machine's)
     master_streamed_layers: int = 0  # decoder layers without a compute copy in the host store (12 B/param)
     exclusive_layers: int = 0  # leading decoder layers whose fp32 state lives on the device only (exclusive)
@@ -121,7 +121,9 @@ class MemoryEstimate:
     def assumed_machine(self) -> dict:
         """Which machine was judged, part by part: ``{"host": "1.50 TiB (given)" | "this machine", "gpu": ...}``."""
         def one(n):
-            return "this machine" if n is None else f"{format_bytes(n, largest='TiB')} (given)"
+            if n is None:
+                return "this machine"
+            return "no limit (given)" if n == MAX_BYTES else f"{format_bytes(n, largest='TiB')} (given)"
         gpu = "none (CPU device)" if self.device == "cpu" else one(self.gpu_memory_given)
         return {"host": one(self.host_memory_given), "gpu": gpu}
 
@@ -174,7 +176,9 @@ class MemoryEstimate:
         pinned = f"pinned {_fmt(self.pinned_bytes)}" if self.pinned_bytes else \
             "nothing pinned" + (" (CPU device: no DMA)" if self.device == "cpu" else "")
         L.append(f"  {'host total':<28}{_fmt(self.host_bytes):>12}  = {self.bytes_per_param:.2f} B/param; {pinned}")
-        if self.host_available_bytes is None:
+        if self.host_memory_given == MAX_BYTES:
+            L.append("  host check: none (host_memory given as unlimited: no host limit)")
+        elif self.host_available_bytes is None:
             L.append("  host check: skipped (MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 or no limit found)")
         else:
             credit = f" + {_fmt(self.reclaimable_bytes)} freed from the model" if self.reclaimable_bytes else ""
@@ -182,7 +186,9 @@ class MemoryEstimate:
             margin = f" (with a {_fmt(self.host_margin_bytes)} margin kept free)" if self.host_margin_bytes else ""
             L.append(f"  host check: {_fmt(self.host_available_bytes)}{credit} available under the {self.host_limit}"
                      f"{margin}: " + ("fits" if avail else "DOES NOT FIT"))
-        if self.host_memory_limit is not None:
+        if self.host_memory_limit == MAX_BYTES:
+            L.append("  host_memory_limit: none (no limit beyond the machine's)")
+        elif self.host_memory_limit is not None:
             L.append(f"  host_memory_limit: {_fmt(self.host_memory_limit)}: "
                      + ("fits" if self.host_bytes <= self.host_memory_limit else "DOES NOT FIT"))
         if self.exclusive_layers or self.exclusive_needed or self.master_streamed_layers:
