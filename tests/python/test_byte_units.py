@@ -59,10 +59,14 @@ def test_the_config_reads_sizes_with_the_same_parser_and_messages():
     from megatrain.train.config import ByteSize, UsageError
     from megatrain.train.config_checks import coerce
     assert coerce("runtime.host_memory_limit", "1.5TiB", ByteSize) == 3 * 2**39
+    # no limit beyond the machine's, as megatrain.wrap(host_memory_limit=) reads these
+    from megatrain.byte_units import MAX_BYTES
+    for unlimited in ("inf", 1e30, float("inf"), "1e30GB"):
+        assert coerce("runtime.host_memory_limit", unlimited, ByteSize) == MAX_BYTES
     with pytest.raises(UsageError) as exc:
         coerce("runtime.host_memory_limit", "lots", ByteSize)
-    assert str(exc.value) == ("runtime.host_memory_limit must be a number of bytes > 0, e.g. 120GiB or 128000000000, "
-                              "got 'lots'")
+    assert str(exc.value) == ("runtime.host_memory_limit must be a number of bytes > 0, e.g. 120GiB or 128000000000 "
+                              "(inf: no limit), got 'lots'")
     with pytest.raises(UsageError) as exc:
         coerce("runtime.host_memory_limit", True, ByteSize)
     assert str(exc.value) == "runtime.host_memory_limit must be a number of bytes (e.g. 120GiB), got True"

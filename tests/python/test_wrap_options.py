@@ -77,9 +77,9 @@ BAD = [
                                  "string such as '40GiB') or a fraction of the device's memory (a float in (0, 1], e.g. 0.5), got 1.5"),
     (dict(offload_dir=""), "megatrain.wrap: offload_dir must be a directory path, got ''"),
     (dict(host_memory_limit=0), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
-                                "string such as '100GiB' or '1.5TB') or None, got 0"),
+                                "string such as '100GiB' or '1.5TB'), float('inf') / 'inf' for no limit, or None, got 0"),
     (dict(host_memory_limit="lots"), "megatrain.wrap: host_memory_limit must be a number of bytes > 0 (an int, or a "
-                                     "string such as '100GiB' or '1.5TB') or None, got 'lots'"),
+                                     "string such as '100GiB' or '1.5TB'), float('inf') / 'inf' for no limit, or None, got 'lots'"),
     (dict(chunked_loss="x"), "megatrain.wrap: chunked_loss must be False, True, 'auto' or a positive number of rows, "
                              "got 'x'"),
     (dict(tile_mlp=0), "megatrain.wrap: tile_mlp must be False, True, 'auto' or a positive number of rows, got 0"),

@@ -46,10 +46,10 @@ def _placement_count(key: str, value: Any) -> str:
 def _byte_size(key: str, value: Any) -> int:
     if isinstance(value, bool):
         raise UsageError(f"{key} must be a number of bytes (e.g. 120GiB), got {describe_value(value)}")
-    try:
-        return parse_bytes(value)
+    try:  # (a count above 2**63 - 1, inf: no limit beyond the machine's, as megatrain.wrap reads it)
+        return parse_bytes(value, saturate=True)
     except ValueError:
-        raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000, "
+        raise UsageError(f"{key} must be a number of bytes > 0, e.g. 120GiB or 128000000000 (inf: no limit), "
                          f"got {describe_value(value)}") from None
 
 

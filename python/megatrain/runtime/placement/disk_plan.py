@@ -73,7 +73,7 @@ def check_host_memory_limit(host_memory_limit, where: str = "megatrain.wrap") ->
         return parse_bytes(host_memory_limit, saturate=True)
     except ValueError:
         raise ValueError(f"{where}: host_memory_limit must be a number of bytes > 0 (an int, or a string such as "
-                         f"'100GiB' or '1.5TB') or None, got {host_memory_limit!r}") from None
+                         f"'100GiB' or '1.5TB'), float('inf') / 'inf' for no limit, or None, got {host_memory_limit!r}") from None
 
 
 def check_offload_dir_value(offload_dir, where: str = "megatrain.wrap") -> None:
