@@ -38,8 +38,7 @@ other's public methods only:
 
 The engine's own methods: host-store state (``sync_host`` / ``host_written``, ``take_state_dict_writes`` /
 ``refresh_state_dict_views``), the attached optimizer (``attach_optimizer``, ``register_param``, :func:`locate`:
-:mod:`.optimizer_link`), ``free_device_bytes``, ``check_failed``, ``close``; the others are one-line delegations
-to the parts (:func:`~.context.forward_to`). The units and entries it streams are :mod:`.units`'s.
+:mod:`.optimizer_link`), ``free_device_bytes``, ``check_failed``, ``close``; the rest delegate (``forward_to``).
 
 Source: MegaTrain (arXiv 2604.05091) sections 3-4; docs/architecture.md.
 """
@@ -135,7 +134,8 @@ class Engine:
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
             host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
-            if explicit else 0, num_buffers=self.options.disk_buffers, exclusive_ok=not data_parallel.active(),
+            if explicit else 0, num_buffers=self.options.disk_buffers,  # (the CPU backend's "device" is host memory)
+            exclusive_ok=not data_parallel.active() and (self.cuda or bool(keep_host_layers)),
             device_free=self.planned_device_free, num_slots=num_slots, activation_reserve=reserve,
             compute_copy=host_compute_copy, streamable=master_streamable(units, data_parallel.active()),
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)

@@ -290,6 +290,9 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
                                      None)
         if plan.exclusive_needed is None and len(layers) > n_excl:
             plan.all_exclusive_bytes = need_of(layers, 0)["host"]
+    if chosen is None and offload_dir is None:  # would the disk tier help: every candidate layer's fp32 state there
+        rest = list(reversed(layers[max(keep_layers, n_excl):]))
+        plan.disk_would_fit = fits(need_of(layers[:n_excl], len(rest), rest))
     if not check:
         return plan
     if chosen is None:
@@ -346,6 +349,10 @@ def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, 
                 "the device only), " if fewest else "")
         msg += (f"even with every decoder layer's fp32 state on the device only it needs {plan.all_exclusive_bytes} "
                 f"bytes ({_gib(plan.all_exclusive_bytes)}); " if plan.all_exclusive_bytes else "")
+    if plan.disk_would_fit is False:
+        return msg + ("raise host_memory_limit (offload_dir cannot help: with every layer's fp32 state on disk, the "
+                      "compute copies, the resident unit's state and the gradient staging still exceed it). Nothing "
+                      "was allocated.")
     return msg + ("pass offload_dir=<a directory on a local disk> to keep the fp32 state of the layers that do not "
                   "fit there, or raise host_memory_limit. Nothing was allocated.")
 

@@ -42,6 +42,8 @@ class OffloadPlan:
         exclusive_share: which rule made the exclusive layers: ``"auto"`` (the ``"auto"`` share),
             ``"capacity"`` (more than it: the capacity share), ``"explicit"`` (of ``device_state_layers=K``),
             None (no exclusive layer).
+        disk_would_fit: (a refused plan without ``offload_dir`` only) whether the host part would fit with every
+            candidate layer's fp32 state on disk (the refusal suggests ``offload_dir`` only then); else None.
         exclusive_needed: (a refused plan only) the fewest leading layers that would have to be exclusive for
             the host part to fit, None when even every layer would not.
         pinned_bytes: the page-locked part (CUDA: store + staging).
@@ -73,6 +75,7 @@ class OffloadPlan:
     capacity: Optional[dict] = None
     exclusive_share: Optional[str] = None
     exclusive_needed: Optional[int] = None
+    disk_would_fit: Optional[bool] = None
     free_bytes: Optional[int] = None
     with_accumulator: bool = False
 
