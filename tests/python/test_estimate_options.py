@@ -144,3 +144,12 @@ def test_estimate_plans_the_exclusive_layers_wrap_makes_under_a_string_device_st
     assert len(placed["master_streamed_layers"]) == est.master_streamed_layers
     assert est.host_bytes == model.megatrain.offload_plan.host_bytes and est.fits
     model.megatrain.close()
+
+
+def test_estimate_refuses_more_device_state_layers_than_the_model_has_as_wrap_does():
+    """``device_state_layers=K`` above the model's layer count: wrap refuses it in one line; the estimate with the
+    same keyword refuses it alike (it said the model fits, for a call wrap then refuses)."""
+    n = _config().num_hidden_layers
+    for fn in (megatrain.wrap, megatrain.estimate):
+        with pytest.raises(ValueError, match=f"device_state_layers={n + 1}, but the model has {n} decoder layers"):
+            fn(_model(), device="cpu", device_state_layers=n + 1)

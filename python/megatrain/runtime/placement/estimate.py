@@ -196,6 +196,9 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     except ValueError as exc:  # True / rows asked for a model that cannot have it
         raise UnsupportedModelError(str(exc).replace("megatrain.wrap:", "megatrain.estimate:")) from None
     units = model_units(module, layers_name, layers)
+    if isinstance(opts.device_state_layers, int) and opts.device_state_layers > len(layers):  # as wrap refuses it
+        raise ValueError(f"megatrain.estimate: device_state_layers={opts.device_state_layers}, but the model has "
+                         f"{len(layers)} decoder layers; use at most {len(layers)} (or 'auto')")
     if run.trainable is not None:
         for u in units:
             for e in u.entries:
