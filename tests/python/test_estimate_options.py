@@ -153,3 +153,12 @@ def test_estimate_refuses_more_device_state_layers_than_the_model_has_as_wrap_do
     for fn in (megatrain.wrap, megatrain.estimate):
         with pytest.raises(ValueError, match=f"device_state_layers={n + 1}, but the model has {n} decoder layers"):
             fn(_model(), device="cpu", device_state_layers=n + 1)
+
+
+@pytest.mark.parametrize("value", [-1, 0, float("nan"), "1.0", True])
+def test_estimate_refuses_a_max_grad_norm_that_cpuadamw_refuses(value):
+    """``max_grad_norm`` not a number > 0: ``CPUAdamW`` refuses it in one line; the estimate refuses it alike
+    (it estimated as if clipping, and said the model fits)."""
+    with pytest.raises(ValueError, match=r"^megatrain.estimate: max_grad_norm must be a number > 0 or None, got "):
+        megatrain.estimate(_config(), device="cpu", max_grad_norm=value)
+    assert megatrain.estimate(_config(), device="cpu", max_grad_norm=float("inf")).fits

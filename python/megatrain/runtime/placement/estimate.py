@@ -74,6 +74,9 @@ class EstimateRun:
         if gas > 1 and grad_accumulator is False:
             raise ValueError("megatrain.estimate: gradient_accumulation_steps > 1 needs the fp32 accumulator; "
                              "grad_accumulator=False forbids it (use None or True)")
+        clip = self.max_grad_norm  # as CPUAdamW refuses it
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"megatrain.estimate: max_grad_norm must be a number > 0 or None, got {clip!r}")
         margin = self.host_margin_bytes
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"megatrain.estimate: host_margin_bytes must be an int >= 0, got {margin!r}")
