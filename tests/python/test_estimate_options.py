@@ -128,3 +128,37 @@ def test_the_planner_reserves_the_master_streamed_layers_held_gradients_before_e
     assert held_free(10_000, layout, [1, 2], torch.bfloat16) == 10_000 - 2 * (200 + 300)
     assert held_free(10_000, layout, [2], torch.float32) == 10_000 - 4 * 300
     assert held_free(100, layout, [2], torch.float32) == 0
+
+
+@pytest.mark.parametrize("layers", ["auto", "boundary"])
+def test_estimate_plans_the_exclusive_layers_wrap_makes_under_a_string_device_state_layers_on_the_cpu(layers):
+    """On the CPU backend ``wrap(device_state_layers="auto" | "boundary", host_memory_limit=...)`` plans exclusive
+    layers in the host's available memory (its free device bytes there); the estimate with the same keywords
+    plans the same layers and host bytes (it planned none before and said the model did not fit)."""
+    streamed = megatrain.estimate(_model(), device="cpu", host_compute_copy=False).host_bytes  # every layer 12 B/param
+    kw = dict(device="cpu", device_state_layers=layers, host_memory_limit=streamed - 1)
+    est = megatrain.estimate(_model(), **kw)
+    model = megatrain.wrap(_model(), **kw)
+    placed = model.megatrain.placement()
+    assert placed["exclusive_layers"] and placed["exclusive_layers"] == list(range(est.exclusive_layers))
+    assert len(placed["master_streamed_layers"]) == est.master_streamed_layers
+    assert est.host_bytes == model.megatrain.offload_plan.host_bytes and est.fits
+    model.megatrain.close()
+
+
+def test_estimate_refuses_more_device_state_layers_than_the_model_has_as_wrap_does():
+    """``device_state_layers=K`` above the model's layer count: wrap refuses it in one line; the estimate with the
+    same keyword refuses it alike (it said the model fits, for a call wrap then refuses)."""
+    n = _config().num_hidden_layers
+    for fn in (megatrain.wrap, megatrain.estimate):
+        with pytest.raises(ValueError, match=f"device_state_layers={n + 1}, but the model has {n} decoder layers"):
+            fn(_model(), device="cpu", device_state_layers=n + 1)
+
+
+@pytest.mark.parametrize("value", [-1, 0, float("nan"), "1.0", True])
+def test_estimate_refuses_a_max_grad_norm_that_cpuadamw_refuses(value):
+    """``max_grad_norm`` not a number > 0: ``CPUAdamW`` refuses it in one line; the estimate refuses it alike
+    (it estimated as if clipping, and said the model fits)."""
+    with pytest.raises(ValueError, match=r"^megatrain.estimate: max_grad_norm must be a number > 0 or None, got "):
+        megatrain.estimate(_config(), device="cpu", max_grad_norm=value)
+    assert megatrain.estimate(_config(), device="cpu", max_grad_norm=float("inf")).fits

@@ -113,10 +113,12 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
         raise UsageError(first_line(exc, 300)) from None
     except GpuMemoryLimitError as exc:  # the cap cannot hold even the streamed schedule
         raise UsageError(exc.message("megatrain train", "runtime.gpu_memory_limit")) from None
+    except ValueError as exc:  # an option the model's own shape refuses (more device_state_layers than layers)
+        if not str(exc).startswith(_DEVICE_STATE_REFUSAL):
+            raise UsageError(_build_error(cfg, exc)) from None
+        raise UsageError("runtime." + first_line(exc)[len("megatrain.estimate: "):]) from None
     except Exception as exc:  # noqa: BLE001
-        extra = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.model.extra.items()))
-        raise UsageError(f"cannot build a model from this config ({first_line(exc)}); check the model sizes and "
-                         "model.extra" + (f" ({extra})" if extra else "")) from None
+        raise UsageError(_build_error(cfg, exc)) from None
     if not est.fits:
         sizes = "" if cfg.model.path is not None else "; or lower model.hidden_size, model.num_layers, model.vocab_size"
         from megatrain.runtime.placement.estimate import _count
@@ -124,6 +126,16 @@ def estimate_run(cfg: Config, model_config, device, compute_dtype):
         raise DoesNotFit(f"the model ({_count(est.num_params)} parameters) does not fit this machine: "
                          f"{est.reason()}{sizes}", est)
     return est
+
+
+_DEVICE_STATE_REFUSAL = "megatrain.estimate: device_state_layers="  # estimate's refusal of K above the layer count
+
+
+def _build_error(cfg: Config, exc: BaseException) -> str:
+    """The one line for a config transformers cannot build a model from (``exc``), naming ``model.extra``."""
+    extra = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.model.extra.items()))
+    return (f"cannot build a model from this config ({first_line(exc)}); check the model sizes and model.extra"
+            + (f" ({extra})" if extra else ""))
 
 
 def default_out_dir() -> str:

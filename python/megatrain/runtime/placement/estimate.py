@@ -74,6 +74,9 @@ class EstimateRun:
         if gas > 1 and grad_accumulator is False:
             raise ValueError("megatrain.estimate: gradient_accumulation_steps > 1 needs the fp32 accumulator; "
                              "grad_accumulator=False forbids it (use None or True)")
+        clip = self.max_grad_norm  # as CPUAdamW refuses it
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"megatrain.estimate: max_grad_norm must be a number > 0 or None, got {clip!r}")
         margin = self.host_margin_bytes
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"megatrain.estimate: host_margin_bytes must be an int >= 0, got {margin!r}")
@@ -196,6 +199,9 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     except ValueError as exc:  # True / rows asked for a model that cannot have it
         raise UnsupportedModelError(str(exc).replace("megatrain.wrap:", "megatrain.estimate:")) from None
     units = model_units(module, layers_name, layers)
+    if isinstance(opts.device_state_layers, int) and opts.device_state_layers > len(layers):  # as wrap refuses it
+        raise ValueError(f"megatrain.estimate: device_state_layers={opts.device_state_layers}, but the model has "
+                         f"{len(layers)} decoder layers; use at most {len(layers)} (or 'auto')")
     if run.trainable is not None:
         for u in units:
             for e in u.entries:

@@ -176,7 +176,8 @@ def batch_reserve(module, layers, opts):
 
 def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None) -> dict:
     """:func:`~.disk_plan.plan_offload`'s exclusive-layer arguments as ``wrap`` would give them: an explicit
-    ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes, with
+    ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes (on the
+    CPU backend the host's available memory, as ``memory.free_device_bytes`` reads it there), with
     ``num_slots`` and the capacity share's activation ``reserve`` (:func:`activation_reserve`)."""
     from .device_state_plan import resolve_device_state_layers
 
@@ -184,8 +185,9 @@ def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None
                                          opts.device)
     if isinstance(layers, int):  # on the CPU backend too: wrap makes them exclusive there as well
         return dict(keep_layers=layers, exclusive_ok=layers > 0)
-    if opts.device.type != "cuda":
-        return dict(keep_layers=0)
+    if opts.device.type != "cuda":  # "auto" / "boundary" on the CPU backend: wrap's free device bytes are the
+        free = machine.host_limits()["mem_available_bytes"]  # host's available memory (memory.free_device_bytes)
+        return dict(exclusive_ok=True, device_free=int(free or 0), num_slots=opts.num_slots, activation_reserve=reserve)
     free = gpu_free(opts, machine)[0]
     return dict(exclusive_ok=free is not None, device_free=free, num_slots=opts.num_slots, activation_reserve=reserve)
 
