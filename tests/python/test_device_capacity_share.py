@@ -78,7 +78,9 @@ def test_beyond_the_auto_share_the_capacity_share_trains_bit_identically(monkeyp
     assert pl["exclusive_layers"] == [0, 1, 2] and pl["exclusive_share"] == "capacity"
     assert pl["device_state_layers"] == 3 and not pl["device_state_resident"]
     plan = model.megatrain.offload_plan
-    assert plan.exclusive_max == AUTO_LAYERS and plan.capacity["layers"] == CAPACITY_LAYERS
+    # with the accumulator (grad_accumulator=True) each layer's device state has its fp32 gradient buffer too
+    # (20 B/param with the CPU's fp32 compute, 16 without): the 4.5 layers' share holds 3 of them, still enough
+    assert plan.exclusive_max == AUTO_LAYERS and plan.capacity["layers"] == (CAPACITY_LAYERS if ga == 1 else 3)
     assert plan.capacity["reserve"] == "fraction"
     assert plan.capacity["reserve_bytes"] == int(dsp.CAPACITY_ACTIVATION_RESERVE_FRACTION * free)
     assert plan.capacity["budget_bytes"] == free - streamed - plan.capacity["reserve_bytes"]
@@ -145,3 +147,42 @@ def test_estimate_of_a_14b_llama_on_115_gib_of_host_and_141_gib_of_gpu():
     assert est.fits == (est.host_bytes <= 115 * gib and est.gpu_bytes <= 141 * gib)
     assert est.fits  # 14.09B parameters on this machine
     assert "the capacity share" in str(est)
+
+
+def test_accumulation_counts_each_exclusive_layers_fp32_gradient_buffer():
+    """With gradients summed (``gradient_accumulation_steps`` 2) each exclusive layer holds 18 B/param on the GPU
+    (bf16 compute copy, fp32 master, moments and accumulator): the capacity share is sized with those bytes, so
+    the exclusive layers' device state stays within it and the rest goes to disk (a 7B shape on a 40 GiB GPU and
+    60 GiB of host); the summed gradients wait in the host accumulator, so no held gradient is counted."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=32000)
+    kw = dict(host_memory="60GiB", gpu_memory="40GiB", micro_batch_size=1, seq_len=2048, max_grad_norm=1.0,
+              offload_dir="/tmp")
+    for accumulator in (True, None):
+        est = megatrain.estimate(cfg, gradient_accumulation_steps=2, grad_accumulator=accumulator, **kw)
+        assert est.fits and est.exclusive_layers and est.disk_layers
+        assert est.exclusive_device_bytes <= est.capacity_budget_bytes
+        per_param = est.exclusive_device_bytes / (est.exclusive_layers * 177_217_536)  # params of one such layer
+        assert 18.0 <= per_param < 18.01
+        assert "held gradients" not in str(est)
+    one = megatrain.estimate(cfg, **kw)  # one backward per step: 14 B/param, held gradients counted
+    assert one.exclusive_device_bytes / (one.exclusive_layers * 177_217_536) < 14.01 and "held gradients" in str(one)
+
+
+def test_an_unplanned_accumulator_that_does_not_fit_the_device_is_refused_in_one_line(monkeypatch):
+    """Exclusive layers wrapped without grad_accumulator=True, then CPUAdamW(gradient_accumulation_steps=2) when
+    their fp32 accumulators do not fit the free device memory: one line naming grad_accumulator=True, and nothing
+    allocated (the host accumulator neither)."""
+    model = kept_wrap(_model(), device="cpu", device_state_layers=2, host_memory_limit=_full_host() - 1)
+    eng = model.megatrain
+    assert eng.placement()["exclusive_layers"] == [0]
+    monkeypatch.setattr(core.Engine, "free_device_bytes", lambda self: 1024)
+    with pytest.raises(RuntimeError, match=r"^megatrain: gradient accumulation needs the fp32 accumulators of 2 "
+                                           r"device-state layers .* wrap with grad_accumulator=True") as info:
+        megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, gradient_accumulation_steps=2)
+    assert "\n" not in str(info.value)
+    assert all(u.device_state.grad is None for u in eng.device_state.units) and eng.accumulator.nbytes() == 0
+    monkeypatch.undo()  # with the device memory there, the device check passes (the host limit is its own check)
+    eng.device_state.check_accumulator()

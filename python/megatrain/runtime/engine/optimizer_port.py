@@ -114,7 +114,10 @@ class OptimizerPort:
         return self._engine.has_accumulator
 
     def enable_accumulator(self) -> None:
-        """Allocate the fp32 gradient accumulator now (no-op when present), the device-state units' too."""
+        """Allocate the fp32 gradient accumulator now (no-op when present), the device-state units' too (checked
+        first: a refusal leaves nothing allocated)."""
+        if self._engine.device_state is not None:
+            self._engine.device_state.check_accumulator()
         self._engine.enable_accumulator()
         if self._engine.device_state is not None:
             self._engine.device_state.enable_accumulator()

@@ -240,10 +240,30 @@ class DeviceState:
         """Allocate every unit's fp32 gradient accumulator now (``CPUAdamW(gradient_accumulation_steps > 1)``).
 
         Raises:
+            RuntimeError: (:meth:`check_accumulator`) exclusive layers' accumulators the wrap did not plan do not fit.
             torch.cuda.OutOfMemoryError: they do not fit on the device.
         """
+        self.check_accumulator()
         for u in self.units:
             u.device_state.ensure_grad()
+
+    def check_accumulator(self) -> None:
+        """Refuse in one line, before anything is allocated, fp32 accumulators (4 B/param) that do not fit in the
+        free device memory when the layers are exclusive (on the device because host memory is short) and the
+        wrap planned them without accumulation (not ``grad_accumulator=True``)."""
+        from ...byte_units import format_bytes
+
+        plan = getattr(self.eng, "offload_plan", None)
+        need = sum(4 * int(u.state_numel) for u in self.units if u.device_state.grad is None)
+        if not need or not self.exclusive or plan is None or plan.with_accumulator:
+            return
+        free = self.eng.free_device_bytes()
+        if need > free:
+            raise RuntimeError(f"megatrain: gradient accumulation needs the fp32 accumulators of {len(self.units)} "
+                               f"device-state layers ({format_bytes(need)}) but {format_bytes(free)} of device memory "
+                               "is free (they hold their state there because host memory is short); wrap with "
+                               "grad_accumulator=True so the planner counts them (fewer layers exclusive, the rest "
+                               "on disk with offload_dir), or train with gradient_accumulation_steps=1")
 
     def drop_grads(self) -> None:
         """``zero_grad``: the direct gradients are forgotten, their compute slices rewritten from the masters."""

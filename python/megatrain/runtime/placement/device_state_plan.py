@@ -75,20 +75,22 @@ def unit_device_bytes(unit, compute_dtype: torch.dtype, with_compute: bool = Tru
 
 
 def plan_device_state_layers(layers, compute_dtype: torch.dtype, free_bytes: int,
-                             fraction: Optional[float] = None) -> int:
+                             fraction: Optional[float] = None, with_grad: Optional[bool] = None) -> int:
     """Number of layers (from layer 0) whose device state fits in ``fraction * free_bytes``
-    (``fraction`` None: ``AUTO_DEVICE_STATE_FRACTION``)."""
+    (``fraction`` None: ``AUTO_DEVICE_STATE_FRACTION``; ``with_grad``: as :func:`unit_device_bytes`, True when
+    gradients are summed: the fp32 accumulator, 4 B/param more)."""
     budget = (AUTO_DEVICE_STATE_FRACTION if fraction is None else fraction) * max(0, int(free_bytes))
     k, used = 0, 0
     for u in layers:
-        used += unit_device_bytes(u, compute_dtype)
+        used += unit_device_bytes(u, compute_dtype, with_grad=with_grad)
         if used > budget:
             break
         k += 1
     return k
 
 
-def plan_auto_units(resident, layers, compute_dtype: torch.dtype, free_bytes: int) -> tuple:
+def plan_auto_units(resident, layers, compute_dtype: torch.dtype, free_bytes: int,
+                    with_grad: Optional[bool] = None) -> tuple:
     """The units of ``device_state_layers="auto"``: ``(resident_units, K)``.
 
     The resident unit (``resident``, None when it cannot be placed) first, when its fp32 state fits in
@@ -102,10 +104,11 @@ def plan_auto_units(resident, layers, compute_dtype: torch.dtype, free_bytes: in
         need = unit_device_bytes(resident, compute_dtype, with_compute=False)
         if need <= AUTO_DEVICE_STATE_FRACTION * free:
             placed, free = [resident], free - need / AUTO_DEVICE_STATE_FRACTION
-    return placed, plan_device_state_layers(layers, compute_dtype, free)
+    return placed, plan_device_state_layers(layers, compute_dtype, free, with_grad=with_grad)
 
 
-def exclusive_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: int) -> tuple:
+def exclusive_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: int,
+                   with_grad: Optional[bool] = None) -> tuple:
     """``(K, budget bytes)``: how many leading decoder layers of ``units`` the ``"auto"`` rule
     (:func:`plan_auto_units`) places on the device in ``free_bytes``, from the store's ``layout``
     (``HostStore.layout_required``: ``unit_numel`` / ``unit_state_numel``) before the store exists, and
@@ -116,7 +119,8 @@ def exclusive_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: 
     view = [SimpleNamespace(kind=u.kind, numel=int(layout["unit_numel"][k]), state_numel=int(layout["unit_state_numel"][k]))
             for k, u in enumerate(units)]
     resident = next((v for v in view if v.kind != "layer" and v.state_numel), None)
-    placed, k = plan_auto_units(resident, [v for v in view if v.kind == "layer"], compute_dtype, free_bytes)
+    placed, k = plan_auto_units(resident, [v for v in view if v.kind == "layer"], compute_dtype, free_bytes,
+                                with_grad=with_grad)
     budget = AUTO_DEVICE_STATE_FRACTION * max(0, int(free_bytes))
     if placed:
         budget -= unit_device_bytes(placed[0], compute_dtype, with_compute=False)
@@ -135,7 +139,7 @@ CAPACITY_ACTIVATION_RESERVE_FRACTION = 0.2
 
 
 def capacity_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: int, num_slots: int,
-                  reserve_bytes: Optional[int] = None) -> dict:
+                  reserve_bytes: Optional[int] = None, with_grad: Optional[bool] = None) -> dict:
     """The capacity share of the device for exclusive device-state layers (see
     ``CAPACITY_ACTIVATION_RESERVE_FRACTION``): how many leading decoder layers of ``units`` have their whole
     device state (compute copy + 3 fp32 sections, :func:`unit_device_bytes`) in it.
@@ -146,6 +150,7 @@ def capacity_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: i
         free_bytes: free device bytes (capped by ``gpu_memory_limit``).
         num_slots: the streamed schedule's device slots per layer shape.
         reserve_bytes: device bytes kept for activations and logits (None: the fraction of ``free_bytes``).
+        with_grad: True when gradients are summed (each layer's fp32 accumulator counted: 18 B/param in bf16).
 
     Returns:
         dict: ``layers`` (K), ``budget_bytes`` (``free_bytes - streamed_bytes - reserve_bytes``, >= 0),
@@ -163,7 +168,7 @@ def capacity_room(units, layout: dict, compute_dtype: torch.dtype, free_bytes: i
     budget = max(0, free - slots - resident - reserve)
     view = [SimpleNamespace(numel=int(layout["unit_numel"][k]), state_numel=int(layout["unit_state_numel"][k]))
             for k, u in enumerate(units) if u.kind == "layer"]
-    k = plan_device_state_layers(view, compute_dtype, budget, fraction=1.0)
+    k = plan_device_state_layers(view, compute_dtype, budget, fraction=1.0, with_grad=with_grad)
     return dict(layers=k, budget_bytes=budget, free_bytes=free, streamed_bytes=slots + resident,
                 reserve_bytes=reserve, reserve=source)
 

@@ -264,13 +264,15 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         compute_copy = True  # an explicit K's layers are on the device anyway: exclusive costs them no device memory
     chosen_streamed: List[int] = streamed_choice(compute_copy, streamable or [], fits, need_of)
     need = need_of([], 0)
-    dev_free = held_free(device_free, need["host_plan"]["layout"], chosen_streamed, compute_dtype)
+    held = [] if with_accumulator else chosen_streamed  # summed gradients go to the host accumulator: none held
+    dev_free = held_free(device_free, need["host_plan"]["layout"], held, compute_dtype)
+    grad = True if with_accumulator else None  # summed gradients: each exclusive layer's fp32 accumulator too
     n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
-        units, need, compute_dtype, keep_layers, dev_free)
+        units, need, compute_dtype, keep_layers, dev_free, grad)
     n_auto, capacity = n_excl, None
     if exclusive_ok and dev_free is not None and n_excl < len(layers) and not fits(need_of(layers[:n_excl], 0)):
         capacity = capacity_beside_held(units, need["host_plan"]["layout"], compute_dtype, device_free,
-                                        chosen_streamed, layers, num_slots, activation_reserve)
+                                        held, layers, num_slots, activation_reserve, grad)
         n_excl = max(n_excl, capacity["layers"])
     cands = list(reversed(layers[max(keep_layers, n_excl):])) if offload_dir is not None else []  # deepest first
     chosen = need if fits(need) else None
@@ -303,13 +305,13 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     return plan
 
 
-def _exclusive_max(units, need: dict, compute_dtype, keep_layers: int, device_free: Optional[int]) -> tuple:
+def _exclusive_max(units, need: dict, compute_dtype, keep_layers: int, device_free: Optional[int], grad=None) -> tuple:
     """``(how many leading layers may be exclusive, the device bytes that rule allows or None)``."""
     if device_free is None:
         return keep_layers, None
     from .device_state_plan import exclusive_room
 
-    return exclusive_room(units, need["host_plan"]["layout"], compute_dtype, device_free)
+    return exclusive_room(units, need["host_plan"]["layout"], compute_dtype, device_free, with_grad=grad)
 
 
 def _plan_of(need: dict, offload_dir, host_memory_limit, with_accumulator: bool) -> OffloadPlan:

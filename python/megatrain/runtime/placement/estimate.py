@@ -228,7 +228,7 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     logits = logits_bytes(shape, tokens, dev.elem, rows[0])
     # with clipping at one backward per step, the master-streamed layers' gradients wait on the device for the norm
     held = sum(dev.elem * int(hp.layout["unit_numel"][k]) for k in hp.oplan.master_streamed) \
-        if cuda and run.max_grad_norm is not None and not hp.accumulating else 0
+        if cuda and run.max_grad_norm is not None and run.gradient_accumulation_steps == 1 else 0
     gpu = dev.slot_bytes + dev.resident_bytes + dev.boundary_bytes + hp.exclusive_device_bytes + held + act + logits
     # CPU device: checked for a training run (seq_len given), against what the host store leaves
     judged = run.machine.host_bytes is not None or not run_options().skip_host_memory_check

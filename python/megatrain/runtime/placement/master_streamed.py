@@ -68,7 +68,7 @@ def held_free(device_free, layout: dict, streamed: List[int], compute_dtype) -> 
 
 
 def capacity_beside_held(units, layout: dict, compute_dtype, device_free: int, streamed: List[int], layers: List[int],
-                         num_slots: int, reserve: Optional[int]) -> dict:
+                         num_slots: int, reserve: Optional[int], with_grad: Optional[bool] = None) -> dict:
     """The capacity share (:func:`~.device_state_plan.capacity_room`, the auto share holding too few) in the device
     memory the master-streamed layers' held gradients leave, counting only the layers that stay master-streamed: a
     leading layer made exclusive holds its state on the device instead of a gradient waiting there, so the share is
@@ -78,7 +78,7 @@ def capacity_beside_held(units, layout: dict, compute_dtype, device_free: int, s
     n = 0
     while True:
         free = held_free(device_free, layout, [k for k in streamed if k not in layers[:n]], compute_dtype)
-        capacity = capacity_room(units, layout, compute_dtype, free, num_slots, reserve)
+        capacity = capacity_room(units, layout, compute_dtype, free, num_slots, reserve, with_grad=with_grad)
         if capacity["layers"] <= n:
             return capacity
         n = capacity["layers"]
