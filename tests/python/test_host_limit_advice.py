@@ -48,3 +48,17 @@ def test_cpu_refusal_with_layers_placed_on_the_device_names_how_many():
     full = megatrain.estimate(_model(), device="cpu").host_bytes
     msg = _refusal(int(full * 0.75), device_state_layers=1)
     assert "wrap with device_state_layers=" in msg
+
+
+def test_estimate_with_an_explicit_k_advises_the_k_that_fits_and_says_device_on_the_cpu():
+    full = megatrain.estimate(_model(), device="cpu").host_bytes
+    limit = int(full * 0.75)
+    est = megatrain.estimate(_model(), device="cpu", device_state_layers=1, host_memory_limit=limit)
+    text = est.reason()
+    assert not est.fits and "GPU" not in text and "gpu_memory_limit" not in text
+    assert "would have to live on the device only" in text
+    k = est.exclusive_needed
+    assert f"device_state_layers={k} (the fp32 state of layers 0..{k - 1} then lives on the device only)" in text
+    m = megatrain.wrap(_model(), device="cpu", device_state_layers=k, host_memory_limit=limit)  # the advice works
+    assert m.megatrain.placement()["exclusive_layers"] == list(range(k))
+    m.megatrain.close()

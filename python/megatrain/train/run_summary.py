@@ -174,7 +174,7 @@ def summary_rows(summary: dict) -> list:
     if "pinned_bytes" in stats:
         rows.append(("pinned host memory", b(stats["pinned_bytes"])))
     if "bytes_per_param" in stats:
-        rows.append(("host bytes/param", f(stats["bytes_per_param"], ".2f")))
+        rows.append(("host store bytes/param", f(stats["bytes_per_param"], ".2f")))
     rows.append(("wall time", f"{summary['wall_time_s']:.1f} s"))
     rows.append(("model saved to", summary.get("model_dir") or "(not saved)"))
     rows.append(("tokenizer", summary.get("tokenizer") or "n/a"))

@@ -342,10 +342,13 @@ def _exclusive_reasons(est: MemoryEstimate, oplan) -> None:
         return
     cap = (f" ('auto' share) and its capacity share {oplan.capacity['layers']} ({_fmt(oplan.capacity['budget_bytes'])} "
            f"with a {_fmt(oplan.capacity['reserve_bytes'])} activation reserve)" if oplan.capacity else "")
-    est.reasons.append(f"the fp32 state of {oplan.exclusive_needed} decoder layers would have to live on the GPU only "
+    where = "GPU" if est.device.startswith("cuda") else "device"
+    est.reasons.append(f"the fp32 state of {oplan.exclusive_needed} decoder layers would have to live on the {where} only "
                        f"for the host part to fit, but the device budget holds {oplan.exclusive_max}{cap}")
-    est.advice.append("raise gpu_memory_limit (or use a GPU with more memory), raise host_memory_limit / host memory, "
-                      "or pass offload_dir=<a local disk>")
+    k = oplan.exclusive_needed  # an explicit device_state_layers=K sized the budget (no device budget was read)
+    more = (f"device_state_layers={k} (the fp32 state of layers 0..{k - 1} then lives on the {where} only)"
+            if oplan.device_budget_bytes is None else "raise gpu_memory_limit (or use a GPU with more memory)")
+    est.advice.append(f"{more}, raise host_memory_limit / host memory, or pass offload_dir=<a local disk>")
 
 
 def _smaller_store_advice(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, have: int,
