@@ -383,3 +383,18 @@ def test_host_memory_limit_above_the_compute_copies_names_what_stays_in_ram():
     line = est.reason()
     assert "compute copies alone" not in line, line
     assert "resident unit" in line and "offload_dir cannot help" in line, line
+
+
+def test_a_config_field_as_a_keyword_is_refused_in_one_line_saying_where_it_goes(tmp_path):
+    """Extra keywords go to the model's constructor (from_config); a config field there is refused in one line that
+    says how to change the config, instead of transformers' bare TypeError."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96).save_pretrained(str(tmp_path))
+    with pytest.raises(TypeError) as info:
+        megatrain.estimate(str(tmp_path), device="cpu", hidden_size=64)
+    msg = str(info.value)
+    assert msg.startswith("megatrain.estimate: the model's constructor refused hidden_size") and "\n" not in msg
+    assert "AutoConfig.from_pretrained(path, hidden_size=...)" in msg
+    assert megatrain.estimate(str(tmp_path), device="cpu", attn_implementation="eager").fits  # a constructor keyword

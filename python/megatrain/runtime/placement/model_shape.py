@@ -27,6 +27,20 @@ def has_weight_files(path: str) -> bool:
     return any(glob.glob(os.path.join(glob.escape(path), p)) for p in WEIGHT_FILES)
 
 
+def _meta(meta_model, config, model_kwargs: dict):
+    """``meta_model(config, **model_kwargs)``; a keyword the model's constructor refuses (a config field such as
+    ``hidden_size``, a typo) raises one line saying where such a change goes."""
+    try:
+        return meta_model(config, **model_kwargs)
+    except TypeError as e:
+        if not model_kwargs:
+            raise
+        names = ", ".join(sorted(model_kwargs))
+        raise TypeError(f"megatrain.estimate: the model's constructor refused {names} (extra keywords go to "
+                        f"AutoModelForCausalLM.from_config: {e}); to change the config, pass a transformers config "
+                        f"with them set (transformers.AutoConfig.from_pretrained(path, {names.split(', ')[0]}=...))") from None
+
+
 def model_to_plan(model, model_kwargs: dict, transform):
     """``(module, config, in_memory)``: the model to plan (meta for a config / directory), its config, and
     whether its weights are in memory (an ``nn.Module``: their bytes are freed while the store is filled).
@@ -61,7 +75,7 @@ def model_to_plan(model, model_kwargs: dict, transform):
         weights = has_weight_files(path)
         index = CheckpointIndex(path) if weights else None  # headers only
         config = _load_config(path)
-        meta = meta_model(config, **model_kwargs)
+        meta = _meta(meta_model, config, model_kwargs)
         if index is not None:
             _CheckpointSource(meta, index)  # every parameter present with its shape (headers only)
     else:
@@ -71,7 +85,7 @@ def model_to_plan(model, model_kwargs: dict, transform):
             raise TypeError(f"megatrain.estimate: expected an nn.Module, a transformers config or a local model "
                             f"directory, got {type(model).__name__}")
         config = model
-        meta = meta_model(config, **model_kwargs)
+        meta = _meta(meta_model, config, model_kwargs)
     if transform is not None:
         with torch.device("meta"):
             meta = transform(meta)
