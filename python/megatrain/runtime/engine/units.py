@@ -109,8 +109,8 @@ def plan_host_memory(units: List[Unit], compute_dtype: torch.dtype, grad_accumul
         compute_dtype: ``torch.bfloat16`` or ``torch.float32``.
         grad_accumulator: ``True``: the fp32 accumulator is a store section; ``None`` / ``False``: not.
         staging_buffers: pinned staging buffers for layer gradients.
-        offloaded: per unit, whether its fp32 sections live in the disk tier (the store then holds
-            its compute section only; see :mod:`..placement.disk_plan`). None: none.
+        offloaded: per unit, whether its fp32 sections live in the disk tier or on the device only (an
+            exclusive layer; see :mod:`..placement.disk_plan`). None: none.
         compute_absent: per unit, whether it has no compute section (a master-streamed layer, an exclusive
             device-state layer without a frozen entry). None: none.
 

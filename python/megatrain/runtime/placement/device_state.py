@@ -25,9 +25,9 @@ sections (same per-entry offsets):
 accumulator (the resident unit: 16 beside its existing compute copy); the host
 store keeps its sections for these layers too (they are the checkpoint / state_dict surface),
 except for an *exclusive* layer (``DeviceUnit.exclusive``: chosen at wrap when the host store of
-every unit would not fit the host budget, :func:`~.disk_plan.plan_offload`): the host store then
-holds its compute section only, its fp32 state lives on the device alone, and readers stream it
-through the device tier (:mod:`.device_tier`) as they read the disk tier's.
+every unit would not fit the host budget, :func:`~.disk_plan.plan_offload`): the host store then holds
+nothing of it (a frozen entry's compute copy only), its state lives on the device alone (the compute buffer
+cast from the device master), and readers stream it through the device tier (:mod:`.device_tier`).
 
 The update runs on the device in ``optimizer.step()`` (with clipping after the global norm is known;
 without it, with the fused kernel, enqueued before ``step()`` waits for the gradients, the

@@ -2,9 +2,10 @@
 
 An exclusive device-state layer (``DeviceUnit.exclusive``, chosen at wrap when the host store of
 every unit does not fit the host budget: :func:`~.disk_plan.plan_offload`) keeps its fp32 master,
-``exp_avg``, ``exp_avg_sq`` and gradient accumulator in its device buffers alone: the host store
-holds its compute section only (``HostStore(offloaded=...)``, as for a disk-tier unit), so host and
-device memory together hold the model.
+``exp_avg``, ``exp_avg_sq`` and gradient accumulator in its device buffers alone: the host store has no
+fp32 section of it (``HostStore(offloaded=...)``, as for a disk-tier unit) and, unless a frozen entry keeps
+its compute copy there, no compute section either (``compute_absent``), so host and device memory together
+hold the model.
 
 :class:`DeviceTier` gives the main thread the same calls the disk tier's
 :class:`~.disk_tier.DiskOffload` gives it (``window`` / ``section`` / ``view`` / ``read`` /
