@@ -343,3 +343,26 @@ def test_false_with_no_eligible_layer_warns_that_nothing_is_streamed():
         model = megatrain.wrap(_model(), device="cpu", host_compute_copy=False)
     assert model.megatrain.placement()["master_streamed_layers"]
     model.megatrain.close()
+
+
+def test_master_streamed_layers_moved_to_the_device_train_and_read_as_the_compute_copy_layout():
+    """The planner's second decision may put master-streamed layers' state on the device (resize_device_state): their
+    direct gradients then sit in the device compute buffer, and a state_dict read between backward and step (the
+    host store made current: no compute section to write) works; training stays bit-identical to the same moves in
+    the layout with a compute copy."""
+    def run(copy):
+        m = megatrain.wrap(_model(), device="cpu", host_compute_copy=copy, device_state_layers=0)
+        opt = _opt(m, 1, 1.0)
+        for s, (x,) in enumerate(make_batches(VOCAB, 4, 1, 2, 8, seed=3)):
+            if s == 1:
+                m.megatrain.resize_device_state(2)
+                assert m.megatrain.placement()["device_state_layers"] == 2
+            m(input_ids=x, labels=x).loss.backward()
+            _ = {k: v.clone() for k, v in m.state_dict().items()}
+            opt.step()
+            opt.zero_grad()
+        return _state(m, opt), m.megatrain.placement()["master_streamed_layers"]
+
+    (a, streamed), (b, _) = run(False), run(True)
+    assert streamed == list(range(LAYERS))
+    _assert_same(a, b)
