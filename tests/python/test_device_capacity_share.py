@@ -186,3 +186,19 @@ def test_an_unplanned_accumulator_that_does_not_fit_the_device_is_refused_in_one
     assert all(u.device_state.grad is None for u in eng.device_state.units) and eng.accumulator.nbytes() == 0
     monkeypatch.undo()  # with the device memory there, the device check passes (the host limit is its own check)
     eng.device_state.check_accumulator()
+
+
+def test_a_slightly_short_host_makes_an_auto_share_layer_exclusive_before_master_streaming(monkeypatch):
+    """host_compute_copy="auto" (the default) with the host one byte short: the layers the "auto" share puts on the
+    device anyway (device_state_layers="auto") are tried exclusive first, which costs no device memory beyond that
+    placement and no streaming; only when they are not enough are the deepest layers master-streamed."""
+    _fake_device(monkeypatch)
+    full = _full_host()
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers="auto", host_memory_limit=full - 1)
+    pl = model.megatrain.placement()
+    assert pl["exclusive_layers"] == [0] and pl["master_streamed_layers"] == [] and pl["exclusive_share"] == "auto"
+    model.megatrain.close()
+    # an explicit device_state_layers=0 puts no layer on the device: the deepest layer is master-streamed instead
+    model = megatrain.wrap(_model(), device="cpu", device_state_layers=0, host_memory_limit=full - 1)
+    pl = model.megatrain.placement()
+    assert pl["exclusive_layers"] == [] and pl["master_streamed_layers"] == [len(model.megatrain.layers) - 1]

@@ -38,8 +38,6 @@ from .master_streamed import capacity_beside_held, held_free, streamed_choice
 from .offload_plan import OffloadPlan
 
 _C = load_extension()
-
-
 _gib = format_bytes  # as the estimate's table prints bytes
 
 
@@ -142,10 +140,9 @@ def free_bytes(directory: str) -> int:
 
 def _host_need(units, compute_dtype, accumulator_mode, staging_buffers, on_disk, num_buffers, cuda,
                with_accumulator, exclusive=(), streamed=()) -> dict:
-    """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier, those of the
-    units ``exclusive`` (indices) on the device only (one window's scratch buffer counted for them; without a
-    frozen entry, no compute section either: their device compute buffer is their only one), and the units
-    ``streamed`` (indices; those neither on disk nor exclusive) master-streamed: no compute section."""
+    """Host bytes with the fp32 sections of the units flagged ``on_disk`` in the disk tier, the units ``exclusive``
+    (indices) on the device only (one window's scratch buffer counted; no compute section unless a frozen entry
+    keeps it), and the units ``streamed`` (neither on disk nor exclusive) master-streamed: no compute section."""
     from ..engine.units import plan_host_memory
 
     offloaded = list(on_disk)
@@ -191,18 +188,18 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
     """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
     allocated or written.
 
-    Order of preference: everything in the host store; with an explicit ``keep_layers`` K, the fewest of layers
-    ``0 .. K-1`` exclusive when that suffices (on the device anyway); then (``compute_copy="auto"``) the fewest
-    deepest ``streamable`` layers *master-streamed* (no compute section in the host store: the slot is filled
-    from the fp32 master); then *exclusive* device-state layers (whole state on the device alone: the host store
-    keeps only a frozen entry's compute copy; :mod:`.device_tier`), the fewest leading layers (0, then 0..1, ...) that make
-    the host part fit: under ``device_free``, first of those the ``"auto"`` share holds, and when that is too
-    few, of those the *capacity share* holds (:func:`~.master_streamed.capacity_beside_held`: the free device bytes
-    less the streamed schedule's minimum, an activation reserve and the held gradients of the layers still
-    master-streamed; ``plan.exclusive_share`` says which); then,
-    with ``offload_dir`` and every layer the device budget allows exclusive, the deepest layers' fp32 state on
-    disk, as few as make it fit (never the resident unit, never layers ``0 .. keep_layers-1`` or an exclusive
-    one). The device-state layers that need not be exclusive keep their host sections (the planner may move them).
+    Order of preference: everything in the host store; the fewest of the layers on the device anyway (an explicit
+    ``keep_layers`` K, or the ``"auto"`` share under ``device_free``) exclusive when that suffices; then
+    (``compute_copy="auto"``) the fewest deepest ``streamable`` layers *master-streamed* (no compute section in the
+    host store: the slot is filled from the fp32 master); then *exclusive* device-state layers (whole state on the
+    device alone: the host store keeps only a frozen entry's compute copy; :mod:`.device_tier`), the fewest leading
+    layers that make the host part fit: under ``device_free``, of those the ``"auto"`` share holds, and when that
+    is too few, of those the *capacity share* holds (:func:`~.master_streamed.capacity_beside_held`: the free
+    device bytes less the streamed schedule's minimum, an activation reserve and the held gradients of the layers
+    still master-streamed; ``plan.exclusive_share`` says which); then, with ``offload_dir`` and every layer the
+    device budget allows exclusive, the deepest layers' fp32 state on disk, as few as make it fit (never the
+    resident unit, never layers ``0 .. keep_layers-1`` or an exclusive one). Other device-state layers keep their
+    host sections (the planner may move them).
 
     Fitting: ``store + staging + the tiers' RAM pools + one exclusive unit's scratch [+ accumulators]``
     within ``host_memory_limit`` (if given) and the host budget check's limits (MemAvailable, cgroup,
@@ -259,14 +256,16 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         return _host_need(units, compute_dtype, accumulator_mode, staging_buffers, off, num_buffers, cuda,
                           with_accumulator, excl, chosen_streamed if streamed is None else streamed)
 
-    if compute_copy == "auto" and keep_layers and exclusive_ok and any(
-            fits(need_of(layers[:j], 0, streamed=[])) for j in range(1, min(keep_layers, len(layers)) + 1)):
-        compute_copy = True  # an explicit K's layers are on the device anyway: exclusive costs them no device memory
+    grad = True if with_accumulator else None  # summed gradients: each exclusive layer's fp32 accumulator too
+    on_device = keep_layers if device_free is None or not exclusive_ok else _exclusive_max(  # the speed placement's
+        units, need_of([], 0, streamed=[]), compute_dtype, keep_layers, device_free, grad)[0]
+    if compute_copy == "auto" and exclusive_ok and any(
+            fits(need_of(layers[:j], 0, streamed=[])) for j in range(1, min(on_device, len(layers)) + 1)):
+        compute_copy = True  # layers on the device anyway (K, or the auto share): exclusive costs no device memory
     chosen_streamed: List[int] = streamed_choice(compute_copy, streamable or [], fits, need_of)
     need = need_of([], 0)
     held = [] if with_accumulator else chosen_streamed  # summed gradients go to the host accumulator: none held
     dev_free = held_free(device_free, need["host_plan"]["layout"], held, compute_dtype)
-    grad = True if with_accumulator else None  # summed gradients: each exclusive layer's fp32 accumulator too
     n_excl, budget = (0, None) if fits(need) or not exclusive_ok else _exclusive_max(
         units, need, compute_dtype, keep_layers, dev_free, grad)
     n_auto, capacity = n_excl, None
