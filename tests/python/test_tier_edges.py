@@ -1,0 +1,36 @@
+"""Edge cases of the tiers where a layer's state is not all in the host store: exclusive device-state
+layers (no host section at all), master-streamed layers (no host compute copy) and the disk tier. Each
+scenario is compared with the same training with every section in the host store (bit-identical where the
+updates run in the same place) or refused in one line where megatrain cannot do what torch would."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import megatrain
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parity import make_batches  # noqa: E402
+from test_disk_offload import VOCAB, _wrap as _disk_wrap  # noqa: E402
+
+
+def test_a_write_into_a_disk_layers_state_dict_copy_is_refused_not_lost(tmp_path):
+    """``model.state_dict()`` of a disk-tier layer is a copy read from the tier (there is no lasting host view):
+    an in-place write into it cannot reach the weights. It was dropped silently (the next steps trained on the
+    old weights); the next forward now refuses it in one line naming ``load_state_dict``, as for an exclusive
+    device-state layer's copy."""
+    model = _disk_wrap(tmp_path)
+    name = next(e.name for e in model.megatrain.disk.units[-1].entries if not e.frozen)
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
+    sd = model.state_dict()
+    sd[name].mul_(0)
+    with pytest.raises(RuntimeError, match=r"disk tier.*model\.load_state_dict") as ei:
+        model(input_ids=x, labels=x)
+    assert "\n" not in str(ei.value)
+    assert model.state_dict()[name].abs().sum() > 0  # nothing applied
+    model(input_ids=x, labels=x)  # refused once: the next forward runs
+    model.load_state_dict({name: torch.zeros_like(sd[name])}, strict=False)  # the way that works
+    assert model.state_dict()[name].abs().sum() == 0
+    model.megatrain.close()
