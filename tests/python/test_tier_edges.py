@@ -34,3 +34,19 @@ def test_a_write_into_a_disk_layers_state_dict_copy_is_refused_not_lost(tmp_path
     model.load_state_dict({name: torch.zeros_like(sd[name])}, strict=False)  # the way that works
     assert model.state_dict()[name].abs().sum() == 0
     model.megatrain.close()
+
+
+def test_reading_a_closed_models_disk_layers_says_it_was_closed(tmp_path):
+    """After ``model.megatrain.close()`` the disk tier's state is gone: ``state_dict()``, ``master_state_dict`` and
+    ``save_checkpoint`` raised ``AttributeError: 'NoneType' object has no attribute 'acquire'``; now one line saying
+    the model was closed and what to do (before any checkpoint file is written)."""
+    model = _disk_wrap(tmp_path)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    model.megatrain.close()
+    for read in (model.state_dict, lambda: megatrain.master_state_dict(model), opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"closed.*model\.megatrain\.close\(\)") as ei:
+            read()
+        assert "\n" not in str(ei.value)
+    with pytest.raises(RuntimeError, match="closed"):
+        megatrain.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert not os.path.exists(tmp_path / "ckpt") or not os.listdir(tmp_path / "ckpt")
