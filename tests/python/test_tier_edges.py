@@ -50,3 +50,44 @@ def test_reading_a_closed_models_disk_layers_says_it_was_closed(tmp_path):
     with pytest.raises(RuntimeError, match="closed"):
         megatrain.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert not os.path.exists(tmp_path / "ckpt") or not os.listdir(tmp_path / "ckpt")
+
+
+def test_reads_and_moment_writes_between_backward_and_step_without_host_compute_sections():
+    """Layer 0 exclusive (no host section), the other eligible layers master-streamed (no host compute copy):
+    ``state_dict()`` / ``master_state_dict`` / ``optimizer.state_dict()`` reads between micro-batches and before
+    ``step()``, and in-place writes into ``optimizer.state[p]["exp_avg"]`` of both kinds of layer, train
+    bit-identically to every section in the host store (the same layer on the device, with host sections)."""
+    import test_all_tiers as T
+
+    ga, batches = 2, make_batches(T.VOCAB, 3, 2, 2, 8, seed=3)
+    streamed = megatrain.wrap(T._model(), host_compute_copy=False, **T._kw(ga))
+    need = streamed.megatrain.offload_plan.host_bytes
+    streamed.megatrain.close()
+    written = ["model.layers.0.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"]
+
+    def reads(m, opt):
+        m.state_dict(), megatrain.master_state_dict(m), opt.state_dict()
+
+    out = []
+    for kw in (dict(host_compute_copy=True), dict(host_compute_copy=False, host_memory_limit=need - 1)):
+        m = megatrain.wrap(T._model(), **kw, **T._kw(ga))
+        pl = m.megatrain.placement()
+        assert (pl["exclusive_layers"], 3 in pl["master_streamed_layers"]) == (([0], True) if "host_memory_limit" in kw
+                                                                                else ([], False))
+        opt = T._opt(m, ga, 1.0)
+        params = dict(m.named_parameters())
+        for s, micro in enumerate(batches):
+            for x in micro:
+                (m(input_ids=x, labels=x).loss / ga).backward()
+                reads(m, opt)
+            if s == 1:
+                for k in written:
+                    opt.state[params[k]]["exp_avg"].mul_(0.5)
+            opt.step()
+            opt.zero_grad()
+        out.append({**megatrain.master_state_dict(m), **{f"{k}.exp_avg": opt.state[params[k]]["exp_avg"].clone()
+                                                         for k in written}})
+        m.megatrain.close()
+    assert out[0].keys() == out[1].keys()
+    for k in out[0]:
+        assert torch.equal(out[0][k], out[1][k]), k
