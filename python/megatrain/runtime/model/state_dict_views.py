@@ -35,8 +35,8 @@ class _Masters:
     weights as torch's do; the other device-state units' host masters are refreshed when read.
 
     A unit whose fp32 state is in the disk tier, or on the device only (an exclusive device-state
-    layer), has no lasting view: :meth:`get` reads a copy (an exclusive layer's is tracked like a
-    frozen bf16 entry's, below: a write into it is refused, not lost), and
+    layer), has no lasting view: :meth:`get` reads a copy (tracked like a frozen bf16 entry's, below:
+    a write into it is refused, not lost), and
     :meth:`for_load` hands torch's load a copy that :func:`.module_api._restore_placeholders` writes
     back.
 
@@ -69,9 +69,9 @@ class _Masters:
                     return out
             elif self.eng.state_tier(u) is not None:  # on disk / on the device only: a copy, read now
                 out = self.eng.state_tier(u).read(u, i, "master")
-                if is_exclusive(u):  # tracked: a write into it is refused (take_writes), as the docs promise writes
-                    live = [(r, ver) for r, ver in self._copies.get(key, ()) if r() is not None]
-                    self._copies[key] = live + [(weakref.ref(out), out._version)]
+                # tracked: a write into it is refused (take_writes), not lost
+                live = [(r, ver) for r, ver in self._copies.get(key, ()) if r() is not None]
+                self._copies[key] = live + [(weakref.ref(out), out._version)]
                 return out
             else:
                 v = self.eng.entry_view(u, i, "master")
@@ -184,11 +184,12 @@ class _Masters:
             if any(r()._version != ver for r, ver in live):
                 self._copies[key] = [(r, ver) for r, ver in live if r()._version == ver]
                 e = self.eng.units[key[0]].entries[key[1]]
-                if not e.frozen:  # an exclusive device-state layer's master (get)
+                if not e.frozen:  # the master of an exclusive device-state layer or a disk-tier layer (get)
+                    where = "lives on the device only (an exclusive device-state layer, placed there because host " \
+                        "memory is short)" if is_exclusive(self.eng.units[key[0]]) else "is in the disk tier (offload_dir)"
                     raise RuntimeError(
                         f"megatrain: {e.name} was written in place through a model.state_dict() tensor, but its layer's "
-                        "fp32 state lives on the device only (an exclusive device-state layer, placed there because "
-                        "host memory is short): that tensor is a copy, and the write was not applied. Set it with "
+                        f"fp32 state {where}: that tensor is a copy, and the write was not applied. Set it with "
                         f"model.load_state_dict({{{e.name!r}: value}}, strict=False)")
                 dt = str(self.eng.compute_dtype).replace("torch.", "")
                 raise RuntimeError(

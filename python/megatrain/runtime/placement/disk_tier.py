@@ -213,7 +213,13 @@ class DiskOffload(OneUnitWindow):
     def _before_window(self) -> None:
         """No task may hold a unit the main thread acquires: the CPU worker is drained before a window
         (:meth:`~.unit_window.OneUnitWindow.window`; a :meth:`view` of another unit releases the one
-        held, dirty when the window writes)."""
+        held, dirty when the window writes).
+
+        Raises:
+            RuntimeError: the tier was closed (:meth:`close`): its units' state is gone."""
+        if self.tier is None:
+            raise RuntimeError("megatrain: this model was closed (model.megatrain.close()): the state of its disk-tier "
+                               "layers is gone; load the last checkpoint into a newly wrapped model")
         self.eng.worker.drain()
 
     def _release_held(self, run_callback: bool = True) -> None:
