@@ -91,3 +91,28 @@ def test_reads_and_moment_writes_between_backward_and_step_without_host_compute_
     assert out[0].keys() == out[1].keys()
     for k in out[0]:
         assert torch.equal(out[0][k], out[1][k]), k
+
+
+def test_an_in_place_write_into_a_disk_layers_optimizer_state_copy_is_refused_not_lost(tmp_path):
+    """``optimizer.state[p]["exp_avg"]`` of a disk-tier parameter is a copy read from the tier: an in-place write
+    into it was lost silently (the step used the tier's moments). The next ``step()`` now refuses it in one line
+    naming ``optimizer.load_state_dict``, before anything of the step is touched; reads stay free."""
+    model = _disk_wrap(tmp_path)
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    name = next(e.name for e in model.megatrain.disk.units[-1].entries if not e.frozen)
+    p = dict(model.named_parameters())[name]
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    before = opt.state[p]["exp_avg"].clone()  # a read: nothing to refuse
+    model(input_ids=x, labels=x).loss.backward()
+    opt.state[p]["exp_avg"].fill_(0.5)
+    with pytest.raises(RuntimeError, match=r"^megatrain: optimizer.state\[p\]\['exp_avg'\] of .* disk tier .*"
+                                           r"optimizer.load_state_dict") as ei:
+        opt.step()
+    assert "\n" not in str(ei.value) and name.endswith(str(ei.value).split(" of ")[1].split(" was ")[0])
+    assert torch.equal(opt.state[p]["exp_avg"], before)  # the tier's moments: untouched
+    opt.step()  # refused once: the step then runs
+    assert not torch.equal(opt.state[p]["exp_avg"], before)
+    model.megatrain.close()

@@ -5,21 +5,66 @@ from __future__ import annotations
 
 class TierValue:
     """``exp_avg`` / ``exp_avg_sq`` of a parameter whose fp32 state is in the disk tier
-    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed.
+    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed, and remembers the
+    copies it handed out so that an in-place write into one (which cannot reach the tier) is refused at the next
+    ``step()`` (:meth:`written`) instead of being lost.
 
     Args:
         read: called with no argument, returns the value (a fresh fp32 CPU tensor).
+        recent: the optimizer's :class:`RecentCopies` (keeps the latest copies alive until the step's check, so
+            ``optimizer.state[p]["exp_avg"].fill_(0)`` on a copy nobody holds is seen too).
     """
 
-    __slots__ = ("read",)
+    __slots__ = ("read", "_copies", "_recent")
 
-    def __init__(self, read):
+    def __init__(self, read, recent=None):
         self.read = read
+        self._copies: list = []  # (weakref to a handed-out copy, its version counter then)
+        self._recent = recent
+
+    def read_tracked(self):
+        """A fresh copy (:attr:`read`), remembered for :meth:`written`."""
+        import weakref
+
+        v = self.read()
+        self._copies = [(r, ver) for r, ver in self._copies if r() is not None] + [(weakref.ref(v), v._version)]
+        if self._recent is not None:
+            self._recent.hold(v)
+        return v
+
+    def written(self) -> bool:
+        """Whether a copy handed out by :meth:`read_tracked` and still alive was written in place (forgets them)."""
+        seen = any(r() is not None and r()._version != ver for r, ver in self._copies)
+        self._copies = []
+        return seen
 
 
-def value_of(v):
-    """``v`` itself, or what a :class:`TierValue` reads now."""
-    return v.read() if isinstance(v, TierValue) else v
+class RecentCopies:
+    """The disk-tier moment copies handed out since the last ``step()``, kept alive up to ``cap_bytes`` (the
+    latest first; older ones are then tracked only while the user holds them)."""
+
+    def __init__(self, cap_bytes: int = 256 << 20):
+        self.cap_bytes = cap_bytes
+        self._held: list = []
+        self._bytes = 0
+
+    def hold(self, t) -> None:
+        n = t.numel() * t.element_size()
+        self._held.append(t)
+        self._bytes += n
+        while self._held and self._bytes > self.cap_bytes:
+            old = self._held.pop(0)
+            self._bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self._held, self._bytes = [], 0
+
+
+def value_of(v, track: bool = False):
+    """``v`` itself, or what a :class:`TierValue` reads now (``track``: a copy handed to the user)."""
+    if isinstance(v, TierValue):
+        return v.read_tracked() if track else v.read()
+    return v
 
 
 class ParamState(dict):
@@ -43,7 +88,7 @@ class ParamState(dict):
 
     def __getitem__(self, k):
         self._wait()
-        return value_of(super().__getitem__(k))
+        return value_of(super().__getitem__(k), track=True)
 
     def __setitem__(self, k, v):
         """``optimizer.state[p]["exp_avg"] = t`` (or ``exp_avg_sq``): as in torch, ``t`` is the state from now
@@ -73,15 +118,15 @@ class ParamState(dict):
 
     def get(self, k, default=None):
         self._wait()
-        return value_of(super().get(k, default))
+        return value_of(super().get(k, default), track=True)
 
     def items(self):
         self._wait()
-        return [(k, value_of(v)) for k, v in super().items()]
+        return [(k, value_of(v, track=True)) for k, v in super().items()]
 
     def values(self):
         self._wait()
-        return [value_of(v) for v in super().values()]
+        return [value_of(v, track=True) for v in super().values()]
 
     def __reduce__(self):
         return (dict, (dict(self.items()),))
