@@ -259,9 +259,10 @@ def test_explicit_k_makes_only_the_fewest_layers_exclusive():
     assert [u.index for u in eng.device_state.layers] == [0]
 
 
-def _auto_room(monkeypatch, layers_room):
+def _auto_room(monkeypatch, layers_room, with_grad=None):
     """``device_state_layers="auto"`` on the CPU backend sees room (the whole free "device" memory, fraction 1)
-    for the resident unit's state and ``layers_room`` layers' whole state: the device budget's test seam."""
+    for the resident unit's state and ``layers_room`` layers' whole state (``with_grad``: with their fp32
+    accumulators, as a wrap with ``grad_accumulator=True`` counts them): the device budget's test seam."""
     import importlib
 
     dsp = importlib.import_module("megatrain.runtime.placement.device_state_plan")
@@ -269,7 +270,7 @@ def _auto_room(monkeypatch, layers_room):
     sizer = kept_wrap(_model(), device="cpu", device_state_layers=0).megatrain
     res = next(u for u in sizer.units if u.kind == "resident")
     room = dsp.unit_device_bytes(res, torch.float32, with_compute=False) + \
-        sum(dsp.unit_device_bytes(u, torch.float32) for u in sizer.layers[:layers_room])
+        sum(dsp.unit_device_bytes(u, torch.float32, with_grad=with_grad) for u in sizer.layers[:layers_room])
     sizer.close()
     monkeypatch.setattr(dsp, "AUTO_DEVICE_STATE_FRACTION", 1.0)
     monkeypatch.setattr(core.Engine, "free_device_bytes", lambda self: room)
@@ -281,7 +282,7 @@ def test_auto_makes_the_fewest_layers_exclusive_and_trains_bit_identically(monke
     """The default planner (device_state_layers="auto") over a host limit below the whole model's need:
     layer 0 alone becomes exclusive, the other device-state layers keep host sections, and training is
     bit-identical to the same placement with every section in the host store."""
-    _auto_room(monkeypatch, 3)
+    _auto_room(monkeypatch, 3, with_grad=True if ga > 1 else None)
     kw = dict(device="cpu", device_state_layers="auto", **({"grad_accumulator": True} if ga > 1 else {}))
     ref = kept_wrap(_model(), **kw)
     model = kept_wrap(_model(), host_memory_limit=_full_host(ga) - 1, **kw)

@@ -182,7 +182,9 @@ class DeviceStateLayers:
             # reserved) the free bytes their plan read, so that the same rule places them and the others
             planned = getattr(eng, "planned_device_free", None)
             free = planned if self.device_state is not None and planned is not None else eng.free_device_bytes()
-            resident, layers = dsp.plan_auto_units(eng.device_state_resident(), on_host, self.compute_dtype, free)
+            summed = True if getattr(eng, "accumulator_mode", None) is True else None  # as plan_offload sized them
+            resident, layers = dsp.plan_auto_units(eng.device_state_resident(), on_host, self.compute_dtype, free,
+                                                   with_grad=summed)
             if eng.offload_plan.exclusive_share == "capacity":  # the capacity share holds the exclusive layers
                 resident, layers = [], 0  # alone: nothing more of the device goes to state (the rest: activations)
         if self.device_state is not None and isinstance(layers, int):  # "auto" / "boundary": never fewer than
