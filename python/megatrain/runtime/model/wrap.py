@@ -146,10 +146,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             fp32 master, exp_avg and exp_avg_sq (14 B/param at one backward per step). ``False``: no layer
             keeps it (*master-streamed*, 12 B/param): its slot is filled from the fp32 master, cast on the
             device (the same bits), and its gradients wait on the device for its update; ``True``: every
-            layer keeps it; ``"auto"`` (default): kept unless the host store does not fit, then the fewest,
-            deepest layers are master-streamed before any layer's fp32 state goes to the device only or to
-            disk. Layers with a frozen parameter, disk-tier or device-exclusive layers and data parallel
-            runs keep the compute copy (``megatrain.runtime.placement.master_streamed``).
+            host-stored layer keeps it; ``"auto"`` (default): kept unless the host store does not fit, then
+            (after the layers on the device anyway, made exclusive) the fewest, deepest layers are
+            master-streamed before more layers' state goes to the device only or to disk. Layers with a frozen
+            parameter, disk-tier layers and data parallel runs keep the compute copy; a device-exclusive layer
+            has none in host memory, whatever this says (``megatrain.runtime.placement.master_streamed``).
         reuse_attention: under ``block:K``, keep the attention output and log-sum-exp that the
             backward's re-run of a block computes, so that each layer's own re-run with grad takes
             them instead of running its attention forward again (SDPA's cuDNN / flash kernels;

@@ -7,12 +7,13 @@ fp32 master (H2D, then cast on the device: the same bits as the compute copy the
 written), and its bf16 gradients wait on the device until its update may run (after the global norm with
 ``max_grad_norm``), then go D2H into the bounded pinned staging pool that the CPU AdamW reads.
 
-``wrap(host_compute_copy=...)``: ``True`` keeps the compute copy for every layer; ``False`` streams every
+``wrap(host_compute_copy=...)``: ``True`` keeps the compute copy for every host-stored layer; ``False`` streams every
 eligible layer from its master; ``"auto"`` (the default) keeps it unless the host store does not fit, and
-then streams the fewest, deepest eligible layers, before any layer's fp32 state is made device-exclusive or
-goes to disk (:func:`~.disk_plan.plan_offload`). Eligible (:func:`master_streamable`): decoder layers
-without a frozen entry (a frozen entry's only copy is its compute copy), not under data parallel; a layer
-whose fp32 state is on disk or device-exclusive keeps its compute section.
+then (unless the layers on the device anyway suffice, made exclusive) streams the fewest, deepest eligible
+layers, before more layers' state is made device-exclusive or goes to disk (:func:`~.disk_plan.plan_offload`).
+Eligible (:func:`master_streamable`): decoder layers without a frozen entry (a frozen entry's only copy is
+its compute copy), not under data parallel; a disk-tier layer keeps its compute section (it streams from
+it), a device-exclusive one has no host section at all.
 """
 
 from __future__ import annotations
