@@ -116,3 +116,20 @@ def test_an_in_place_write_into_a_disk_layers_optimizer_state_copy_is_refused_no
     opt.step()  # refused once: the step then runs
     assert not torch.equal(opt.state[p]["exp_avg"], before)
     model.megatrain.close()
+
+
+def test_a_closed_model_refuses_a_forward_in_one_line():
+    """After ``model.megatrain.close()`` a forward ran and the next backward failed in the C++ worker ("submit after
+    close()"); the forward itself now says the model was closed and what to do, before anything runs."""
+    from test_master_streamed import _model as _small
+
+    model = megatrain.wrap(_small(), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    model.megatrain.close()
+    with pytest.raises(RuntimeError, match=r"^megatrain: this model was closed \(model.megatrain.close\(\)\)") as ei:
+        model(input_ids=x, labels=x)
+    assert "\n" not in str(ei.value)
+    assert megatrain.master_state_dict(model)  # the host store's state can still be read

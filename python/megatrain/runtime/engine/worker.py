@@ -117,3 +117,6 @@ class _Worker:
     def close(self) -> None:
         """Run what is queued, then stop the thread (idempotent)."""
         self._w.close()
+        self.closed = True
+
+    closed = False  # close() ran: no task may be submitted any more

@@ -314,10 +314,14 @@ class WrappedEngine(Engine):
                 the graph of a forward whose backward has not finished): one line, before anything
                 is touched (:mod:`.thread_guard`).
             UnsupportedModelError: the MoE router logits were asked for (``output_router_logits``).
-            RuntimeError: the CPU worker (or the disk tier) failed earlier: the sticky failure, first
+            RuntimeError: the model was closed (``close()``); the CPU worker (or the disk tier) failed
+                earlier: the sticky failure, first
                 (the state may be partly updated; whatever thread asks).
         """
         self.check_failed()  # before the thread guard: a failed backward may still hold its graph
+        if self.worker.closed:
+            raise RuntimeError("megatrain: this model was closed (model.megatrain.close()) and cannot run a forward "
+                               "any more; wrap a new model (and load the last checkpoint into it) to go on")
         self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
         if (kwargs or {}).get("output_router_logits") or router_logits_asked(cfg):
