@@ -198,7 +198,10 @@ def test_a_slightly_short_host_makes_an_auto_share_layer_exclusive_before_master
     pl = model.megatrain.placement()
     assert pl["exclusive_layers"] == [0] and pl["master_streamed_layers"] == [] and pl["exclusive_share"] == "auto"
     model.megatrain.close()
-    # an explicit device_state_layers=0 puts no layer on the device: the deepest layer is master-streamed instead
-    model = megatrain.wrap(_model(), device="cpu", device_state_layers=0, host_memory_limit=full - 1)
-    pl = model.megatrain.placement()
-    assert pl["exclusive_layers"] == [] and pl["master_streamed_layers"] == [len(model.megatrain.layers) - 1]
+    # device_state_layers=0 puts no layer on the device, "boundary" the auto share's layers neither (it keeps the
+    # device for activations): the deepest layer is master-streamed instead
+    for layers in (0, "boundary"):
+        model = megatrain.wrap(_model(), device="cpu", device_state_layers=layers, host_memory_limit=full - 1)
+        pl = model.megatrain.placement()
+        assert pl["exclusive_layers"] == [] and pl["master_streamed_layers"] == [len(model.megatrain.layers) - 1]
+        model.megatrain.close()

@@ -133,10 +133,10 @@ class Engine:
         reserve = self.activation_reserve_of(self.planned_device_free) if self.activation_reserve_of else None
         self.offload_plan = plan_offload(
             units, compute_dtype, self._accumulator_mode, staging_buffers, offload_dir=offload_dir,
-            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, keep_layers=keep_host_layers
-            if explicit else 0, num_buffers=self.options.disk_buffers,  # (the CPU backend's "device" is host memory)
-            exclusive_ok=not data_parallel.active() and (self.cuda or bool(keep_host_layers)),
-            device_free=self.planned_device_free, num_slots=num_slots, activation_reserve=reserve,
+            host_memory_limit=host_memory_limit, reclaimable_bytes=credit, cuda=self.cuda, num_slots=num_slots,
+            keep_layers=keep_host_layers if explicit else 0, num_buffers=self.options.disk_buffers,
+            exclusive_ok=not data_parallel.active() and (self.cuda or bool(keep_host_layers)),  # CPU: "device" = host
+            auto_placement=keep_host_layers == "auto", device_free=self.planned_device_free, activation_reserve=reserve,
             compute_copy=host_compute_copy, streamable=master_streamable(units, data_parallel.active()),
             check=offload_dir is not None or host_memory_limit is not None or not explicit or keep_host_layers > 0)
         self.host_plan = self.offload_plan.host_plan

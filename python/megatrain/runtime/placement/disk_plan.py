@@ -44,9 +44,8 @@ _gib = format_bytes  # as the estimate's table prints bytes
 def check_offload_args(offload_dir, host_memory_limit, where: str = "megatrain.wrap") -> Optional[str]:
     """Check ``offload_dir`` then ``host_memory_limit`` as ``wrap`` takes them; returns the absolute directory.
 
-    Nothing is kept: ``offload_dir`` may be missing (it is made, with its files, when the
-    engine is built) but its parent must exist and be writable; an existing one must be a
-    writable directory. Writable: a probe file could be created and removed there.
+    Nothing is kept: ``offload_dir`` may be missing (it is made, with its files, when the engine is built) but its
+    parent must exist and be writable (a probe file could be created and removed there), as must an existing one.
 
     Raises:
         ValueError: one line naming what is wrong.
@@ -184,7 +183,7 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
                  check: bool = True, where: str = "megatrain.wrap", limits: Optional[dict] = None,
                  exclusive_ok: bool = False, device_free: Optional[int] = None, num_slots: int = 2,
                  activation_reserve: Optional[int] = None, compute_copy="auto",
-                 streamable: Optional[List[int]] = None) -> OffloadPlan:
+                 streamable: Optional[List[int]] = None, auto_placement: bool = True) -> OffloadPlan:
     """Choose the layers whose fp32 state goes to disk or stays on the device only, before anything is
     allocated or written.
 
@@ -227,6 +226,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
         compute_copy: ``wrap``'s ``host_compute_copy`` (``"auto"``, True, False; see :func:`~.master_streamed.streamed_choice`).
         streamable: the units that may be master-streamed (:func:`~.master_streamed.master_streamable`); None: none.
             A disk unit keeps its compute section; an exclusive one has none unless it has a frozen entry.
+        auto_placement: ``device_free`` is ``device_state_layers="auto"``'s: its share's layers are on the device
+            anyway (False, ``"boundary"``: they are not, and are not tried before master-streaming).
 
     Raises:
         HostMemoryError: the host part does not fit even with every candidate layer exclusive / on disk, or
@@ -257,8 +258,8 @@ def plan_offload(units, compute_dtype: torch.dtype, accumulator_mode: Optional[b
                           with_accumulator, excl, chosen_streamed if streamed is None else streamed)
 
     grad = True if with_accumulator else None  # summed gradients: each exclusive layer's fp32 accumulator too
-    on_device = keep_layers if device_free is None or not exclusive_ok else _exclusive_max(  # the speed placement's
-        units, need_of([], 0, streamed=[]), compute_dtype, keep_layers, device_free, grad)[0]
+    on_device = keep_layers if device_free is None or not exclusive_ok else 0 if not auto_placement else _exclusive_max(
+        units, need_of([], 0, streamed=[]), compute_dtype, keep_layers, device_free, grad)[0]  # the speed placement's
     if compute_copy == "auto" and exclusive_ok and any(
             fits(need_of(layers[:j], 0, streamed=[])) for j in range(1, min(on_device, len(layers)) + 1)):
         compute_copy = True  # layers on the device anyway (K, or the auto share): exclusive costs no device memory
