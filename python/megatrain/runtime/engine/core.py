@@ -211,8 +211,8 @@ class Engine:
 
         Waits for the CPU work in flight (``units`` None: ``flush()``; else each unit's update),
         then copies the device-state layers' master / exp_avg / exp_avg_sq / compute copy into
-        their host-store sections (only those that changed since the last copy; an exclusive layer's compute
-        copy alone). ``for_write``: the caller hands those sections out writable (``optimizer.state[p]``);
+        their host-store sections (only those that changed since the last copy; of an exclusive layer only a
+        compute section a frozen entry keeps: it has no other). ``for_write``: the caller hands those sections out writable (``optimizer.state[p]``);
         the device-state units' next update copies them back to the device first. The disk units' and
         exclusive layers' fp32 state is read through :meth:`state_window`."""
         self.check_resident_params("reading the state")

@@ -106,10 +106,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             what was chosen; ``0`` keeps every unit's state in the host store (least GPU memory). The host store keeps these layers' sections too: checkpoints,
             ``state_dict()``, export and ``optimizer.state`` read and write them there (see
             ``megatrain.runtime.placement.device_state`` and docs/placement.md), unless the host
-            store of every unit does not fit the host budget: then the fp32 state of layers
-            ``0 .. K-1`` (an int K) is held on the device only ("exclusive", before any layer goes
-            to disk; ``placement()["exclusive_layers"]``), read through copies streamed one layer
-            at a time.
+            store of every unit does not fit the host budget: then the whole state of the fewest of
+            these layers that make it fit is held on the device only, with no host section
+            ("exclusive"; when these would not do, the deepest layers are master-streamed first, then
+            more leading layers made exclusive, then disk: docs/placement.md;
+            ``placement()["exclusive_layers"]``), read through copies streamed one layer at a time.
         offload_dir: a directory on a local disk (NVMe) for the fp32 state (master, ``exp_avg``,
             ``exp_avg_sq`` and, with accumulation, the gradient accumulator) of the decoder layers
             that do not fit in host memory: the deepest layers, as few as make the rest fit
@@ -121,10 +122,11 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             filesystem must have room: checked before anything is written. None (default): no disk.
         host_memory_limit: bytes of host memory megatrain may use for the store, the gradient
             staging and the disk tier's buffers: an int, or a string with a unit as ``megatrain.estimate``'s
-            ``host_memory`` takes it (``"100GiB"``, ``"1.5TB"``; KiB..TiB powers of 1024, KB..TB of 1000). None: the host budget check's limits
+            ``host_memory`` takes it (``"100GiB"``, ``"1.5TB"``; KiB..TiB powers of 1024, KB..TB of 1000);
+            ``float("inf")`` / ``"inf"``: no limit beyond the machine's. None: the host budget check's limits
             (MemAvailable, cgroup, RLIMIT_MEMLOCK). Without ``offload_dir`` a model over the limit,
-            even with the fp32 state of the device-state layers on the device only, raises
-            ``HostMemoryError`` (it names the ``device_state_layers`` that would fit).
+            even with the exclusive layers the device budget holds, raises ``HostMemoryError`` (it names
+            the ``device_state_layers`` that would fit for an explicit K, else ``gpu_memory_limit``).
         gpu_memory_limit: the GPU memory megatrain may plan for, for a user who needs the rest for
             other work: an int (bytes, >= 1 MiB) or a float in (0, 1] (a fraction of the device's
             total memory). Every placement decision (device-state layers, kept graphs, the planner's

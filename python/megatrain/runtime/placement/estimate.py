@@ -115,7 +115,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             them may be exclusive (an int K: at most K, as wrap plans them).
         gradient_accumulation_steps, max_grad_norm: as ``CPUAdamW`` will get them. With the default
             ``grad_accumulator=None``, ``gradient_accumulation_steps > 1`` allocates the fp32
-            accumulator (4 B per trainable parameter); ``max_grad_norm`` adds, on a GPU at one backward per
+            accumulator (4 B per trainable parameter), and the exclusive layers are planned at 18 B/param on the
+            device with no held gradient; ``max_grad_norm`` adds, on a GPU at one backward per
             step, the master-streamed layers' gradients held there until the global norm (``held_grad_bytes``).
         trainable: ``name -> bool`` (parameter names as ``named_parameters`` gives them); the
             others are frozen (2 B/param in bf16). None: as the model has them
@@ -140,7 +141,8 @@ def estimate(model, *, device=None, compute_dtype: Optional[torch.dtype] = None,
             (int) or a string such as ``"1.5TiB"`` / ``"141GB"`` (KB/MB/GB/TB: powers of 1000,
             KiB/MiB/GiB/TiB: of 1024). ``host_memory``: the host memory available there, judged as
             MemAvailable, with no cgroup or locked-memory limit (even when
-            ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``). ``gpu_memory``: the GPU memory free there; the
+            ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1``); ``float("inf")`` / ``"inf"`` (or above 2**63 - 1): a host
+            with no limit at all. ``gpu_memory``: the GPU memory free there; the
             device is then CUDA even on a machine without one (``device=None`` means ``"cuda"``), so
             the CUDA defaults apply (bf16 compute, ``auto`` policy, pinned staging), and
             ``gpu_memory_limit`` caps it (a float: a fraction of it). The table and ``to_dict()``
