@@ -62,3 +62,17 @@ def test_estimate_with_an_explicit_k_advises_the_k_that_fits_and_says_device_on_
     m = megatrain.wrap(_model(), device="cpu", device_state_layers=k, host_memory_limit=limit)  # the advice works
     assert m.megatrain.placement()["exclusive_layers"] == list(range(k))
     m.megatrain.close()
+
+
+def test_explicit_k_advice_leaves_out_offload_dir_where_it_cannot_help():
+    """Half the host need with device_state_layers=1: more exclusive layers would fit, the disk tier would not (the
+    compute copies alone exceed it): the estimate's advice and wrap's refusal name device_state_layers, and neither
+    suggests offload_dir."""
+    full = megatrain.estimate(_model(), device="cpu").host_bytes
+    est = megatrain.estimate(_model(), device="cpu", device_state_layers=1, host_memory_limit=full // 2)
+    k = est.exclusive_needed
+    assert k and any(a.startswith(f"device_state_layers={k} ") for a in est.advice)
+    assert not any("pass offload_dir" in a for a in est.advice)
+    msg = _refusal(full // 2, device_state_layers=1)
+    assert f"wrap with device_state_layers={k} " in msg and "offload_dir cannot help" in msg
+    assert "pass offload_dir" not in msg

@@ -350,7 +350,8 @@ def _exclusive_reasons(est: MemoryEstimate, oplan) -> None:
     k = oplan.exclusive_needed  # an explicit device_state_layers=K sized the budget (no device budget was read)
     more = (f"device_state_layers={k} (the fp32 state of layers 0..{k - 1} then lives on the {where} only)"
             if oplan.device_budget_bytes is None else "raise gpu_memory_limit (or use a GPU with more memory)")
-    est.advice.append(f"{more}, raise host_memory_limit / host memory, or pass offload_dir=<a local disk>")
+    disk = ", or pass offload_dir=<a local disk>" if oplan.disk_would_fit is not False else ""  # only where it helps
+    est.advice.append(f"{more}, raise host_memory_limit / host memory{disk}")
 
 
 def _smaller_store_advice(est: MemoryEstimate, units, opts, run: EstimateRun, hp: HostPart, have: int,
