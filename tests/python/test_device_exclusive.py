@@ -378,11 +378,17 @@ def test_a_write_into_an_exclusive_layers_state_dict_copy_is_refused_not_lost():
     the way that works (``load_state_dict``) instead of training on as if it had been applied."""
     model = _wrap()
     assert model.megatrain.placement()["exclusive_layers"] == [0, 1]
-    name = "model.layers.0.mlp.down_proj.weight"
+    assert_state_dict_copy_write_refused(model, "model.layers.0.mlp.down_proj.weight", "exclusive device-state layer")
+
+
+def assert_state_dict_copy_write_refused(model, name: str, where: str) -> None:
+    """An in-place write into ``model.state_dict()[name]`` (a copy: its layer's state is not in the host store) is
+    refused at the next forward in one line naming ``where`` and ``load_state_dict``, applies nothing, is refused
+    once, and ``load_state_dict`` then sets the value; closes ``model``."""
     x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
     sd = model.state_dict()
     sd[name].mul_(0)
-    with pytest.raises(RuntimeError, match=r"exclusive device-state layer.*model\.load_state_dict") as ei:
+    with pytest.raises(RuntimeError, match=where + r".*model\.load_state_dict") as ei:
         model(input_ids=x, labels=x)
     assert "\n" not in str(ei.value)
     assert model.state_dict()[name].abs().sum() > 0  # nothing applied

@@ -13,6 +13,7 @@ import megatrain
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parity import make_batches  # noqa: E402
+from test_device_exclusive import assert_state_dict_copy_write_refused  # noqa: E402
 from test_disk_offload import VOCAB, _wrap as _disk_wrap  # noqa: E402
 
 
@@ -23,17 +24,7 @@ def test_a_write_into_a_disk_layers_state_dict_copy_is_refused_not_lost(tmp_path
     device-state layer's copy."""
     model = _disk_wrap(tmp_path)
     name = next(e.name for e in model.megatrain.disk.units[-1].entries if not e.frozen)
-    x = make_batches(VOCAB, 1, 1, 2, 8, seed=1)[0][0]
-    sd = model.state_dict()
-    sd[name].mul_(0)
-    with pytest.raises(RuntimeError, match=r"disk tier.*model\.load_state_dict") as ei:
-        model(input_ids=x, labels=x)
-    assert "\n" not in str(ei.value)
-    assert model.state_dict()[name].abs().sum() > 0  # nothing applied
-    model(input_ids=x, labels=x)  # refused once: the next forward runs
-    model.load_state_dict({name: torch.zeros_like(sd[name])}, strict=False)  # the way that works
-    assert model.state_dict()[name].abs().sum() == 0
-    model.megatrain.close()
+    assert_state_dict_copy_write_refused(model, name, "disk tier")
 
 
 def test_reading_a_closed_models_disk_layers_says_it_was_closed(tmp_path):
