@@ -14,7 +14,7 @@ import torch
 from ..runtime.engine.core import locate
 from ..runtime.engine.optimizer_port import MOMENTS, OptimizerPort
 from .hyperparams import check_hyper, check_options
-from .param_state import ParamState, RecentCopies, TierValue, value_of
+from .param_state import ParamState, TierCopies, TierValue, value_of
 
 
 def locate_param(p: torch.Tensor):
@@ -76,10 +76,10 @@ class ParamGroups:
         port = self._port
         # a read waits for the unit's update (and copies a device-state layer's state to the host store)
         if port.on_disk(unit):  # on disk: read at each access
-            if getattr(self, "_tier_recent", None) is None:
-                self._tier_recent = RecentCopies()
-            moments = {k: TierValue(lambda u=unit, i=i, k=k: port.read_state(u, i, k), self._tier_recent)
-                       for k in MOMENTS}
+            if getattr(self, "_tier_copies", None) is None:
+                self._tier_copies = TierCopies()
+            moments = {k: TierValue(lambda u=unit, i=i, k=k: port.read_state(u, i, k), unit.entries[i].name, k,
+                                    self._tier_copies) for k in MOMENTS}
         else:
             moments = {k: port.state_view(unit, i, k) for k in MOMENTS}
             for k, t in moments.items():
@@ -148,20 +148,13 @@ class ParamGroups:
         """Refuse, before anything of this step is touched, an in-place write into ``optimizer.state[p]["exp_avg"]``
         (or ``["exp_avg_sq"]``) of a parameter whose state is in the disk tier: that tensor was a copy read from
         the tier, so the write cannot take effect (it would be lost silently)."""
-        if getattr(self, "_tier_recent", None) is None:
-            return
-        for (_ui, i), (_group, p) in self._entry.items():
-            st = self.state.get(p)
-            written = [k for k in MOMENTS if st is not None and isinstance(dict.get(st, k), TierValue)
-                       and dict.get(st, k).written()]
-            if written:
-                self._tier_recent.clear()
-                name = locate_param(p)[1].entries[i].name
-                raise RuntimeError(f"megatrain: optimizer.state[p]['{written[0]}'] of {name} was written in place, but "
-                                   "its state is in the disk tier (offload_dir): that tensor is a copy read from the "
-                                   "tier, and the write was not applied. Set the moments with "
-                                   "optimizer.load_state_dict(...)")
-        self._tier_recent.clear()
+        copies = getattr(self, "_tier_copies", None)
+        written = copies.take_written() if copies is not None else None
+        if written is not None:
+            raise RuntimeError(f"megatrain: optimizer.state[p]['{written[1]}'] of {written[0]} was written in place, "
+                               "but its state is in the disk tier (offload_dir): that tensor is a copy read from the "
+                               "tier, and the write was not applied. Set the moments with "
+                               "optimizer.load_state_dict(...)")
 
     def state_dict(self):
         """``torch.optim.Optimizer.state_dict()`` after the updates in flight: ``exp_avg`` / ``exp_avg_sq``

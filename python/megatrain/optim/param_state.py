@@ -5,59 +5,56 @@ from __future__ import annotations
 
 class TierValue:
     """``exp_avg`` / ``exp_avg_sq`` of a parameter whose fp32 state is in the disk tier
-    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed, and remembers the
-    copies it handed out so that an in-place write into one (which cannot reach the tier) is refused at the next
-    ``step()`` (:meth:`written`) instead of being lost.
+    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed, and tells ``copies``
+    of the copies it hands out, so that an in-place write into one (which cannot reach the tier) is refused at the
+    next ``step()`` instead of being lost.
 
     Args:
         read: called with no argument, returns the value (a fresh fp32 CPU tensor).
-        recent: the optimizer's :class:`RecentCopies` (keeps the latest copies alive until the step's check, so
-            ``optimizer.state[p]["exp_avg"].fill_(0)`` on a copy nobody holds is seen too).
+        name, key: the parameter's name and ``"exp_avg"`` / ``"exp_avg_sq"`` (for the refusal).
+        copies: the optimizer's :class:`TierCopies`, or None (nothing tracked).
     """
 
-    __slots__ = ("read", "_copies", "_recent")
+    __slots__ = ("read", "name", "key", "copies")
 
-    def __init__(self, read, recent=None):
-        self.read = read
-        self._copies: list = []  # (weakref to a handed-out copy, its version counter then)
-        self._recent = recent
+    def __init__(self, read, name: str = "", key: str = "", copies=None):
+        self.read, self.name, self.key, self.copies = read, name, key, copies
 
     def read_tracked(self):
-        """A fresh copy (:attr:`read`), remembered for :meth:`written`."""
-        import weakref
-
+        """A fresh copy (:attr:`read`), handed to :attr:`copies`."""
         v = self.read()
-        self._copies = [(r, ver) for r, ver in self._copies if r() is not None] + [(weakref.ref(v), v._version)]
-        if self._recent is not None:
-            self._recent.hold(v)
+        if self.copies is not None:
+            self.copies.hand_out(self.name, self.key, v)
         return v
 
-    def written(self) -> bool:
-        """Whether a copy handed out by :meth:`read_tracked` and still alive was written in place (forgets them)."""
-        seen = any(r() is not None and r()._version != ver for r, ver in self._copies)
-        self._copies = []
-        return seen
 
-
-class RecentCopies:
-    """The disk-tier moment copies handed out since the last ``step()``, kept alive up to ``cap_bytes`` (the
-    latest first; older ones are then tracked only while the user holds them)."""
+class TierCopies:
+    """The disk-tier moment copies handed out since the last ``step()``: each is watched (a weak reference and its
+    version counter) while it lives, and the latest are kept alive up to ``cap_bytes`` so that a write into a copy
+    nobody holds (``optimizer.state[p]["exp_avg"].fill_(0)``) is seen too."""
 
     def __init__(self, cap_bytes: int = 256 << 20):
         self.cap_bytes = cap_bytes
+        self._seen: list = []  # (name, key, weakref to the copy, its version counter then)
         self._held: list = []
         self._bytes = 0
 
-    def hold(self, t) -> None:
-        n = t.numel() * t.element_size()
+    def hand_out(self, name: str, key: str, t) -> None:
+        import weakref
+
+        self._seen = [s for s in self._seen if s[2]() is not None] + [(name, key, weakref.ref(t), t._version)]
         self._held.append(t)
-        self._bytes += n
+        self._bytes += t.numel() * t.element_size()
         while self._held and self._bytes > self.cap_bytes:
             old = self._held.pop(0)
             self._bytes -= old.numel() * old.element_size()
 
-    def clear(self) -> None:
-        self._held, self._bytes = [], 0
+    def take_written(self):
+        """``(name, key)`` of a copy handed out since the last call and written in place since, or None; forgets
+        every copy."""
+        hit = next(((n, k) for n, k, r, ver in self._seen if r() is not None and r()._version != ver), None)
+        self._seen, self._held, self._bytes = [], [], 0
+        return hit
 
 
 def value_of(v, track: bool = False):
