@@ -237,13 +237,12 @@ class DeviceState:
 
     # ------------------------------------------------------------------ gradients
     def enable_accumulator(self) -> None:
-        """Allocate every unit's fp32 gradient accumulator now (``CPUAdamW(gradient_accumulation_steps > 1)``).
+        """Allocate every unit's fp32 gradient accumulator now (``CPUAdamW(gradient_accumulation_steps > 1)``;
+        the optimizer port runs :meth:`check_accumulator` first, before any accumulator is allocated).
 
         Raises:
-            RuntimeError: (:meth:`check_accumulator`) exclusive layers' accumulators the wrap did not plan do not fit.
             torch.cuda.OutOfMemoryError: they do not fit on the device.
         """
-        self.check_accumulator()
         for u in self.units:
             u.device_state.ensure_grad()
 
