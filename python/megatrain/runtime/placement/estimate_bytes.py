@@ -174,6 +174,18 @@ def batch_reserve(module, layers, opts):
     return lambda free: activation_reserve(module, shape, layers, opts.batch_tokens, opts, free)
 
 
+def layer_device_bytes(layout: dict, k: int, compute_dtype: torch.dtype, summed: bool) -> int:
+    """Device bytes of unit ``k``'s whole state as a decoder layer on the device (:func:`~.device_state_plan.
+    unit_device_bytes` of the store's ``layout``): compute copy, fp32 master and moments, and the fp32 gradient
+    buffer when gradients are ``summed`` (no buffer otherwise: the direct gradient goes into the compute copy)."""
+    from types import SimpleNamespace
+
+    from .device_state_plan import unit_device_bytes
+
+    unit = SimpleNamespace(numel=int(layout["unit_numel"][k]), state_numel=int(layout["unit_state_numel"][k]))
+    return unit_device_bytes(unit, compute_dtype, with_grad=bool(summed))
+
+
 def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None) -> dict:
     """:func:`~.disk_plan.plan_offload`'s exclusive-layer arguments as ``wrap`` would give them: an explicit
     ``device_state_layers=K``, or (``"auto"`` / ``"boundary"``, the defaults on CUDA) the free GPU bytes (on the
@@ -229,8 +241,7 @@ def host_part(units, opts, in_memory: bool, staging_buffers: int, gradient_accum
     absent = oplan.compute_absent or [False] * len(units)  # and their compute copy, unless a frozen entry keeps it
     excl = sum(per * int(plan["layout"]["unit_state_numel"][k]) + (elem * int(plan["layout"]["unit_numel"][k])
                                                                    if absent[k] else 0) for k in oplan.exclusive_units)
-    dev_per = 16 if accumulating or accum_mode is True else 12  # no fp32 grad buffer without accumulation
-    excl_dev = sum(elem * int(plan["layout"]["unit_numel"][k]) + dev_per * int(plan["layout"]["unit_state_numel"][k])
+    excl_dev = sum(layer_device_bytes(plan["layout"], k, opts.compute_dtype, accumulating or accum_mode is True)
                    for k in oplan.exclusive_units)
     host = store + staging + accum + pools + oplan.scratch_bytes  # (a device-tier window's scratch buffer)
     pinned = store + staging if cuda else 0
@@ -291,9 +302,8 @@ def device_part(units, hp: HostPart, opts, margin: int) -> DevicePart:
     if cuda and isinstance(layers, int):
         excl = set(hp.oplan.exclusive_units)
         first = [k for k, u in enumerate(units) if u.kind == "layer"][:layers]
-        per = 16 if hp.accumulating or hp.accum_mode is True else 12  # no fp32 grad buffer without accumulation
-        boundary = sum(elem * hp.layout["unit_numel"][k] + per * hp.layout["unit_state_numel"][k]
-                       for k in first if k not in excl)
+        summed = hp.accumulating or hp.accum_mode is True
+        boundary = sum(layer_device_bytes(hp.layout, k, opts.compute_dtype, summed) for k in first if k not in excl)
     return DevicePart(elem=elem, slot_bytes=slot_bytes, resident_bytes=resident_bytes, free=free,
                       boundary_bytes=boundary, limit_bytes=limit)
 
