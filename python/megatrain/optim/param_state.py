@@ -5,26 +5,26 @@ from __future__ import annotations
 
 class TierValue:
     """``exp_avg`` / ``exp_avg_sq`` of a parameter whose fp32 state is in the disk tier
-    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed, and tells ``copies``
+    (``wrap(offload_dir=...)``): :class:`ParamState` reads it (a CPU copy) when it is accessed, and tells ``tracker``
     of the copies it hands out, so that an in-place write into one (which cannot reach the tier) is refused at the
     next ``step()`` instead of being lost.
 
     Args:
         read: called with no argument, returns the value (a fresh fp32 CPU tensor).
         name, key: the parameter's name and ``"exp_avg"`` / ``"exp_avg_sq"`` (for the refusal).
-        copies: the optimizer's :class:`TierCopies`, or None (nothing tracked).
+        tracker: the optimizer's :class:`TierCopies`, or None (nothing tracked).
     """
 
-    __slots__ = ("read", "name", "key", "copies")
+    __slots__ = ("read", "name", "key", "tracker")
 
-    def __init__(self, read, name: str = "", key: str = "", copies=None):
-        self.read, self.name, self.key, self.copies = read, name, key, copies
+    def __init__(self, read, name: str = "", key: str = "", tracker=None):
+        self.read, self.name, self.key, self.tracker = read, name, key, tracker
 
     def read_tracked(self):
-        """A fresh copy (:attr:`read`), handed to :attr:`copies`."""
+        """A fresh copy (:attr:`read`), handed to :attr:`tracker`."""
         v = self.read()
-        if self.copies is not None:
-            self.copies.hand_out(self.name, self.key, v)
+        if self.tracker is not None:
+            self.tracker.hand_out(self.name, self.key, v)
         return v
 
 
