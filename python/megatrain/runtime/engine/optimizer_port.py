@@ -57,6 +57,9 @@ class EngineOptimizer(Protocol):
     def raise_extra_backward(self, same_backward: bool = False) -> None:
         """Raise the error for a gradient that arrives after its unit's update was already queued."""
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients since the last step (``model.zero_grad()`` calls it, as torch's clears ``p.grad``)."""
+
     def skip_unit_update(self, unit: Unit, items: list, step_number: int) -> None:
         """``unit``'s update (``items``) was skipped for a non-finite gradient in step ``step_number`` (called
         on the main thread at the engine's next sync point after the worker skipped it)."""

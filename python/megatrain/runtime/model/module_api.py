@@ -102,6 +102,7 @@ class ModuleApi:
         _install_peft_merge_guard(model)
         _install_resize_guard(model)
         _install_grad_hook_guard(engine)
+        _install_zero_grad(engine, model)
         if hasattr(model, "save_pretrained"):
             object.__setattr__(model, "save_pretrained", types.MethodType(_save_pretrained, model))
         _engine_first(model)
@@ -173,6 +174,23 @@ class ModuleApi:
                     eng.load_resident()
                 return out
         return load_state_dict
+
+
+def _install_zero_grad(eng, model: nn.Module) -> None:
+    """``model.zero_grad(set_to_none=...)`` also drops the gradients held in the host store (the optimizer's
+    ``zero_grad``, or the engine's before any CPUAdamW exists): torch's drops every parameter's ``.grad``, but a
+    wrapped model's decoder-layer gradients never reach ``.grad``, so the next ``step()`` would sum them in."""
+    plain = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        opt = eng.optimizer
+        if opt is not None:
+            opt.zero_grad(set_to_none=set_to_none)
+        elif not eng.worker.closed:
+            eng.zero_grad()
+        plain(set_to_none=set_to_none)
+
+    object.__setattr__(model, "zero_grad", zero_grad)
 
 
 def _engine_first(model: nn.Module) -> None:
