@@ -26,3 +26,30 @@ def test_model_zero_grad_drops_the_gradients_as_on_the_plain_model(set_to_none):
         model(input_ids=x1, labels=x1).loss.backward()
         o.step()
     assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("clip", [1e9, None])
+@pytest.mark.parametrize("key,bad", [("lr", "3e-4"), ("lr", float("nan")), ("weight_decay", None), ("betas", (0.9,))])
+def test_a_param_group_edited_to_a_bad_value_is_refused_before_anything_changes(clip, key, bad):
+    """A param group set to what no update can run with (a string read from a config, a scheduler
+    lambda's NaN) raised a bare ``could not convert string to float`` from inside step() after the step
+    counts were bumped, or, without max_grad_norm, from inside backward, leaving the gradient ledger
+    broken (every later backward raised ``LedgerError``). Now one line naming the group and key, from the
+    forward (no max_grad_norm) or step(); fixing the value lets training go on exactly as torch's."""
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref), max_grad_norm=clip)
+    x0, x1 = batches(2)
+    good = opt.param_groups[0][key]
+    opt.param_groups[0][key] = bad
+    with pytest.raises(ValueError, match=rf"megatrain.optim.CPUAdamW: param_groups\[0\]\['{key}'\] is .*, not "):
+        w(input_ids=x0, labels=x0).loss.backward()
+        opt.step()
+    opt.param_groups[0][key] = good
+    opt.zero_grad()
+    for model, o in ((w, opt), (ref, ropt)):
+        model(input_ids=x1, labels=x1).loss.backward()
+        if clip is not None and model is ref:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        o.step()
+    assert_params_close(weights(w), weights(ref))
+

@@ -234,6 +234,7 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
             FloatingPointError: a non-finite gradient with ``nonfinite="raise"``.
         """
         self._check_current("step")
+        self.check_param_groups()
         self._check_eager_hyper()
         loss = None
         if closure is not None:

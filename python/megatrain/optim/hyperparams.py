@@ -44,6 +44,29 @@ def hyper_of(group) -> tuple:
     return float(group["lr"]), (float(b1), float(b2)), float(group["eps"]), float(group["weight_decay"])
 
 
+def _finite_number(v) -> bool:
+    """A finite real number, or a one-element real tensor holding one (torch takes tensor hyperparameters)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.is_complex() and math.isfinite(float(v))
+    return is_number(v) and math.isfinite(v)
+
+
+def check_group_values(groups) -> None:
+    """ValueError (one line) for a param group an update cannot run with: an ``lr`` / ``eps`` / ``weight_decay``
+    that is not a finite number, ``betas`` that are not two (set in ``param_groups`` after the constructor's
+    checks: a value read from a config as a string, a scheduler lambda's NaN). Ranges are not checked here,
+    as torch's ``step()`` does not check them either."""
+    for k, g in enumerate(groups):
+        b = g.get("betas")
+        bad = [n for n in ("lr", "eps", "weight_decay") if not _finite_number(g.get(n))]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_finite_number(x) for x in b)):
+            bad.append("betas")
+        if bad:
+            what = "two finite numbers" if bad[0] == "betas" else "a finite number"
+            raise ValueError(f"megatrain.optim.CPUAdamW: param_groups[{k}]['{bad[0]}'] is {g.get(bad[0])!r}, not "
+                             f"{what}: no update can run with it (nothing was changed); set it to {what}")
+
+
 def check_hyper(where: str, hp: dict) -> None:
     """ValueError (one line) for a bad ``lr`` / ``eps`` / ``weight_decay`` / ``betas`` among the keys of ``hp``."""
     for name in ("lr", "eps", "weight_decay"):

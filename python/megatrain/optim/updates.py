@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from .hyperparams import hyper_of
+from .hyperparams import check_group_values, hyper_of
 
 
 def skip_labels(unit, items) -> list:
@@ -56,6 +56,12 @@ class UpdatePlanning:
             lr, (b1, b2), eps, wd = hyper_of(group)
             items.append((i, lr, b1, b2, eps, wd, int(step.item())))
         return items
+
+    def check_param_groups(self) -> None:
+        """Raise ValueError (one line) for a param group no update can run with (:func:`.check_group_values`);
+        called by ``step()`` and, before anything is touched, by each forward with autograd on (without
+        ``max_grad_norm`` that backward starts the updates)."""
+        check_group_values(self.param_groups)
 
     def raise_extra_backward(self, same_backward: bool = False):
         """Raise the error for a gradient after a unit's update was already queued (no clipping).

@@ -57,6 +57,9 @@ class EngineOptimizer(Protocol):
     def raise_extra_backward(self, same_backward: bool = False) -> None:
         """Raise the error for a gradient that arrives after its unit's update was already queued."""
 
+    def check_param_groups(self) -> None:
+        """Raise ValueError (one line) for a param group no update can run with (each forward with autograd on)."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients since the last step (``model.zero_grad()`` calls it, as torch's clears ``p.grad``)."""
 

@@ -317,11 +317,14 @@ class WrappedEngine(Engine):
             RuntimeError: the model was closed (``close()``); the CPU worker (or the disk tier) failed
                 earlier: the sticky failure, first
                 (the state may be partly updated; whatever thread asks).
+            ValueError: with autograd on, a param group of the optimizer no update can run with.
         """
         self.check_failed()  # before the thread guard: a failed backward may still hold its graph
         if self.worker.closed:
             raise RuntimeError("megatrain: this model was closed (model.megatrain.close()) and cannot run a forward "
                                "any more; wrap a new model (and load the last checkpoint into it) to go on")
+        if torch.is_grad_enabled() and self.optimizer is not None:
+            self.optimizer.check_param_groups()  # without max_grad_norm this backward starts the updates
         self.activity.begin_forward()
         cfg = getattr(self.model, "config", None)
         if (kwargs or {}).get("output_router_logits") or router_logits_asked(cfg):
