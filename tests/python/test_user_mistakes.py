@@ -53,3 +53,19 @@ def test_a_param_group_edited_to_a_bad_value_is_refused_before_anything_changes(
         o.step()
     assert_params_close(weights(w), weights(ref))
 
+
+@pytest.mark.parametrize("sched", [{"step": 3}, "cosine"])
+def test_save_checkpoint_refuses_a_scheduler_that_is_not_one_before_writing(tmp_path, sched):
+    """``save_checkpoint(dir, model, opt, {"step": 3})`` (``extra`` given where the scheduler goes) raised a
+    bare ``AttributeError: 'dict' object has no attribute 'state_dict'`` halfway through the save; as
+    ``load_checkpoint`` does, it is refused in one line before anything is written."""
+    import megatrain
+
+    w, opt = make(True, max_grad_norm=1.0)
+    x = batches(1)[0]
+    w(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"megatrain.save_checkpoint: lr_scheduler must be an LR scheduler \(with "
+                                         r"state_dict\), got a (dict|str)"):
+        megatrain.save_checkpoint(str(tmp_path / "ckpt"), w, opt, sched)
+    assert list(tmp_path.iterdir()) == []

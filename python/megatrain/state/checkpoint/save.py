@@ -51,7 +51,7 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         CheckpointError: ``directory`` (or a folder above it) is a file, or ``directory`` is a
             non-empty directory that is not a megatrain checkpoint (it would be deleted); checked
             before anything is written. A ``ValueError`` subclass.
-        ValueError: the optimizer is not this model's, the call falls
+        ValueError: the optimizer is not this model's, ``lr_scheduler`` has no ``state_dict()``, the call falls
             between backward() and step() while updates run, or ``extra`` is not a JSON-serialisable dict.
         TypeError: ``directory`` is not a path.
     """
@@ -61,6 +61,11 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"megatrain.save_checkpoint: extra must be a dict (load_checkpoint returns it as one), got "
                          f"{type(extra).__name__}")
+    if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.Optimizer)
+                                     or not callable(getattr(lr_scheduler, "state_dict", None))):
+        raise ValueError(f"megatrain.save_checkpoint: lr_scheduler must be an LR scheduler (with state_dict), got a "
+                         f"{type(lr_scheduler).__name__}; the call is save_checkpoint(directory, model, optimizer, "
+                         "lr_scheduler=None, extra=None): pass extra=... by keyword")
     access = StateAccess.of_model(model, "megatrain checkpoint")
     check_replaceable(directory, WHERE, is_checkpoint_dir, "a megatrain checkpoint", CheckpointError)
     if optimizer is not None:
