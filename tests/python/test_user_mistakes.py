@@ -69,3 +69,17 @@ def test_save_checkpoint_refuses_a_scheduler_that_is_not_one_before_writing(tmp_
                                          r"state_dict\), got a (dict|str)"):
         megatrain.save_checkpoint(str(tmp_path / "ckpt"), w, opt, sched)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_state_dict_of_a_non_mapping_raises_torchs_type_error():
+    """``model.load_state_dict(path)`` (a path instead of ``torch.load(path)``) raised a bare
+    ``AttributeError: 'str' object has no attribute 'keys'`` from megatrain's check; torch's ``TypeError``
+    now, before anything is touched."""
+    ref, _ = make(False)
+    w, _ = make(True, copy.deepcopy(ref))
+    with pytest.raises(TypeError) as plain:
+        ref.load_state_dict("model.pt")
+    with pytest.raises(TypeError) as wrapped:
+        w.load_state_dict("model.pt")
+    assert str(wrapped.value) == str(plain.value)
+    assert_params_close(weights(w), weights(ref), rtol=0)

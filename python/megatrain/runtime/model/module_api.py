@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import types
+from collections.abc import Mapping
 from typing import Dict, List, Tuple
 
 import torch
@@ -158,6 +159,8 @@ class ModuleApi:
             same point; see :mod:`megatrain.runtime.data_parallel.calls`): each node's local rank 0
             writes the node's shared store, every rank loads its own buffers and reloads its device copies.
             """
+            if not isinstance(state_dict, Mapping):  # torch's check, before megatrain's read the keys
+                raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
             dp = getattr(eng, "dp", None)
             if dp is None:
                 return load(self, state_dict, strict, assign)
