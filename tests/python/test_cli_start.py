@@ -262,3 +262,15 @@ def test_a_bad_model_extra_value_names_the_key(tmp_path, corpus, capsys):
     assert line.endswith("check the model sizes and model.extra (rope_theta='abc')"), line
     assert "rope_theta" not in line.split("error:")[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_single_document_banner_says_its_tail_is_held_out(tmp_path, capsys):
+    """One text file of one document: the banner said "1 documents (0 held out)" although its tail is held out
+    for evaluation (megatrain.train.data.load_text_data)."""
+    text = tmp_path / "one.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    code, out, err = run_cli(["train", "--out", str(tmp_path / "out"), "--data", str(text), *F], capsys)
+    assert code == 0, err
+    assert "1 document (its last 5% of tokens held out)" in out + err, out + err
+    assert "documents (0 held out)" not in out + err
+    assert os.path.isdir(tmp_path / "out" / "model")

@@ -174,6 +174,14 @@ def _batches(tr: Training, st: LoopState) -> None:
     tr.fingerprint = d.fingerprint()
 
 
+def _documents(d, eval_fraction: float) -> str:
+    """The banner's data words: how many documents, and what is held out for evaluation (whole documents, or
+    the tail of a single one: :func:`megatrain.train.data.load_text_data`)."""
+    if d.num_documents == 1:
+        return f"1 document (its last {eval_fraction:.0%} of tokens held out)"
+    return f"{d.num_documents} documents ({d.num_eval_documents} held out)"
+
+
 def _say_start(tr: Training, st: LoopState) -> None:
     """The run's first line: model, device, data, tokens per step, output directory."""
     plan, d, ranks, params, model = tr.plan, tr.plan.data, tr.ranks, tr.params, tr.model
@@ -181,7 +189,7 @@ def _say_start(tr: Training, st: LoopState) -> None:
     tr.say(
         f"megatrain train: {params['total'] / 1e6:.2f}M params ({model.config.model_type}, "
         f"{model.config.num_hidden_layers} layers) on {device} in {str(plan.compute_dtype).replace('torch.', '')}, "
-        f"{d.num_documents} documents ({d.num_eval_documents} held out) -> {len(d.train)} train / "
+        f"{_documents(d, plan.cfg.data.eval_fraction)} -> {len(d.train)} train / "
         f"{len(d.eval)} eval rows of {d.seq_len} tokens; {tr.tokens_per_step} tokens/step"
         + (f" over {ranks.world} ranks" if ranks.world > 1 else "") + f"; out {plan.out_dir}"
         + (f"; resumed at step {st.start_step} from {resume.path}" if resume is not None else "")
