@@ -335,7 +335,7 @@ def _no_dir_message(plan: OffloadPlan, need: int, avail, name: str, where: str, 
     k, fewest = len(plan.exclusive_units), plan.exclusive_needed
     setting = "device_state_layers='auto'" if auto else f"device_state_layers={k}"
     held = (f" with the fp32 state of layers 0..{k - 1} on the device only ({setting})" if k else "")
-    msg = f"{where}: the host store needs {need} bytes ({_gib(need)}){held} but the {name} allows {avail} bytes ({_gib(avail)}); "
+    msg = f"{where}: the host store and its staging buffers need {need} bytes ({_gib(need)}){held} but the {name} allows {avail} bytes ({_gib(avail)}); "
     if auto:
         budget = plan.device_budget_bytes or 0
         msg += (f"the device budget ({_gib(budget)}: device_state_layers='auto''s share of the free device memory, "
