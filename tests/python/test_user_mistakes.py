@@ -83,3 +83,19 @@ def test_load_state_dict_of_a_non_mapping_raises_torchs_type_error():
         w.load_state_dict("model.pt")
     assert str(wrapped.value) == str(plain.value)
     assert_params_close(weights(w), weights(ref), rtol=0)
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused_in_one_line():
+    """``CPUAdamW(list(params) * 2)``: torch.optim.AdamW warns and updates such a parameter twice per step;
+    CPUAdamW updated it once (0.04 away from torch after one step, silently). Now refused, as torch says
+    it will be, before any state is made."""
+    import megatrain
+    from test_drop_in import tiny
+
+    model = megatrain.wrap(tiny(), device="cpu", compute_dtype=torch.float32)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="lists a parameter more than once") as e:
+        megatrain.optim.CPUAdamW(params * 2, lr=1e-3)
+    assert "\n" not in str(e.value)
+    opt = megatrain.optim.CPUAdamW(params, lr=1e-3)  # the same parameters once: fine
+    assert len(opt.param_groups[0]["params"]) == len(params)

@@ -49,7 +49,7 @@ class ParamGroups:
 
         Raises:
             ValueError: a parameter not managed by megatrain, from another wrapped model, already in
-                a group, or an option CPUAdamW refuses (``amsgrad`` / ``maximize`` / ``differentiable``).
+                a group or twice in this one, or an option CPUAdamW refuses (``amsgrad`` / ``maximize`` / ``differentiable``).
         """
         check_options(".add_param_group", param_group)
         check_hyper(".add_param_group", param_group)
@@ -57,6 +57,9 @@ class ParamGroups:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # torch >= 2.6 takes model.named_parameters(): (name, parameter) pairs, kept as the group's param_names
         params = [q[1] if isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], str) else q for q in params]
+        if len({id(p) for p in params}) != len(params):  # torch warns and updates it twice; it will refuse it
+            raise ValueError("megatrain.optim.CPUAdamW: a param group lists a parameter more than once "
+                             "(torch.optim.AdamW would update it twice per step); pass each parameter once")
         refs = [locate_param(p) for p in params]
         for eng, _, _ in refs:
             if self._port is None:
