@@ -334,7 +334,10 @@ def megatrain_variant(name: str) -> dict:
     is used when installed, on CUDA), ``devstate`` (``wrap(device_state_layers=K)``: layers 0..K-1 keep their whole training state on the
     GPU and are updated there; ``auto``: as many as fit; ``boundary``: the resident unit and layer 0, wrap's
     default on CUDA under the policies other than ``auto``; ``0``: none), ``lean`` (1:
-    ``wrap(lean_activations=True)``, the norms and the gated MLP keep less for backward and recompute it).
+    ``wrap(lean_activations=True)``, the norms and the gated MLP keep less for backward and recompute it), ``hcc``
+    (0 / 1: ``wrap(host_compute_copy=False / True)``: 0 keeps no bf16 compute copy in the host store, every layer
+    master-streamed at 12 host bytes per parameter, its weights cast on the GPU from the streamed fp32 master;
+    1: every layer keeps its compute copy, 14 bytes; absent: not passed, wrap's ``"auto"``).
 
     Raises:
         ValueError: an unknown key or a malformed option.
@@ -343,12 +346,12 @@ def megatrain_variant(name: str) -> dict:
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, sep, v = kv.partition("=")
-        if not sep or k not in ("slots", "policy", "acc", "devstate", "lean", "liger", *VARIANT_OPTIONS):
+        if not sep or k not in ("slots", "policy", "acc", "devstate", "lean", "liger", "hcc", *VARIANT_OPTIONS):
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: "
                              "use slots=N, policy=P|default, overlap=0|1, d2h=0|1, eager=0|1, threads=N, fusednorm=0|1, cslots=0|1, replan=0|1, acc=0|1, "
-                             "devstate=K|auto|boundary, lean=0|1, liger=0|1")
-        if k == "liger" and v not in ("0", "1"):
-            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: liger is 0 or 1")
+                             "devstate=K|auto|boundary, lean=0|1, liger=0|1, hcc=0|1")
+        if k in ("liger", "hcc") and v not in ("0", "1"):
+            raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: {k} is 0 or 1")
         if k == "devstate" and v not in ("auto", "boundary") and not v.isdigit():
             raise ValueError(f"bad megatrain variant option {kv!r} in {name!r}: devstate is a layer count, 'auto' "
                              "or 'boundary'")
@@ -376,9 +379,11 @@ def run_megatrain(spec):
     liger = None if "liger" not in opts else opts["liger"] == "1"
     wrap_kw = dict(activation_policy=policy, num_slots=slots, grad_accumulator=accumulator, device_state_layers=devstate,
                    lean_activations=lean, liger_kernel=liger)
+    if "hcc" in opts:
+        wrap_kw["host_compute_copy"] = opts["hcc"] == "1"
     if default:  # no placement option passed unless the system's name gives it
         named = {"slots": "num_slots", "acc": "grad_accumulator", "devstate": "device_state_layers",
-                 "lean": "lean_activations", "liger": "liger_kernel"}
+                 "lean": "lean_activations", "liger": "liger_kernel", "hcc": "host_compute_copy"}
         wrap_kw = {w: wrap_kw[w] for k, w in named.items() if k in opts}
     elif liger is None:
         del wrap_kw["liger_kernel"]
@@ -457,6 +462,7 @@ def run_megatrain(spec):
         host_store_gib=b["host_store_bytes"] / GiB, pinned_gib=b["pinned_bytes"] / GiB,
         bytes_per_param=b["bytes_per_param"],
         device_state_layers=b.get("device_state_layers", 0),
+        master_streamed_layers=len(placement.get("master_streamed_layers") or []),
         device_state_gib=b.get("device_state_bytes", 0) / GiB,
         auto_decisions=[dict(v, input_shapes=str(k)) for k, v in getattr(eng, "auto_decisions", {}).items()],
         replan=placement.get("replan"), long_context_last=tiling)

@@ -16,6 +16,8 @@
 #                                                 the disk tier under DISK_DIR (default build/disk_train): 16K and 64K tokens/step;
 #                                                 DISK_TRAIN_ARGS: extra bench_scale.py disk flags, e.g. --host-limit-gib 105)
 #                                               clip_tax (CLIP_PRESET, default 8b: wrap(model) with max_grad_norm 1.0, profiled, and without)
+#                                               stream_ab (STREAM_PRESET, default 3b: every layer master-streamed, 12 host B/param, vs
+#                                                 every layer's compute copy in the host store, 14 B/param; clip 1.0; H2D GB and s/step)
 #                                               pool (the largest Llama of the 14B shape host + GPU hold, as a user gets it: the layer count
 #                                                 searched with megatrain.estimate, then built and trained, max_grad_norm 1.0, 4 x 4096 tokens;
 #                                                 docs/benchmarks/scale_pool_h200.json; POOL_ARGS: extra bench_scale.py pool flags, e.g. --layers 48)
@@ -190,6 +192,13 @@ PY
           --systems megatrain:policy=default --steps 3 --warmup 1 $extra \
           --out docs/benchmarks/clip_tax_${CLIP_PRESET:-8b}_clip${clip}_h200.json
       done ;;
+    stream_ab)  # the 12 B/param host layout against the 14 B/param one, same call: STREAM_PRESET (default 3b), clip 1.0;
+                # every layer master-streamed (hcc=0: fp32 masters H2D, cast on the GPU) vs every layer's bf16 compute
+                # copy in the host store (hcc=1), both as wrap(model) places them and both with every layer streamed
+      run stream_ab timeout ${STREAM_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${STREAM_PRESET:-3b} --max-grad-norm 1.0 \
+        --steps 3 --warmup 1 --systems megatrain:policy=default,hcc=1 megatrain:policy=default,hcc=0 \
+        megatrain:policy=recompute,devstate=0,hcc=1 megatrain:policy=recompute,devstate=0,hcc=0 \
+        --out docs/benchmarks/stream_ab_${STREAM_PRESET:-3b}_h200.json ;;
     pool)  # search (~10 s), build straight into the host store, 1 warm-up + 3 timed steps; JSON + PNG
       run pool timeout ${POOL_TIMEOUT:-590} python3 benchmarks/bench_scale.py pool --timeout 560 ${POOL_ARGS:-} ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)

@@ -218,6 +218,9 @@ def test_default_and_liger_variants_parse_and_bad_ones_are_refused():
     assert bench_train.megatrain_variant("megatrain:policy=default,liger=0") == {"policy": "default", "liger": "0"}
     with pytest.raises(ValueError, match="liger is 0 or 1"):
         bench_train.megatrain_variant("megatrain:liger=yes")
+    assert bench_train.megatrain_variant("megatrain:policy=default,hcc=0") == {"policy": "default", "hcc": "0"}
+    with pytest.raises(ValueError, match="hcc is 0 or 1"):
+        bench_train.megatrain_variant("megatrain:hcc=auto")
     assert bench_train.torch_variant("torch_ckpt:liger=1") == {"liger": "1"}
     assert bench_train.system_name("torch_nockpt:liger=1") == "torch_nockpt:liger=1"
     with pytest.raises(ValueError, match="use liger=0|1"):
