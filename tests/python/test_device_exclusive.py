@@ -318,7 +318,7 @@ def test_auto_refusal_names_the_layers_the_device_budget_would_need(monkeypatch,
 
 @pytest.mark.cuda
 def test_cuda_bf16_exclusive_layers_train_like_host_sections_and_resume(tmp_path):
-    """On the GPU (bf16 compute, clipping and not): layers 0..1 with their fp32 state on the GPU only
+    """On the GPU (bf16 compute, clipping and not): the leading layers with their fp32 state on the GPU only
     give the same losses and masters (to the GPU's run-to-run rounding) as the same layers with host sections, and a checkpoint of the
     exclusive run resumes into a fresh exclusive wrap with the same next losses."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -349,7 +349,8 @@ def test_cuda_bf16_exclusive_layers_train_like_host_sections_and_resume(tmp_path
         out = []
         for exclusive in (False, True):
             model = build(exclusive)
-            assert model.megatrain.placement()["exclusive_layers"] == ([0, 1] if exclusive else [])
+            ex = model.megatrain.placement()["exclusive_layers"]  # the fewest leading layers the host limit needs
+            assert (1 <= len(ex) <= K and ex == list(range(len(ex)))) if exclusive else ex == [], ex
             opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=mgn)
             losses = run(model, opt, batches[:5])
             if exclusive:

@@ -173,3 +173,27 @@ def test_replan_with_the_real_rule_keeps_parity(monkeypatch, clip):
         assert info["device_state_layers"] == want == len(_device_layers(wrapped))
         assert info["rule"] == ("clip: the first placement kept" if want == 1 else info["rule"])
     check(ref, got, wrapped, rtol=HOST_RTOL)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_no_replan_when_layers_are_exclusive(monkeypatch, clip):
+    """A host store that does not fit makes leading layers exclusive (their state on the device only): the
+    device was then planned for capacity. The replanner used to place again after the first step and take
+    more layers' state onto the device, which ran the 17B pool model (25 exclusive layers) out of GPU memory on
+    the H200; now it keeps the first placement, and training still matches torch."""
+    import copy
+
+    import megatrain
+
+    _limit_device_room(monkeypatch, 1)
+    model = tiny("llama")
+    sizer = megatrain.wrap(copy.deepcopy(model), device="cpu", device_state_layers="auto", activation_policy="auto")
+    limit = sizer.megatrain.offload_plan.host_bytes - 1  # one byte short: leading layers exclusive
+    sizer.megatrain.close()
+    seen = _force_plan(monkeypatch, 3, 3)  # what the replanner would be asked to do: every layer's state moved
+    ref, got, wrapped, _ = run_pair(model, max_grad_norm=clip, device_state_layers="auto", policy="auto",
+                                    host_memory_limit=limit)
+    pl = wrapped.megatrain.placement()
+    assert pl["exclusive_layers"] and pl["exclusive_layers"] == list(range(len(pl["exclusive_layers"])))
+    assert not seen and pl["replan"] is None
+    check(ref, got, wrapped, rtol=HOST_RTOL)

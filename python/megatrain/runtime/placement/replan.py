@@ -290,7 +290,9 @@ class PlacementReplan:
 
         Called once, at the first training forward after the measured step (the first step of the
         run, or of a resumed run), with no gradient accumulated since. Does nothing for a shape decided as ``block:K`` (long context),
-        under data parallel or the disk tier, or before an ``auto`` decision was measured.
+        under data parallel or the disk tier, with exclusive device-state layers (the host store did not fit: the
+        device was planned for capacity, and moving more state there ran the 17B pool model out of GPU memory on
+        the H200), or before an ``auto`` decision was measured.
         Returns ``self.info``.
         """
         from . import device_state_plan as dsp
@@ -301,6 +303,8 @@ class PlacementReplan:
         self._marks = {"fwd": [], "bwd": []}
         if not decisions or eng.dp is not None or eng.disk is not None or not eng.layers:
             return None
+        if eng.device_state is not None and any(u.device_state.exclusive for u in eng.device_state.layers):
+            return None  # the store did not fit: wrap planned the device for capacity, not for speed
         d = max(decisions, key=lambda x: x["bytes_per_layer"])
         n = len(eng.layers)
         G, I, k_now = int(d["bytes_per_layer"]), int(d["bytes_per_input"]), int(d["store_layers"])
