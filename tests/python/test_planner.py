@@ -197,3 +197,18 @@ def test_no_replan_when_layers_are_exclusive(monkeypatch, clip):
     assert pl["exclusive_layers"] and pl["exclusive_layers"] == list(range(len(pl["exclusive_layers"])))
     assert not seen and pl["replan"] is None
     check(ref, got, wrapped, rtol=HOST_RTOL)
+
+
+def test_with_clipping_no_more_state_moves_than_the_capacity_holds():
+    """The clip rule asked for ``clip_hide_layers`` layers' state whatever the measured capacity: on a GPU
+    with room for fewer, the move ran it out of memory. Now the count is capped by what the capacity holds
+    beside every layer's input; with room for no more than the first placement, that placement is kept."""
+    hide = planner.clip_hide_layers(32, 0.048, 0.0148)
+    inputs = 32 * (GiB // 4)
+    m = dict(_clip_measurement(19, 13), capacity_bytes=inputs + 22 * 3 * GiB + GiB)  # room for 22 layers' state
+    assert hide > 22
+    p = planner.choose_placement(m)
+    assert p["device_state_layers"] == 22 and p["rule"].startswith("clip: device state")
+    m = dict(_clip_measurement(19, 13), capacity_bytes=inputs + 10 * 3 * GiB)  # less than the 19 placed now
+    p = planner.choose_placement(m)
+    assert (p["device_state_layers"], p["store_layers"]) == (19, 13) and p["rule"] == "clip: the first placement kept"

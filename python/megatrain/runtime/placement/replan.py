@@ -150,13 +150,17 @@ def plan_placement(n: int, max_device_layers: int, state_bytes: int, graph_bytes
 def choose_placement(m: dict) -> dict:
     """The second decision from the first step's measurements ``m`` (the keys of
     ``PlacementReplan.info``): under clipping the first placement, or the state of the layers
-    :func:`clip_hide_layers` asks for (``store_layers`` None: decided after the move by the auto rule),
-    else :func:`plan_placement`."""
+    :func:`clip_hide_layers` asks for, no more than the capacity holds beside every layer's input (``store_layers``
+    None: decided after the move by the auto rule), else :func:`plan_placement`."""
     if m["clip"]:
         K_now, k_now = m["before"]["device_state_layers"], m["before"]["store_layers"]
         adam_s = m.get("adam_s_per_layer")
-        hide = None if adam_s is None else min(m["max_device_layers"], clip_hide_layers(m["layers"], adam_s,
-                                                                                     m["fwd_s_per_layer"]))
+        # no more layers' state than the measured capacity holds beside every layer's input (the least the
+        # activations need): the hiding count alone ran a GPU with too little room out of memory
+        inputs = m["layers"] * m["input_bytes_per_layer"]
+        room = max(0, (m["capacity_bytes"] - inputs) // max(1, m["state_bytes_per_layer"]))
+        hide = None if adam_s is None else min(m["max_device_layers"], room, clip_hide_layers(m["layers"], adam_s,
+                                                                                           m["fwd_s_per_layer"]))
         if hide is None or hide <= K_now:
             return dict(device_state_layers=K_now, store_layers=k_now, hide_layers=hide,
                         rule="clip: the first placement kept")
