@@ -409,7 +409,8 @@ def main():
     ap.add_argument("--tokens", default="16384,65536", help="disk: tokens per step, comma-separated")
     ap.add_argument("--layers", type=int, default=None, help="pool: decoder layers (default: the largest that fits)")
     ap.add_argument("--host-margin-gib", type=float, default=4.0, help="pool: host memory the search leaves free")
-    ap.add_argument("--gpu-margin-gib", type=float, default=1.0, help="pool: GPU memory the search leaves free")
+    ap.add_argument("--gpu-margin-gib", type=float, default=5.0,
+                    help="pool: GPU memory the search leaves free (the estimate was 3.5 GiB under the H200 run's peak)")
     ap.add_argument("--timeout", type=float, default=560.0, help="seconds the child may run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--_child", default=None)
