@@ -19,7 +19,7 @@ state does not fit go to DIR), --tokens 16384,65536 (tokens per step, batches of
 (timed steps per token count after one warm-up step, default 2). pool: --layers N (default: the largest
 N that megatrain.estimate says fits, searched with estimate alone and printed before anything is built),
 --steps (timed steps after one warm-up, default 3), --host-margin-gib / --gpu-margin-gib (memory the
-search leaves to the child's Python, CUDA context and allocator: default 4 / 1).
+search leaves to the child's Python, CUDA context and allocator: default 4 / 5).
 """
 
 from __future__ import annotations
