@@ -18,6 +18,7 @@
 #                                               clip_tax (CLIP_PRESET, default 8b: wrap(model) with max_grad_norm 1.0, profiled, and without)
 #                                               stream_ab (STREAM_PRESET, default 3b: every layer master-streamed, 12 host B/param, vs
 #                                                 every layer's compute copy in the host store, 14 B/param; clip 1.0; H2D GB and s/step)
+#                                               projection (bench_projection.py --preset paper120b: a few layers of the ~120B shape, projected; PROJ_ARGS)
 #                                               pool (the largest Llama of the 14B shape host + GPU hold, as a user gets it: the layer count
 #                                                 searched with megatrain.estimate, then built and trained, max_grad_norm 1.0, 4 x 4096 tokens;
 #                                                 docs/benchmarks/scale_pool_h200.json; POOL_ARGS: extra bench_scale.py pool flags, e.g. --layers 48)
@@ -199,6 +200,10 @@ PY
         --steps 3 --warmup 1 --systems megatrain:policy=default,hcc=1 megatrain:policy=default,hcc=0 \
         megatrain:policy=recompute,devstate=0,hcc=1 megatrain:policy=recompute,devstate=0,hcc=0 \
         --out docs/benchmarks/stream_ab_${STREAM_PRESET:-3b}_h200.json ;;
+    projection)  # the paper's ~120B Llama shape: a few of its layers trained here, the whole model's step projected
+                 # from them (bench_projection.py; PROJ_ARGS: extra flags); docs/benchmarks/projection_paper120b_h200.*
+      run projection timeout ${PROJ_TIMEOUT:-590} python3 benchmarks/bench_projection.py --preset paper120b \
+        --out docs/benchmarks/projection_paper120b_h200.json ${PROJ_ARGS:-} ;;
     pool)  # search (~10 s), build straight into the host store, 1 warm-up + 3 timed steps; JSON + PNG
       run pool timeout ${POOL_TIMEOUT:-590} python3 benchmarks/bench_scale.py pool --timeout 560 ${POOL_ARGS:-} ;;
     disk)  # sequential disk bandwidth through DiskTier (1/2/4/8 I/O threads) and dd O_DIRECT (< 60 s)
