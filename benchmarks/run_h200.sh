@@ -4,7 +4,8 @@
 #   bash benchmarks/run_h200.sh [stage ...]     stages: build ctest cuda cpu adam memory train deepspeed bench
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss attention
-#                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0")
+#                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0";
+#                                                 BA_PRESET: a bench_train preset, e.g. 7b or 8b, default 3b)
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests; CUDA_TIMEOUT, default 560 s: the GPU tests took ~390 + 96 s in two processes on 2026-12-03)
 #                                               defaults (DEFAULTS_PRESET: wrap(model) with / without Liger vs PyTorch + ckpt with / without Liger, clip 1.0)
@@ -158,7 +159,8 @@ for s in "${stages[@]}"; do
             extra=; [ $clip != 0 ] && extra="--max-grad-norm $clip"
             c=$MEGATRAIN_GIT_COMMIT; [ $tree = before ] && c=${BEFORE_COMMIT:-before}
             run ba_${lab}_${tree}_clip$clip env PYTHONPATH=$pp MEGATRAIN_GIT_COMMIT=$c timeout 240 python3 $dir/benchmarks/bench_train.py \
-              --systems $sys --steps 5 --warmup 2 $extra --out docs/benchmarks/before_after_${lab}_${tree}_clip$clip.json
+              --systems $sys --steps 5 --warmup 2 $extra ${BA_PRESET:+--preset $BA_PRESET} \
+              --out docs/benchmarks/before_after_${BA_PRESET:+${BA_PRESET}_}${lab}_${tree}_clip$clip.json
           done
         done
       done
@@ -168,7 +170,10 @@ import os
 for sys in os.environ.get("BA_SYSTEMS", "megatrain").split():
     lab = sys.replace(":", "_").replace("=", "_").replace(",", "_")
     for clip in os.environ.get("BA_CLIPS", "0 1.0").split():
-        r = {t: json.load(open(f"docs/benchmarks/before_after_{lab}_{t}_clip{clip}.json"))["rows"][0] for t in ("before", "after")}
+        pre = os.environ.get("BA_PRESET", "")
+        pre = pre + "_" if pre else ""
+        r = {t: json.load(open(f"docs/benchmarks/before_after_{pre}{lab}_{t}_clip{clip}.json"))["rows"][0]
+             for t in ("before", "after")}
         print(f"{sys} max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
               f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
 PY
