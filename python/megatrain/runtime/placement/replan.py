@@ -307,7 +307,7 @@ class PlacementReplan:
         self._marks = {"fwd": [], "bwd": []}
         if not decisions or eng.dp is not None or eng.disk is not None or not eng.layers:
             return None
-        if eng.device_state is not None and any(u.device_state.exclusive for u in eng.device_state.layers):
+        if eng.device_state is not None and eng.device_state.exclusive:
             return None  # the store did not fit: wrap planned the device for capacity, not for speed
         d = max(decisions, key=lambda x: x["bytes_per_layer"])
         n = len(eng.layers)
