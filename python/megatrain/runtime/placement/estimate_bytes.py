@@ -198,10 +198,9 @@ def _exclusive_args(opts, machine: AssumedMachine, reserve: Optional[int] = None
     if isinstance(layers, int):  # on the CPU backend too: wrap makes them exclusive there as well
         return dict(keep_layers=layers, exclusive_ok=layers > 0)
     if opts.device.type != "cuda":  # "auto" / "boundary" on the CPU backend: wrap's free device bytes are the
-        free = machine.host_limits()["mem_available_bytes"]  # host's available memory (memory.free_device_bytes)
-        return dict(exclusive_ok=True, device_free=int(free or 0), num_slots=opts.num_slots, activation_reserve=reserve,
-                    auto_placement=layers == "auto")
-    free = gpu_free(opts, machine)[0]
+        free = int(machine.host_limits()["mem_available_bytes"] or 0)  # host's available memory (free_device_bytes)
+    else:
+        free = gpu_free(opts, machine)[0]
     return dict(exclusive_ok=free is not None, device_free=free, num_slots=opts.num_slots, activation_reserve=reserve,
                 auto_placement=layers == "auto")
 
