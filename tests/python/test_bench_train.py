@@ -163,6 +163,7 @@ def test_megatrain_official_adapter_drives_the_trainer_sequence(tmp_path, monkey
     the attention-mask shim and the row fields (the real CPUMasterModel needs CUDA)."""
     import torch
     import peers
+    import peers.megatrain_official  # noqa: F401  (peers imports its adapters lazily)
     src = tmp_path / "megatrain_official"
     (src / "infinity" / "model").mkdir(parents=True)
     (src / "infinity" / "model" / "cpu_master.py").write_text("")

@@ -691,6 +691,19 @@ def test_unimplemented_adamw_options_are_refused(kw):
         opt.add_param_group({"params": list(model.parameters())[1:], **kw})
 
 
+def test_param_groups_carry_torch_adamws_keys_and_refuse_an_l2_penalty():
+    """Every key of torch.optim.AdamW's param groups is in CPUAdamW's (scripts and schedulers read them);
+    a group with decoupled_weight_decay=False (torch.optim.Adam's L2 penalty) is refused, not run as AdamW."""
+    model = megatrain.wrap(tiny(), device="cpu")
+    ref = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    opt = megatrain.optim.CPUAdamW(list(model.parameters())[:1])
+    assert set(ref.param_groups[0]) <= set(opt.param_groups[0])
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        opt.add_param_group({"params": list(model.parameters())[1:], "decoupled_weight_decay": False})
+    assert len(opt.param_groups) == 1
+
+
 def test_a_tensor_lr_trains_as_the_same_float_lr_with_a_scheduler():
     """torch.optim.AdamW takes ``lr=torch.tensor(...)``; so does CPUAdamW (StepLR scales it in place)."""
     data = batches(3)

@@ -103,7 +103,8 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
         check_arguments(lr, betas, eps, weight_decay, max_grad_norm, gradient_accumulation_steps, nonfinite,
                         amsgrad, maximize, differentiable)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
-                        foreach=foreach, fused=fused, capturable=capturable, differentiable=False)
+                        foreach=foreach, fused=fused, capturable=capturable, differentiable=False,
+                        decoupled_weight_decay=True)
         self._port: Optional[OptimizerPort] = None  # built from the first parameter's engine (add_param_group)
         self._entry = {}  # (unit index, entry index) -> (group, param)
         self._moment_versions = {}  # (unit, entry, "exp_avg" | "exp_avg_sq") -> the handed-out tensor's _version seen

@@ -26,11 +26,15 @@ REFUSED_OPTIONS = {
 
 def check_options(where: str, opts: dict) -> None:
     """ValueError (one line) for a refused option (``amsgrad`` / ``maximize`` / ``differentiable``) switched
-    on in ``opts``; ``where``: the method after ``megatrain.optim.CPUAdamW`` in the message (``""``: the
+    on in ``opts``, or ``decoupled_weight_decay`` switched off; ``where``: the method after ``megatrain.optim.CPUAdamW`` in the message (``""``: the
     constructor)."""
     for k, msg in REFUSED_OPTIONS.items():
         if opts.get(k):
             raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
+    if opts.get("decoupled_weight_decay", True) is False:  # torch.optim.Adam's groups carry False (an L2 penalty)
+        raise ValueError(f"megatrain.optim.CPUAdamW{where}: decoupled_weight_decay=False (Adam's L2 penalty added to the "
+                         "gradient) is not implemented; CPUAdamW decays the weights as torch.optim.AdamW does "
+                         "(decoupled_weight_decay=True)")
 
 
 def is_number(v) -> bool:
