@@ -254,3 +254,29 @@ def test_ratios_compare_with_a_megatrain_variant_never_with_the_official_peer():
     got = {r["peer"]: r for r in bench_train.ratios(rows)}
     assert {r["megatrain"] for r in got.values()} == {"megatrain:policy=default"}
     assert got["megatrain_official"]["throughput_ratio"] == 4.0 and got["torch_ckpt"]["throughput_ratio"] == 2.0
+
+
+def test_before_after_sizes_gathers_one_row_per_size_and_refuses_a_missing_or_failed_run(tmp_path):
+    import before_after_sizes as bas
+
+    def write(preset, tree, step_s, status="ok"):
+        row = dict(system="megatrain:policy=auto", status=status, step_s=step_s, n_params=3e9 if preset == "3b" else 7e9,
+                   layers=28, tokens_per_step=16384, max_grad_norm=1.0, model_tflops=100.0 / step_s,
+                   gpu_peak_gib=10.0, host_peak_gib=50.0)
+        doc = dict(git_commit=tree[:3], date="2026-12-05T00:00:00", gpu="H200", rows=[row])
+        (tmp_path / f"before_after_{preset}_megatrain_policy_auto_{tree}_clip1.0_h200.json").write_text(json.dumps(doc))
+
+    for preset, b, a in (("3b", 1.0, 0.8), ("7b", 2.0, 2.2)):
+        write(preset, "before", b)
+        write(preset, "after", a)
+    out = tmp_path / "sizes.json"
+    bas.main(["--presets", "3b", "7b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["preset"], r["before_step_s"], r["after_step_s"]) for r in rows] == [("3b", 1.0, 0.8), ("7b", 2.0, 2.2)]
+    assert rows[0]["after_over_before"] == pytest.approx(0.8) and rows[1]["after_over_before"] == pytest.approx(1.1)
+    assert (tmp_path / "sizes.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="8b.*missing"):
+        bas.main(["--presets", "3b", "8b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])
+    write("7b", "after", 2.2, status="oom")
+    with pytest.raises(SystemExit, match="'oom'"):
+        bas.main(["--presets", "7b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])

@@ -1,0 +1,93 @@
+"""One before / after table across model sizes, from ``run_h200.sh before_after`` JSON files.
+
+``run_h200.sh before_after`` (one call per size, ``BA_PRESET=3b|7b|8b``) writes two ``bench_train.py``
+files per size and system: ``before_after_<preset>_<system>_{before,after}_clip<clip>.json`` (the
+tree in ``.before/`` and this one, run alternately on the same machine). This script gathers them
+into one JSON (rows: size, step_s before / after, their ratio, TFLOP/s, GPU and host peaks, both
+commits) and a PNG of the step times, and prints a Markdown table.
+
+    python benchmarks/before_after_sizes.py --system megatrain:policy=auto --presets 3b 7b 8b \\
+        --out docs/benchmarks/before_after_sizes_h200.json
+
+Raises SystemExit (one line) when a file is missing or a run did not finish (status not ``ok``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def load_pair(folder: str, preset: str, system: str, clip: str, suffix: str = "") -> dict:
+    """The before and after rows (and their files' commit and date) of one size."""
+    lab = system.replace(":", "_").replace("=", "_").replace(",", "_")
+    pair = {}
+    for tree in ("before", "after"):
+        path = os.path.join(folder, f"before_after_{preset}_{lab}_{tree}_clip{clip}{suffix}.json")
+        if not os.path.exists(path):
+            sys.exit(f"before_after_sizes: {path} is missing; run `BA_PRESET={preset} BA_SYSTEMS={system} "
+                     f"BA_CLIPS={clip} bash benchmarks/run_h200.sh before_after` first")
+        with open(path) as f:
+            doc = json.load(f)
+        row = doc["rows"][0]
+        if row.get("status") != "ok":
+            sys.exit(f"before_after_sizes: {path}: the run's status is {row.get('status')!r}, not 'ok'")
+        pair[tree] = dict(row=row, commit=doc.get("git_commit"), date=doc.get("date"), gpu=doc.get("gpu"), file=path)
+    return pair
+
+
+def summarise(preset: str, pair: dict) -> dict:
+    b, a = pair["before"]["row"], pair["after"]["row"]
+    return dict(preset=preset, n_params=a["n_params"], layers=a["layers"], tokens_per_step=a["tokens_per_step"],
+                max_grad_norm=a["max_grad_norm"], before_step_s=b["step_s"], after_step_s=a["step_s"],
+                after_over_before=a["step_s"] / b["step_s"], before_tflops=b["model_tflops"],
+                after_tflops=a["model_tflops"], before_gpu_peak_gib=b["gpu_peak_gib"], after_gpu_peak_gib=a["gpu_peak_gib"],
+                before_host_peak_gib=b["host_peak_gib"], after_host_peak_gib=a["host_peak_gib"],
+                before_commit=pair["before"]["commit"], after_commit=pair["after"]["commit"],
+                date=pair["after"]["date"], files=[pair["before"]["file"], pair["after"]["file"]])
+
+
+def plot(rows: list, system: str, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    xs = range(len(rows))
+    for off, key, name, color in ((-0.2, "before_step_s", "before", "tab:gray"), (0.2, "after_step_s", "after", "tab:blue")):
+        bars = ax.bar([x + off for x in xs], [r[key] for r in rows], width=0.4, label=name, color=color)
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set_xticks(list(xs), [f"{r['n_params'] / 1e9:.2f}B" for r in rows])
+    ax.set_ylabel("s/step (lower is better)")
+    ax.set_title(f"{system}, max_grad_norm {rows[0]['max_grad_norm']}, {rows[0]['tokens_per_step']} tokens/step "
+                 f"({rows[0]['date'][:10]})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--system", default="megatrain:policy=auto", help="the bench_train system both trees ran")
+    ap.add_argument("--presets", nargs="+", default=["3b", "7b", "8b"])
+    ap.add_argument("--clip", default="1.0", help="the BA_CLIPS value of the files")
+    ap.add_argument("--dir", default="docs/benchmarks", help="where the before_after_*.json files are")
+    ap.add_argument("--suffix", default="", help="the files' name ends with this before .json (e.g. _h200)")
+    ap.add_argument("--out", required=True, help="the combined JSON (a PNG is written beside it)")
+    args = ap.parse_args(argv)
+    pairs = {p: load_pair(args.dir, p, args.system, args.clip, args.suffix) for p in args.presets}  # every file read first
+    rows = [summarise(p, pairs[p]) for p in args.presets]
+    first = pairs[args.presets[0]]["after"]
+    with open(args.out, "w") as f:
+        json.dump(dict(benchmark="before_after_sizes", system=args.system, gpu=first["gpu"], rows=rows), f, indent=1)
+    plot(rows, args.system, os.path.splitext(args.out)[0] + ".png")
+    print(f"| model | before ({rows[0]['before_commit']}) s/step | after ({rows[0]['after_commit']}) s/step | after / before "
+          "| TFLOP/s before -> after |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n_params'] / 1e9:.2f}B | {r['before_step_s']:.3f} | {r['after_step_s']:.3f} | "
+              f"{r['after_over_before']:.3f} | {r['before_tflops']:.1f} -> {r['after_tflops']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
