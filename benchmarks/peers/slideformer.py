@@ -78,6 +78,31 @@ def _liger_version() -> str | None:
         return None
 
 
+def mask_shim() -> str:
+    """Let SlideFormer's mask call run on a transformers whose ``create_causal_mask`` has no
+    ``cache_position`` (removed in transformers 5.x; utils/model_compat.py, ``build_decoder_attention_mask``,
+    passes it, as None or as the positions of a step without a KV cache). Installs, on
+    ``transformers.masking_utils`` of this process only, a wrapper that drops ``cache_position`` and
+    passes ``past_key_values`` as the ``cache`` argument where that is required; the mask it builds is
+    transformers' own. Returns what was done (recorded in the row's settings)."""
+    import inspect
+
+    from transformers import masking_utils
+    orig = masking_utils.create_causal_mask
+    params = inspect.signature(orig).parameters
+    if "cache_position" in params or getattr(orig, "_peer_shim", False):
+        return "none needed"
+
+    def create_causal_mask(*args, cache_position=None, **kwargs):  # noqa: ARG001 - the dropped argument
+        if "cache" in params and "cache" not in kwargs and len(args) < list(params).index("cache") + 1:
+            kwargs["cache"] = kwargs.pop("past_key_values", None)
+        return orig(*args, **kwargs)
+
+    create_causal_mask._peer_shim = True
+    masking_utils.create_causal_mask = create_causal_mask
+    return "create_causal_mask called without cache_position (transformers has none)"
+
+
 def run(spec: dict, bench, src: str) -> dict:
     """One bench_train child: build, train ``warmup + steps`` steps, return the partial row."""
     import torch
@@ -90,6 +115,7 @@ def run(spec: dict, bench, src: str) -> dict:
     if src not in sys.path:
         sys.path.insert(0, src)
     from offload_transformer import SlideFormerOffloader
+    shim = mask_shim()
 
     opt_cfg = bench.OPT
     model = bench.build_model(spec["model"], spec["seq"], spec["device"])
@@ -126,5 +152,5 @@ def run(spec: dict, bench, src: str) -> dict:
                       max_grad_norm=clip, clipping="not supported: runs unclipped" if clip else "off",
                       grad_accum=ga, liger=liger, liger_version=_liger_version(), attention="sdpa, attention_mask=None (no padding)",
                       activations="SlidingCheckpoint: layer inputs offloaded to pinned CPU memory",
-                      nvme_offload="off", model="bench_train seeded fp32 Llama (SlideFormer copies it into fp32 master)"))
+                      nvme_offload="off", mask_shim=shim, model="bench_train seeded fp32 Llama (SlideFormer copies it into fp32 master)"))
     return r

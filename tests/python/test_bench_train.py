@@ -280,3 +280,35 @@ def test_before_after_sizes_gathers_one_row_per_size_and_refuses_a_missing_or_fa
     write("7b", "after", 2.2, status="oom")
     with pytest.raises(SystemExit, match="'oom'"):
         bas.main(["--presets", "7b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])
+
+
+def test_slideformer_mask_shim_drops_cache_position_and_builds_transformers_own_mask(monkeypatch):
+    """SlideFormer passes cache_position to create_causal_mask; on a transformers without it the shim drops it
+    and the mask equals transformers' own (a padded batch: a mask that is not just is_causal)."""
+    import inspect
+
+    import torch
+    import transformers
+    from transformers import masking_utils
+
+    import peers.slideformer as sf
+    orig = masking_utils.create_causal_mask
+    monkeypatch.setattr(masking_utils, "create_causal_mask", orig)  # restored after the test
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "sdpa"
+    x = torch.zeros(2, 6, 32)
+    am = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    pos = torch.arange(6).expand(2, 6)
+    kw = dict(config=cfg, inputs_embeds=x, attention_mask=am, position_ids=pos, past_key_values=None)
+    if "cache" in inspect.signature(orig).parameters:
+        want = orig(cache=None, **{k: v for k, v in kw.items() if k != "past_key_values"})
+    else:
+        want = orig(cache_position=torch.arange(6), **kw)
+    done = sf.mask_shim()
+    got = masking_utils.create_causal_mask(cache_position=torch.arange(6), **kw)  # SlideFormer's call
+    assert got is not None and torch.equal(got, want)
+    if "cache_position" in inspect.signature(orig).parameters:
+        assert done == "none needed" and masking_utils.create_causal_mask is orig
+    else:
+        assert "without cache_position" in done and sf.mask_shim() == "none needed"  # installed once
