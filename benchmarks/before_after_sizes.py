@@ -9,7 +9,8 @@ commits) and a PNG of the step times, and prints a Markdown table.
     python benchmarks/before_after_sizes.py --system megatrain:policy=auto --presets 3b 7b 8b \\
         --out docs/benchmarks/before_after_sizes_h200.json
 
-Raises SystemExit (one line) when a file is missing or a run did not finish (status not ``ok``).
+A run that did not finish (out of memory, an error) is a row with its status and no ratio.
+Raises SystemExit (one line) when a file is missing.
 """
 
 from __future__ import annotations
@@ -32,35 +33,42 @@ def load_pair(folder: str, preset: str, system: str, clip: str, suffix: str = ""
         with open(path) as f:
             doc = json.load(f)
         row = doc["rows"][0]
-        if row.get("status") != "ok":
-            sys.exit(f"before_after_sizes: {path}: the run's status is {row.get('status')!r}, not 'ok'")
         pair[tree] = dict(row=row, commit=doc.get("git_commit"), date=doc.get("date"), gpu=doc.get("gpu"), file=path)
     return pair
 
 
 def summarise(preset: str, pair: dict) -> dict:
+    """One size's row; a run that did not finish (``status`` not ``ok``: out of memory, an error) has
+    None step time and TFLOP/s, its status kept, and no ratio."""
     b, a = pair["before"]["row"], pair["after"]["row"]
-    return dict(preset=preset, n_params=a["n_params"], layers=a["layers"], tokens_per_step=a["tokens_per_step"],
-                max_grad_norm=a["max_grad_norm"], before_step_s=b["step_s"], after_step_s=a["step_s"],
-                after_over_before=a["step_s"] / b["step_s"], before_tflops=b["model_tflops"],
-                after_tflops=a["model_tflops"], before_gpu_peak_gib=b["gpu_peak_gib"], after_gpu_peak_gib=a["gpu_peak_gib"],
+    ok = b.get("status") == "ok" and a.get("status") == "ok"
+    return dict(preset=preset, n_params=a.get("n_params") or b.get("n_params"), layers=a["layers"],
+                tokens_per_step=a["tokens_per_step"], max_grad_norm=a["max_grad_norm"], before_status=b.get("status"),
+                after_status=a.get("status"), before_step_s=b.get("step_s"), after_step_s=a.get("step_s"),
+                after_over_before=a["step_s"] / b["step_s"] if ok else None, before_tflops=b.get("model_tflops"),
+                after_tflops=a.get("model_tflops"), before_gpu_peak_gib=b["gpu_peak_gib"], after_gpu_peak_gib=a["gpu_peak_gib"],
                 before_host_peak_gib=b["host_peak_gib"], after_host_peak_gib=a["host_peak_gib"],
                 before_commit=pair["before"]["commit"], after_commit=pair["after"]["commit"],
                 date=pair["after"]["date"], files=[pair["before"]["file"], pair["after"]["file"]])
 
 
-def plot(rows: list, system: str, out: str) -> None:
+def size_label(r: dict) -> str:
+    """``6.74B``, or the preset's name where neither run got as far as counting the parameters."""
+    return f"{r['n_params'] / 1e9:.2f}B" if r["n_params"] else f"{r['preset']} preset"
+
+
+def plot(rows: list, system: str, gpu: str, out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     xs = range(len(rows))
     for off, key, name, color in ((-0.2, "before_step_s", "before", "tab:gray"), (0.2, "after_step_s", "after", "tab:blue")):
-        bars = ax.bar([x + off for x in xs], [r[key] for r in rows], width=0.4, label=name, color=color)
-        ax.bar_label(bars, fmt="%.3f", fontsize=8)
-    ax.set_xticks(list(xs), [f"{r['n_params'] / 1e9:.2f}B" for r in rows])
+        bars = ax.bar([x + off for x in xs], [r[key] or 0.0 for r in rows], width=0.4, label=name, color=color)
+        ax.bar_label(bars, labels=[f"{r[key]:.3f}" if r[key] else r[name + "_status"].split(":")[0] for r in rows], fontsize=7)
+    ax.set_xticks(list(xs), [size_label(r) for r in rows])
     ax.set_ylabel("s/step (lower is better)")
-    ax.set_title(f"{system}, max_grad_norm {rows[0]['max_grad_norm']}, {rows[0]['tokens_per_step']} tokens/step "
+    ax.set_title(f"{gpu}: {system}, max_grad_norm {rows[0]['max_grad_norm']}, {rows[0]['tokens_per_step']} tokens/step "
                  f"({rows[0]['date'][:10]})", fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -81,12 +89,16 @@ def main(argv=None) -> None:
     first = pairs[args.presets[0]]["after"]
     with open(args.out, "w") as f:
         json.dump(dict(benchmark="before_after_sizes", system=args.system, gpu=first["gpu"], rows=rows), f, indent=1)
-    plot(rows, args.system, os.path.splitext(args.out)[0] + ".png")
+    plot(rows, args.system, first["gpu"], os.path.splitext(args.out)[0] + ".png")
     print(f"| model | before ({rows[0]['before_commit']}) s/step | after ({rows[0]['after_commit']}) s/step | after / before "
           "| TFLOP/s before -> after |\n|---|---|---|---|---|")
+    def cell(r, tree, key, fmt):
+        return fmt.format(r[f"{tree}_{key}"]) if r[f"{tree}_status"] == "ok" else r[f"{tree}_status"][:60]
+
     for r in rows:
-        print(f"| {r['n_params'] / 1e9:.2f}B | {r['before_step_s']:.3f} | {r['after_step_s']:.3f} | "
-              f"{r['after_over_before']:.3f} | {r['before_tflops']:.1f} -> {r['after_tflops']:.1f} |")
+        ratio = f"{r['after_over_before']:.3f}" if r["after_over_before"] is not None else "-"
+        print(f"| {size_label(r)} | {cell(r, 'before', 'step_s', '{:.3f}')} | {cell(r, 'after', 'step_s', '{:.3f}')} "
+              f"| {ratio} | {cell(r, 'before', 'tflops', '{:.1f}')} -> {cell(r, 'after', 'tflops', '{:.1f}')} |")
 
 
 if __name__ == "__main__":
