@@ -5,7 +5,9 @@
 #                                               profile prefetch_d2h policies sweep_tokens sweep_depth sweep_size (SWEEP_ARGS: extra bench_train flags)
 #                                               cuda_new scale_train scale_load scale_lora long_7b long_loss attention
 #                                               before_build before_after (BEFORE_COMMIT: the commit in .before/; BA_CLIPS: default "0 1.0";
-#                                                 BA_PRESET: a bench_train preset, e.g. 7b or 8b, default 3b)
+#                                                 BA_PRESET: a bench_train preset, e.g. 7b or 8b, default 3b; a megatrain:<options> system
+#                                                 keeps a grad accumulator unless acc=0 is named: at 8b name it, e.g. megatrain:policy=auto,acc=0,
+#                                                 or 18 B/param exceed a 125 GiB host, which this script's MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1 lets through)
 #                                               idle_ab (IDLE_TREES, IDLE_REPS, IDLE_SYSTEMS: compute idle per profiled step, trees side by side)
 #                                               cuda (CUDA_K: a pytest -k selection of the GPU tests; CUDA_TIMEOUT, default 560 s: the GPU tests took ~390 + 96 s in two processes on 2026-12-03)
 #                                               defaults (DEFAULTS_PRESET: wrap(model) with / without Liger vs PyTorch + ckpt with / without Liger, clip 1.0)
