@@ -28,6 +28,7 @@
 #                                               sched_ab (SCHED_CLIPS, SCHED_SYSTEMS, SCHED_TIMEOUT: C++ slot pool / fused norms vs the Python path, one call)
 #                                               bg_start (BG_CMD: a command longer than one call, in the background) / bg_wait (BG_WAIT:
 #                                                 collect it in a later call while the machine is still held)
+# BUNDLE=1: $OUT packed into one $OUT/out.tgz at the end (the device tool returns only a few files per call).
 # deepspeed: offline install from .whl/ (wheels carried in the working tree; deepspeed itself built with
 # DS_BUILD_OPS=0, so its ops JIT-compile here) and a pre-build of the cpu_adam op (DeepSpeed's own g++ flags: the
 # host's ISA and OpenMP; no nvcc) into the torch_extensions cache, so bench's deepspeed child does not pay for it.
@@ -274,4 +275,7 @@ from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); 
   esac
 done
 collect
+if [ "${BUNDLE:-0}" = 1 ]; then  # the device tool returns only a few files per call: everything in $OUT as one out.tgz
+  tar czf /tmp/out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/out.tgz"
+fi
 echo "==== summary"; printf '%s\n' "${summary[@]}"
