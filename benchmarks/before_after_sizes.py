@@ -4,7 +4,8 @@
 files per size and system: ``before_after_<preset>_<system>_{before,after}_clip<clip>.json`` (the
 tree in ``.before/`` and this one, run alternately on the same machine). This script gathers them
 into one JSON (rows: size, step_s before / after, their ratio, TFLOP/s, GPU and host peaks, both
-commits) and a PNG of the step times, and prints a Markdown table.
+commits) and a PNG of the step times (``--out``), and prints a Markdown table (the stage itself prints
+it for each system and max_grad_norm).
 
     python benchmarks/before_after_sizes.py --system megatrain:policy=auto --presets 3b 7b 8b \\
         --out docs/benchmarks/before_after_sizes_h200.json
@@ -26,7 +27,8 @@ def load_pair(folder: str, preset: str, system: str, clip: str, suffix: str = ""
     lab = system.replace(":", "_").replace("=", "_").replace(",", "_")
     pair = {}
     for tree in ("before", "after"):
-        path = os.path.join(folder, f"before_after_{preset}_{lab}_{tree}_clip{clip}{suffix}.json")
+        pre = f"{preset}_" if preset else ""  # run_h200.sh names no preset in the file when BA_PRESET is unset
+        path = os.path.join(folder, f"before_after_{pre}{lab}_{tree}_clip{clip}{suffix}.json")
         if not os.path.exists(path):
             sys.exit(f"before_after_sizes: {path} is missing; run `BA_PRESET={preset} BA_SYSTEMS={system} "
                      f"BA_CLIPS={clip} bash benchmarks/run_h200.sh before_after` first")
@@ -78,18 +80,20 @@ def plot(rows: list, system: str, gpu: str, out: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--system", default="megatrain:policy=auto", help="the bench_train system both trees ran")
-    ap.add_argument("--presets", nargs="+", default=["3b", "7b", "8b"])
+    ap.add_argument("--presets", nargs="+", default=["3b", "7b", "8b"],
+                    help='the BA_PRESET values of the files ("": files named without one, the 3b default)')
     ap.add_argument("--clip", default="1.0", help="the BA_CLIPS value of the files")
     ap.add_argument("--dir", default="docs/benchmarks", help="where the before_after_*.json files are")
     ap.add_argument("--suffix", default="", help="the files' name ends with this before .json (e.g. _h200)")
-    ap.add_argument("--out", required=True, help="the combined JSON (a PNG is written beside it)")
+    ap.add_argument("--out", help="the combined JSON (a PNG is written beside it); none: the table only")
     args = ap.parse_args(argv)
     pairs = {p: load_pair(args.dir, p, args.system, args.clip, args.suffix) for p in args.presets}  # every file read first
     rows = [summarise(p, pairs[p]) for p in args.presets]
     first = pairs[args.presets[0]]["after"]
-    with open(args.out, "w") as f:
-        json.dump(dict(benchmark="before_after_sizes", system=args.system, gpu=first["gpu"], rows=rows), f, indent=1)
-    plot(rows, args.system, first["gpu"], os.path.splitext(args.out)[0] + ".png")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(benchmark="before_after_sizes", system=args.system, gpu=first["gpu"], rows=rows), f, indent=1)
+        plot(rows, args.system, first["gpu"], os.path.splitext(args.out)[0] + ".png")
     print(f"| model | before ({rows[0]['before_commit']}) s/step | after ({rows[0]['after_commit']}) s/step | after / before "
           "| TFLOP/s before -> after |\n|---|---|---|---|---|")
     def cell(r, tree, key, fmt):

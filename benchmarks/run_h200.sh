@@ -167,19 +167,12 @@ for s in "${stages[@]}"; do
           done
         done
       done
-      python3 - <<'PY'
-import json
-import os
-for sys in os.environ.get("BA_SYSTEMS", "megatrain").split():
-    lab = sys.replace(":", "_").replace("=", "_").replace(",", "_")
-    for clip in os.environ.get("BA_CLIPS", "0 1.0").split():
-        pre = os.environ.get("BA_PRESET", "")
-        pre = pre + "_" if pre else ""
-        r = {t: json.load(open(f"docs/benchmarks/before_after_{pre}{lab}_{t}_clip{clip}.json"))["rows"][0]
-             for t in ("before", "after")}
-        print(f"{sys} max_grad_norm={clip}: before {r['before']['step_s']:.3f} s/step, after {r['after']['step_s']:.3f} s/step, "
-              f"after/before {r['after']['step_s'] / r['before']['step_s']:.3f}")
-PY
+      for sys in ${BA_SYSTEMS:-megatrain}; do  # one table per system and max_grad_norm (a failed run: its status)
+        for clip in ${BA_CLIPS:-0 1.0}; do
+          echo "$sys max_grad_norm=$clip:"
+          python3 benchmarks/before_after_sizes.py --system $sys --clip $clip --presets "${BA_PRESET:-}"
+        done
+      done
       ;;
     sched_ab)  # 3.37B, 4 x 4096 tokens, in one call per max_grad_norm (SCHED_CLIPS, default "0 1.0"): the C++ slot pool and
                # copies + fused norms (megatrain) against the Python slot path (cslots=0) and both before switches; one profiled step each

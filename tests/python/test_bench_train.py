@@ -256,7 +256,7 @@ def test_ratios_compare_with_a_megatrain_variant_never_with_the_official_peer():
     assert got["megatrain_official"]["throughput_ratio"] == 4.0 and got["torch_ckpt"]["throughput_ratio"] == 2.0
 
 
-def test_before_after_sizes_gathers_one_row_per_size_keeps_a_failed_run_and_refuses_a_missing_one(tmp_path):
+def test_before_after_sizes_gathers_one_row_per_size_keeps_a_failed_run_and_refuses_a_missing_one(tmp_path, capsys):
     import before_after_sizes as bas
 
     def write(preset, tree, step_s, status="ok"):
@@ -277,6 +277,14 @@ def test_before_after_sizes_gathers_one_row_per_size_keeps_a_failed_run_and_refu
     assert (tmp_path / "sizes.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="8b.*missing"):
         bas.main(["--presets", "3b", "8b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])
+    # run_h200.sh's stage: files named without a preset (BA_PRESET unset), the table printed, nothing written
+    for tree, t in (("before", 1.0), ("after", 0.9)):
+        doc = json.loads((tmp_path / f"before_after_3b_megatrain_policy_auto_{tree}_clip1.0_h200.json").read_text())
+        doc["rows"][0]["step_s"] = t
+        (tmp_path / f"before_after_megatrain_policy_auto_{tree}_clip1.0_h200.json").write_text(json.dumps(doc))
+    out.unlink()
+    bas.main(["--presets", "", "--dir", str(tmp_path), "--suffix", "_h200"])
+    assert "| 1.000 | 0.900 | 0.900 |" in capsys.readouterr().out and not out.exists()
     write("7b", "before", None, status="oom")
     bas.main(["--presets", "7b", "--dir", str(tmp_path), "--suffix", "_h200", "--out", str(out)])
     (r,) = json.loads(out.read_text())["rows"]

@@ -26,8 +26,8 @@ REFUSED_OPTIONS = {
 
 def check_options(where: str, opts: dict) -> None:
     """ValueError (one line) for a refused option (``amsgrad`` / ``maximize`` / ``differentiable``) switched
-    on in ``opts``, or ``decoupled_weight_decay`` switched off; ``where``: the method after ``megatrain.optim.CPUAdamW`` in the message (``""``: the
-    constructor)."""
+    on in ``opts``, or ``decoupled_weight_decay`` switched off; ``where``: the method after
+    ``megatrain.optim.CPUAdamW`` in the message (``""``: the constructor)."""
     for k, msg in REFUSED_OPTIONS.items():
         if opts.get(k):
             raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
