@@ -54,6 +54,49 @@ def test_a_param_group_edited_to_a_bad_value_is_refused_before_anything_changes(
     assert_params_close(weights(w), weights(ref))
 
 
+@pytest.mark.parametrize("clip", [1e9, None])
+@pytest.mark.parametrize("key,bad", [("decoupled_weight_decay", False), ("decoupled_weight_decay", 0),
+                                     ("amsgrad", True), ("maximize", True)])
+def test_a_param_group_switched_to_a_refused_option_is_refused_before_anything_changes(clip, key, bad):
+    """torch.optim.AdamW reads these keys from param_groups at every step (False decoupled_weight_decay: an L2
+    penalty instead of decoupled decay). CPUAdamW refused them only where a group was added, so one set by hand
+    afterwards trained silently as plain AdamW, and its state_dict could not be loaded back. Now step() (or the
+    forward) refuses it in one line; putting the value back trains on exactly as torch."""
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref), max_grad_norm=clip)
+    x0, x1 = batches(2)
+    good = opt.param_groups[0][key]
+    before = weights(w)
+    opt.param_groups[0][key] = bad
+    with pytest.raises(ValueError, match=rf"megatrain.optim.CPUAdamW: param_groups\[0\]: {key}={bad!r} .*not "):
+        w(input_ids=x0, labels=x0).loss.backward()
+        opt.step()
+    for k, v in before.items():
+        assert torch.equal(weights(w)[k], v), k
+    opt.param_groups[0][key] = good
+    opt.zero_grad()
+    for model, o in ((w, opt), (ref, ropt)):
+        model(input_ids=x1, labels=x1).loss.backward()
+        if clip is not None and model is ref:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        o.step()
+    assert_params_close(weights(w), weights(ref))
+
+
+@pytest.mark.parametrize("bad", [0, None, torch.tensor(False)])
+def test_a_falsy_decoupled_weight_decay_is_refused_like_false(bad):
+    """torch reads decoupled_weight_decay by truth value: 0, None and tensor(False) mean an L2 penalty as False
+    does; they were accepted (only the literal False was refused) and trained as AdamW."""
+    import megatrain
+    from test_drop_in import tiny
+
+    params = list(megatrain.wrap(tiny(), device="cpu").parameters())
+    opt = megatrain.optim.CPUAdamW(params[:1])
+    with pytest.raises(ValueError, match="add_param_group: decoupled_weight_decay="):
+        opt.add_param_group({"params": params[1:], "decoupled_weight_decay": bad})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("sched", [{"step": 3}, "cosine"])
 def test_save_checkpoint_refuses_a_scheduler_that_is_not_one_before_writing(tmp_path, sched):
     """``save_checkpoint(dir, model, opt, {"step": 3})`` (``extra`` given where the scheduler goes) raised a

@@ -24,17 +24,26 @@ REFUSED_OPTIONS = {
 }
 
 
-def check_options(where: str, opts: dict) -> None:
-    """ValueError (one line) for a refused option (``amsgrad`` / ``maximize`` / ``differentiable``) switched
-    on in ``opts``, or ``decoupled_weight_decay`` switched off; ``where``: the method after
-    ``megatrain.optim.CPUAdamW`` in the message (``""``: the constructor)."""
+def refused_option(opts: dict):
+    """What is wrong with ``opts`` (a param group or the constructor's options), or None: an option
+    megatrain's fused update does not implement switched on (``amsgrad`` / ``maximize`` / ``differentiable``),
+    or ``decoupled_weight_decay`` present and false as torch reads it (``False``, ``0``, ``None``: torch.optim.Adam's
+    L2 penalty added to the gradient)."""
     for k, msg in REFUSED_OPTIONS.items():
         if opts.get(k):
-            raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
-    if opts.get("decoupled_weight_decay", True) is False:  # torch.optim.Adam's groups carry False (an L2 penalty)
-        raise ValueError(f"megatrain.optim.CPUAdamW{where}: decoupled_weight_decay=False (Adam's L2 penalty added to the "
-                         "gradient) is not implemented; CPUAdamW decays the weights as torch.optim.AdamW does "
-                         "(decoupled_weight_decay=True)")
+            return msg
+    if not opts.get("decoupled_weight_decay", True):
+        return (f"decoupled_weight_decay={opts['decoupled_weight_decay']!r} (Adam's L2 penalty added to the gradient) is "
+                "not implemented; CPUAdamW decays the weights as torch.optim.AdamW does (decoupled_weight_decay=True)")
+    return None
+
+
+def check_options(where: str, opts: dict) -> None:
+    """ValueError (one line) for a refused option in ``opts`` (:func:`refused_option`); ``where``: the method
+    after ``megatrain.optim.CPUAdamW`` in the message (``""``: the constructor)."""
+    msg = refused_option(opts)
+    if msg is not None:
+        raise ValueError(f"megatrain.optim.CPUAdamW{where}: {msg}")
 
 
 def is_number(v) -> bool:
@@ -56,11 +65,14 @@ def _finite_number(v) -> bool:
 
 
 def check_group_values(groups) -> None:
-    """ValueError (one line) for a param group an update cannot run with: an ``lr`` / ``eps`` / ``weight_decay``
-    that is not a finite number, ``betas`` that are not two (set in ``param_groups`` after the constructor's
+    """ValueError (one line) for a param group an update cannot run with: a refused option
+    (:func:`refused_option`), an ``lr`` / ``eps`` / ``weight_decay`` that is not a finite number, ``betas`` that are not two (set in ``param_groups`` after the constructor's
     checks: a value read from a config as a string, a scheduler lambda's NaN). Ranges are not checked here,
     as torch's ``step()`` does not check them either."""
     for k, g in enumerate(groups):
+        msg = refused_option(g)  # switched in param_groups after the constructor's checks
+        if msg is not None:
+            raise ValueError(f"megatrain.optim.CPUAdamW: param_groups[{k}]: {msg} (nothing was changed)")
         b = g.get("betas")
         bad = [n for n in ("lr", "eps", "weight_decay") if not _finite_number(g.get(n))]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_finite_number(x) for x in b)):
