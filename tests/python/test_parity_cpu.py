@@ -503,9 +503,14 @@ def test_bad_optimizer_argument_is_a_one_line_value_error(kw, msg):
     hp = {k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay")}
     if hp:  # the same check for a param group's own values
         params = list(model.parameters())
-        with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW.add_param_group: {msg}$"):
+        with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW \\(param group 1\\): {msg}$"):
             megatrain.optim.CPUAdamW([{"params": params[:1]}, {"params": params[1:], **hp}])
     assert megatrain.runtime.engine.core.locate(next(model.parameters()))[0].optimizer is None  # nothing attached
+    if hp:  # a group added later names add_param_group
+        opt = megatrain.optim.CPUAdamW([{"params": params[:1]}])
+        with pytest.raises(ValueError, match=f"^megatrain.optim.CPUAdamW.add_param_group: {msg}$"):
+            opt.add_param_group({"params": params[1:], **hp})
+        assert len(opt.param_groups) == 1
 
 
 def test_foreign_parameter_rejected_by_optimizer():

@@ -97,6 +97,18 @@ def test_a_falsy_decoupled_weight_decay_is_refused_like_false(bad):
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("group", [{"amsgrad": True}, {"maximize": True}, {"decoupled_weight_decay": False}])
+def test_a_refused_option_in_a_constructor_group_names_the_group_not_add_param_group(group):
+    """A refused option in a group given to the constructor: the one-line error names that group by its
+    index (it named CPUAdamW.add_param_group, a call the user never made)."""
+    import megatrain
+    from test_drop_in import tiny
+
+    params = list(megatrain.wrap(tiny(), device="cpu").parameters())
+    with pytest.raises(ValueError, match=r"^megatrain.optim.CPUAdamW \(param group 1\): " + list(group)[0]):
+        megatrain.optim.CPUAdamW([{"params": params[:1]}, {"params": params[1:], **group}])
+
+
 @pytest.mark.parametrize("sched", [{"step": 3}, "cosine"])
 def test_save_checkpoint_refuses_a_scheduler_that_is_not_one_before_writing(tmp_path, sched):
     """``save_checkpoint(dir, model, opt, {"step": 3})`` (``extra`` given where the scheduler goes) raised a

@@ -120,7 +120,9 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
         # hyperparameters they ran with), so that step() / zero_grad() can say what torch would do instead
         self._eager_groups: dict = {}
         self._eager_warned: set = set()
+        self._constructing = True  # add_param_group's errors then name the constructor's param group
         super().__init__(params, defaults)
+        self._constructing = False
         self.max_grad_norm = max_grad_norm
         self.gradient_accumulation_steps = gradient_accumulation_steps
         if self._port is None:

@@ -51,8 +51,10 @@ class ParamGroups:
             ValueError: a parameter not managed by megatrain, from another wrapped model, already in
                 a group or twice in this one, or an option CPUAdamW refuses (``amsgrad`` / ``maximize`` / ``differentiable``).
         """
-        check_options(".add_param_group", param_group)
-        check_hyper(".add_param_group", param_group)
+        # a group given to the constructor is named by its index there, not as an add_param_group call
+        where = f" (param group {len(self.param_groups)})" if getattr(self, "_constructing", False) else ".add_param_group"
+        check_options(where, param_group)
+        check_hyper(where, param_group)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # torch >= 2.6 takes model.named_parameters(): (name, parameter) pairs, kept as the group's param_names
