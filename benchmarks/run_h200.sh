@@ -211,7 +211,9 @@ for s in "${stages[@]}"; do
       run disk timeout 120 python3 benchmarks/bench_disk.py --dir "$PWD/build" --out docs/benchmarks/disk_h200 ${DISK_ARGS:-} ;;
     peers)  # every system at PEERS_PRESET (default 3b) with max_grad_norm PEERS_CLIP (default 1.0, the trainers' default;
             # 0: no clipping); PEERS_ARGS: extra bench_train flags (e.g. --grad-accum 4), PEERS_SYSTEMS: the systems,
-            # PEERS_TAG: the JSON's name
+            # PEERS_TAG: the JSON's name. 2 warm-up steps (here and in defaults): wrap(model)'s planner places again
+            # from the first step's measurements, so its second step moves layers' state to the GPU (6.74B, H200:
+            # 1.670 s against 1.445 after), as DeepSpeed ZeRO-3's first steps run slower (3.37B: 4.14 s, then 2.48)
       systems=${PEERS_SYSTEMS:-megatrain:policy=auto torch_ckpt torch_nockpt deepspeed_zero2 deepspeed_zero3 fsdp2_offload}
       case " $systems " in *deepspeed*)  # only when a DeepSpeed row is asked for (the install takes ~1 min)
         if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then ds_install; fi ;;
@@ -238,7 +240,7 @@ from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); 
       clip=${PEERS_CLIP:-1.0}; clipflag=; [ "$clip" != 0 ] && clipflag="--max-grad-norm $clip"
       tag=${PEERS_TAG:-${PEERS_PRESET:-3b}_clip$([ "$clip" = 0 ] && echo 0)}
       run peers_$tag timeout ${PEERS_TIMEOUT:-590} python3 benchmarks/bench_train.py --preset ${PEERS_PRESET:-3b} \
-        --systems $systems $clipflag --steps 3 --warmup 1 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
+        --systems $systems $clipflag --steps 3 --warmup 2 ${PEERS_ARGS:-} --out docs/benchmarks/peers_$tag.json ;;
     defaults)  # megatrain as a user gets it (wrap(model): no placement option) with and without Liger-Kernel, against
                # PyTorch + checkpointing with and without Liger, at DEFAULTS_PRESET (default 3b), max_grad_norm 1.0, one call;
                # liger-kernel installed offline from .whl/liger_kernel*.whl (pip download --no-deps liger-kernel) when missing
@@ -247,7 +249,7 @@ from optimizer.layer_adam.builder import CPUAdamLoader; CPUAdamLoader().load(); 
       fi
       run defaults_${DEFAULTS_PRESET:-3b} timeout ${DEFAULTS_TIMEOUT:-590} python3 benchmarks/bench_train.py \
         --preset ${DEFAULTS_PRESET:-3b} --systems megatrain:policy=default megatrain:policy=default,liger=0 torch_ckpt \
-        torch_ckpt:liger=1 --max-grad-norm 1.0 --steps 3 --warmup 1 \
+        torch_ckpt:liger=1 --max-grad-norm 1.0 --steps 3 --warmup 2 \
         --out docs/benchmarks/defaults_${DEFAULTS_PRESET:-3b}_clip_h200.json ;;
     bg_start)  # BG_CMD in the background (its own session), for work longer than one call (a 6.74B step at 512K
                # tokens: an estimated ~15 min); its log, exit code and any files it writes under build/bg/ stay on the machine while
