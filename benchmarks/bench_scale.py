@@ -29,16 +29,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit, proc_status_bytes  # noqa: E402
+from bench_common import git_commit  # noqa: E402
+from bench_scale_common import (GiB, TAG, _attn_flops, _config, _peak_rss, _rss, _train_steps,  # noqa: E402
+                                spawn)
 
-GiB = 1024 ** 3
-TAG = "BENCH_SCALE_RESULT "
 SHAPES = {
     "llama3_8b": dict(hidden=4096, layers=32, inter=14336, heads=32, kv_heads=8, vocab=128256),
     # the Llama-3-8B shape with 34 decoder layers (8.47B): near the largest a 125 GiB host holds at 14 B/param
@@ -53,53 +52,6 @@ SHAPES = {
 SMALL = dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=256)
 SMALL_DISK = dict(hidden=64, layers=6, inter=128, heads=4, kv_heads=2, vocab=256)  # >= 3 layers: some go to disk
 # pool: the 14B Llama shape (~275M parameters per layer); its layer count is --layers or the largest that fits
-POOL_SHAPE = dict(hidden=5120, inter=13824, heads=40, kv_heads=8, vocab=32000)
-SMALL_POOL = dict(hidden=64, layers=4, inter=128, heads=4, kv_heads=2, vocab=256)
-
-
-def _config(m: dict, seq: int):
-    import transformers
-    cfg = transformers.LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["inter"],
-                                   num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
-                                   num_key_value_heads=m["kv_heads"], max_position_embeddings=max(seq, 2048),
-                                   tie_word_embeddings=False, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-def _peak_rss() -> int:
-    return proc_status_bytes("VmHWM") or 0
-
-
-def _rss() -> int:
-    return proc_status_bytes("VmRSS") or 0
-
-
-def _attn_flops(m, batch, seq):
-    return 6.0 * m["layers"] * batch * seq ** 2 * m["heads"] * (m["hidden"] // m["heads"])
-
-
-def _train_steps(model, opt, spec, device):
-    import torch
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for s in range(spec["steps"] + 1):  # the first step warms up (not timed)
-        x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if s > 0:
-            times.append(time.perf_counter() - t0)
-    opt.wait()
-    return times, float(loss)
-
-
 def child_train(spec):
     """from_config straight into the store (init on the GPU), fp32 masters, bf16 compute, N steps."""
     import torch
@@ -357,29 +309,6 @@ def child_pool(spec):
     """The pool part's child (benchmarks/bench_scale_pool.py)."""
     from bench_scale_pool import child_pool as run
     return run(spec)
-
-
-def spawn(spec: dict, env_extra: dict | None = None, timeout: float = 600, stream_stderr: bool = False) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    print(f"==== {spec['case']}", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if stream_stderr else subprocess.PIPE, text=True,
-                           env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(case=spec["case"], status=f"timeout after {timeout} s")
-    row = None
-    for line in p.stdout.splitlines():
-        if line.startswith(TAG):
-            row = json.loads(line[len(TAG):])
-    if row is None:
-        err = p.stderr or ""
-        sys.stderr.write(p.stdout[-4000:] + err[-4000:])
-        row = dict(case=spec["case"], status=f"error rc={p.returncode}: {(err.strip().splitlines() or [''])[-1][:300]}")
-    row["wall_s"] = time.perf_counter() - t0
-    print(json.dumps(row), file=sys.stderr, flush=True)
-    return row
 
 
 def child_main(spec):

@@ -32,7 +32,10 @@ import subprocess
 import time
 
 from bench_common import git_commit
-from bench_scale import GiB, POOL_SHAPE, SMALL_POOL, _config, _peak_rss, _train_steps, spawn
+from bench_scale_common import GiB, _config, _peak_rss, _train_steps, spawn
+
+POOL_SHAPE = dict(hidden=5120, inter=13824, heads=40, kv_heads=8, vocab=32000)
+SMALL_POOL = dict(hidden=64, layers=4, inter=128, heads=4, kv_heads=2, vocab=256)
 
 MAX_LAYERS = 512  # the search's upper bound
 
