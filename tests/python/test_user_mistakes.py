@@ -154,3 +154,27 @@ def test_a_parameter_listed_twice_in_a_group_is_refused_in_one_line():
     assert "\n" not in str(e.value)
     opt = megatrain.optim.CPUAdamW(params, lr=1e-3)  # the same parameters once: fine
     assert len(opt.param_groups[0]["params"]) == len(params)
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "to_dtype"])
+def test_a_dtype_cast_of_a_decoder_layer_raises_instead_of_changing_nothing(cast):
+    """``model.model.layers[0].half()`` returned as if done while the layer kept computing in fp32 from the host
+    store (its parameters are meta placeholders); it raises like ``model.half()`` does. Casts and moves that
+    change nothing (``.float()``, ``.to("cpu")``, ``.train()``) still run, and the model still trains."""
+    import megatrain
+    from test_drop_in import tiny
+
+    model = megatrain.wrap(tiny(), device="cpu")
+    layer = model.model.layers[0]
+    with pytest.raises(TypeError, match="^megatrain: casting a decoder layer to torch"):
+        layer.to(torch.float16) if cast == "to_dtype" else getattr(layer, cast)()
+    with pytest.raises(TypeError, match="^megatrain: casting a decoder layer to torch"):
+        model.model.layers.half()
+    assert {p.dtype for p in layer.parameters()} == {torch.float32}
+    layer.float()
+    model.to("cpu").float().train()
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3)
+    x = batches(1)[0]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())

@@ -1,8 +1,8 @@
 """Refusals :class:`~.module_api.ModuleApi` puts on a wrapped model: the calls that would change it behind
 the host store's back raise at once, with one line naming what to do instead.
 
-* ``model.half()`` / ``.to(dtype)`` / ``.to(other_device)`` on a module holding resident weights
-  (:func:`_install_cast_guard`);
+* ``model.half()`` / ``.to(dtype)`` / ``.to(other_device)`` on a module holding resident weights, and a
+  dtype cast of a decoder layer (:func:`_install_cast_guard`);
 * PEFT's ``merge_and_unload`` / ``merge_adapter`` / ``unmerge_adapter`` / ``unload``
   (:func:`_install_peft_merge_guard`);
 * transformers' ``resize_token_embeddings`` / ``set_input_embeddings`` / ``set_output_embeddings``
@@ -25,30 +25,47 @@ _CAST_MSG = ("megatrain: {call} would change the {what} of a model wrapped by me
              "choose them at wrap: megatrain.wrap(model, compute_dtype=..., device=...)")
 
 
+_LAYER_CAST_MSG = ("megatrain: casting a decoder layer to {dtype} would change nothing (its parameters are meta "
+                   "placeholders; its weights are fp32 masters in the host store, computed in the compute_dtype chosen "
+                   "at wrap): choose it there: megatrain.wrap(model, compute_dtype=...)")
+
+
 def _install_cast_guard(eng, model: nn.Module) -> None:
     """``model.half()`` / ``.to(torch.bfloat16)`` / ``.to(other_device)`` on the model or a module holding
     resident weights raise before any tensor is converted (torch would cast only the resident part and
-    detach it from the engine's buffer). Calls that change nothing (``.to(its device)``, the
-    Trainer's placement) still run."""
+    detach it from the engine's buffer); a dtype cast of a module holding a decoder layer's placeholders
+    (``model.model.layers[0].half()``) raises too: it would return as if done and change nothing. Calls that
+    change nothing (``.to(its device)``, ``.float()`` on fp32 placeholders, the Trainer's placement) still run."""
     u = getattr(eng, "resident", None)
-    if u is None:
+    # (module, attribute, resident?): a placeholder's device is meta whatever the engine's device, so only its
+    # dtype is checked
+    owners = [(mod, attr, True) for e in (u.entries if u is not None else []) for mod, attr in e.owners]
+    owners += [(mod, attr, False) for layer in eng.layers for e in layer.entries for mod, attr in e.owners]
+    if not owners:
         return
-    owners = [(mod, attr) for e in u.entries for mod, attr in e.owners]
-    holders = {id(mod) for mod, _ in owners}
-
-    def holds_resident(m: nn.Module) -> bool:
-        return any(id(x) in holders for x in m.modules())
+    holders = {id(mod) for mod, _, _ in owners}
 
     def make(m: nn.Module):
         orig = m._apply
 
         def _apply(fn, recurse=True):
-            for mod, attr in owners:
+            inside = {id(x) for x in m.modules()} if recurse else {id(m)}
+            for mod, attr, resident in owners:
                 p = mod._parameters.get(attr)
-                if p is None or not (mod is m or (recurse and any(mod is x for x in m.modules()))):
+                if p is None or id(mod) not in inside:
+                    continue
+                if not resident:  # probed on an empty CPU tensor: a meta one cannot be moved to a device
+                    try:
+                        out = fn(torch.empty(0, dtype=p.dtype))
+                    except Exception:  # a move this machine cannot make (e.g. no CUDA): not a cast
+                        continue
+                    if isinstance(out, torch.Tensor) and out.dtype != p.dtype:
+                        raise TypeError(_LAYER_CAST_MSG.format(dtype=out.dtype))
                     continue
                 out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-                if isinstance(out, torch.Tensor) and (out.dtype != p.dtype or out.device != p.device):
+                if not isinstance(out, torch.Tensor):
+                    continue
+                if out.dtype != p.dtype or out.device != p.device:
                     what = "dtype" if out.dtype != p.dtype else "device"
                     call = f"casting to {out.dtype}" if what == "dtype" else f"moving to {out.device}"
                     raise TypeError(_CAST_MSG.format(call=call, what=what, dtype=p.dtype, device=p.device))
@@ -56,7 +73,7 @@ def _install_cast_guard(eng, model: nn.Module) -> None:
         return _apply
 
     for m in model.modules():
-        if holds_resident(m):
+        if any(id(x) in holders for x in m.modules()):
             object.__setattr__(m, "_apply", make(m))
 
 
