@@ -241,7 +241,8 @@ class GradLedger:
         if opt is None:
             raise RuntimeError(
                 "megatrain: backward() on a wrapped model needs megatrain.optim.CPUAdamW(model.parameters(), ...) "
-                "created first: gradients go straight to its host-memory state (a torch.optim optimizer would "
+                "created first for this model (no CPUAdamW holds its parameters; one made for another wrapped model "
+                "does not count): gradients go straight to its host-memory state (a torch.optim optimizer would "
                 "only see the layers' meta placeholders and train nothing)")
         if self.sharding.reduces_grads:
             return self.sharding.submit_grads(unit, grads, opt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import torch
@@ -95,18 +96,30 @@ def _check_arguments(access: StateAccess, optimizer, lr_scheduler, restore_rng):
 def _check_layout(directory: str, m: dict, access: StateAccess) -> None:
     """The manifest's units hold the model's entries, names and shapes, in order."""
     if len(m["units"]) != len(access.units):
-        raise CheckpointError(f"megatrain.load_checkpoint: {directory} has {len(m['units'])} units, the model has "
-                              f"{len(access.units)} (a different architecture?)")
+        saved, model = (sum(k == "layer" for k in kinds) for kinds in
+                        ([mu.get("kind") for mu in m["units"]], [u.kind for u in access.units]))
+        raise CheckpointError(f"megatrain.load_checkpoint: {directory} holds {saved} decoder layers, the model has {model} "
+                              f"({len(m['units'])} against {len(access.units)} units with the embedding, norm and head: "
+                              "a different num_hidden_layers or architecture?)")
     for mu, u in zip(m["units"], access.units):
         want = [[e.name, list(e.shape)] for e in u.entries]
         if mu["entries"] != want:
             names = lambda es: [e[0] for e in es]  # noqa: E731
             raise CheckpointError(
-                f"megatrain.load_checkpoint: unit {u.index} of {directory} holds {names(mu['entries'])}, the model's "
+                f"megatrain.load_checkpoint: {_unit_name(u)} of {directory} holds {names(mu['entries'])}, the model's "
                 f"holds {names(want)} (a different architecture, shapes or tie_word_embeddings?)"
                 if names(mu["entries"]) != names(want) else
-                f"megatrain.load_checkpoint: unit {u.index} of {directory} has shapes "
+                f"megatrain.load_checkpoint: {_unit_name(u)} of {directory} has shapes "
                 f"{[e[1] for e in mu['entries']]}, the model's {[e[1] for e in want]} (a different model size?)")
+
+
+def _unit_name(u) -> str:
+    """``unit 2 (model.layers.1.*)`` / ``unit 0 (the embedding, final norm and head)``: a unit as the user knows it."""
+    if u.kind != "layer":
+        return f"unit {u.index} (the embedding, final norm and head)"
+    first = u.entries[0].name if u.entries else ""
+    layer = re.match(r"^(.*?\.\d+)\.", first)
+    return f"unit {u.index} ({layer.group(1) if layer else first}.*)"
 
 
 def _check_saved_parts(directory: str, m: dict, state: dict, optimizer, lr_scheduler) -> None:
