@@ -824,3 +824,27 @@ def test_a_wrapped_model_that_is_dropped_frees_its_engine_and_host_store(close):
     del model, opt, eng
     gc.collect()
     assert [r() is None for r in refs] == [True, True, True]
+
+
+@pytest.mark.parametrize("opt_mgn,clip,warns", [(0.3, 0.5, True), (0.5, 0.5, False), (0.5, 0.3, False),
+                                                (0.3, float("inf"), False)],
+                         ids=["optimizer-stricter", "same", "user-stricter", "norm-only"])
+def test_clip_grad_norm_looser_than_max_grad_norm_warns_once(opt_mgn, clip, warns):
+    """clip_grad_norm_(max_norm) with CPUAdamW(max_grad_norm) smaller: the optimizer clips again (a torch.optim.AdamW
+    script would clip to max_norm only), so it warns once per model; the same or a stricter max_norm, or inf (the
+    Trainer's way to read the norm), does not."""
+    import warnings as w
+
+    model, opt = make(True, tiny(tied=False), max_grad_norm=opt_mgn)
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("always")
+        for x in batches(2):
+            model(input_ids=x, labels=x).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    ours = [str(s.message) for s in seen if "both apply" in str(s.message)]
+    assert len(ours) == (1 if warns else 0), ours
+    if warns:
+        assert ours[0].startswith(f"megatrain: clip_grad_norm_(max_norm={clip:g}) on a model whose CPUAdamW clips at "
+                                  f"max_grad_norm={opt_mgn:g}")

@@ -13,6 +13,8 @@ from ..engine.core import locate
 
 # engines already warned that clip_grad_norm_(inf) cannot give a norm (once per wrapped model)
 _WARNED_NORM_UNKNOWN: "weakref.WeakSet" = weakref.WeakSet()
+# engines already warned that clip_grad_norm_'s max_norm exceeds CPUAdamW's max_grad_norm (once per wrapped model)
+_WARNED_TWO_LIMITS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -43,7 +45,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     scalar tensor, the same value torch would return on the unwrapped model) and records the
     clip coefficient ``min(max_norm / (total + 1e-6), 1)``, which the next ``CPUAdamW.step()``
     applies inside its fused update (then ``max_grad_norm`` clips the clipped gradient again,
-    exactly as torch would if both were applied; a ``max_grad_norm`` >= ``max_norm`` changes nothing).
+    exactly as torch would if both were applied; a ``max_grad_norm`` >= ``max_norm`` changes nothing; a smaller
+    one clips further, with a warning, once per model).
     That step's ``CPUAdamW.last_grad_norm`` is the first call's return value: the norm before any clipping.
 
     Args:
@@ -100,6 +103,14 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
                            "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            "norm anyway, set `error_if_nonfinite=False`")
+    limit = opt.max_grad_norm
+    if (limit is not None and float(limit) < float(max_norm) and math.isfinite(float(max_norm))
+            and eng not in _WARNED_TWO_LIMITS):
+        _WARNED_TWO_LIMITS.add(eng)
+        warnings.warn(f"megatrain: clip_grad_norm_(max_norm={float(max_norm):g}) on a model whose CPUAdamW clips at "
+                      f"max_grad_norm={float(limit):g}: both apply, so the gradients are clipped to {float(limit):g}, "
+                      "not to max_norm as with torch.optim.AdamW; give CPUAdamW the same max_grad_norm", UserWarning,
+                      stacklevel=2)
     total_t = torch.tensor(total, dtype=torch.float32)
     coef = float(torch.clamp(float(max_norm) / (total_t + 1e-6), max=1.0))
     opt.user_clip_scale *= coef
