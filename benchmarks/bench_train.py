@@ -728,7 +728,10 @@ def peer_skip_reason(spec: dict) -> str | None:
     if here not in sys.path:
         sys.path.insert(0, here)
     import peers
-    return peers.skip_reason(spec["system"], spec)
+    from megatrain.runtime.placement.host_memory import host_memory_limits
+    return (peers.skip_reason(spec["system"], spec)
+            or peers.host_skip_reason(spec["system"], llama_params(spec["model"]),
+                                      host_memory_limits().get("mem_available_bytes")))
 
 
 def spawn(spec: dict, timeout: float) -> dict:

@@ -26,6 +26,21 @@ PEER_MARKERS = {"megatrain_official": "infinity/model/cpu_master.py",
                 "slideformer": "offload_transformer.py"}
 
 
+# Peak host bytes per parameter of each peer's child (the harness's fp32 model included), measured at 3.37B on
+# the H200 (docs/benchmarks/peers_3b_clip_direct_h200.json, 2026-12-05: SlideFormer 43.1 GiB, the official code 50.4):
+# the parent skips a size whose projected need exceeds the host's available memory (it would fail to pin or swap).
+HOST_BYTES_PER_PARAM = {"megatrain_official": 16.1, "slideformer": 13.8}
+
+
+def host_skip_reason(name: str, n_params: int, available: int | None) -> str | None:
+    """``"skipped: ..."`` when ``HOST_BYTES_PER_PARAM[name] * n_params`` exceeds ``available`` host bytes, else None."""
+    need = HOST_BYTES_PER_PARAM[name] * n_params
+    if available is None or need <= available:
+        return None
+    return (f"skipped: {name} would need ~{need / 2**30:.0f} GiB of host memory ({HOST_BYTES_PER_PARAM[name]} B/param "
+            f"as measured at 3.37B, {n_params / 1e9:.2f}B params); {available / 2**30:.0f} GiB available")
+
+
 def peers_dir() -> str:
     """``$MEGATRAIN_PEERS_DIR`` (a relative path is taken from the repository root), else ``<repo>/.peers``."""
     d = os.environ.get("MEGATRAIN_PEERS_DIR") or ".peers"

@@ -126,6 +126,26 @@ def test_peer_adapters_import_without_a_gpu_and_say_what_they_cannot_run():
     assert "no gradient accumulation (grad_accum=2)" in sf.unsupported(dict(device="cuda", grad_accum=2))
 
 
+def test_a_peer_size_beyond_the_hosts_memory_is_a_skipped_row_not_a_run(monkeypatch):
+    """Projected from the 3.37B host peaks: on a 125.8 GiB host the official code runs the 7b preset but not 8b
+    (~127 GiB), SlideFormer both; the parent says so in the row's status before spawning a child."""
+    import peers
+    from megatrain.runtime.placement import host_memory
+
+    avail = int(125.8 * 2**30)
+    n = {p: bench_train.llama_params(bench_train.PRESETS[p]) for p in ("3b", "7b", "8b")}
+    assert peers.host_skip_reason("megatrain_official", n["7b"], avail) is None
+    assert peers.host_skip_reason("slideformer", n["8b"], avail) is None
+    msg = peers.host_skip_reason("megatrain_official", n["8b"], avail)
+    assert msg.startswith("skipped: megatrain_official would need ~127 GiB of host memory (16.1 B/param") and "126 GiB" in msg
+    assert peers.host_skip_reason("slideformer", n["8b"], None) is None  # unknown memory: not skipped
+    monkeypatch.setattr(peers, "skip_reason", lambda name, spec: None)  # as if the source tree were there
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: {"mem_available_bytes": avail})
+    spec = dict(system="megatrain_official", model=bench_train.PRESETS["8b"], device="cuda")
+    assert bench_train.peer_skip_reason(spec) == msg
+    assert bench_train.peer_skip_reason(dict(spec, model=bench_train.PRESETS["3b"])) is None
+
+
 _STUB_INFINITY = '''
 import torch
 class CPUMasterConfig:
