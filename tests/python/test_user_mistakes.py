@@ -178,3 +178,28 @@ def test_a_dtype_cast_of_a_decoder_layer_raises_instead_of_changing_nothing(cast
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_save_checkpoint_between_backward_and_step_warns_that_those_gradients_are_not_saved(tmp_path, clip):
+    """A checkpoint written after 1 of 2 micro-batches holds no gradients (as torch's state_dicts hold none): it
+    said nothing, and a resume silently ran that micro-batch again. It warns; after step() it does not."""
+    import warnings
+
+    import megatrain
+    from test_drop_in import tiny
+
+    model = megatrain.wrap(tiny(), device="cpu")
+    opt = megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3, max_grad_norm=clip, gradient_accumulation_steps=2)
+    x = batches(1)[0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        megatrain.save_checkpoint(str(tmp_path / "fresh"), model, opt)
+        (model(input_ids=x, labels=x).loss / 2).backward()
+        megatrain.save_checkpoint(str(tmp_path / "mid"), model, opt)
+        (model(input_ids=x, labels=x).loss / 2).backward()
+        opt.step()
+        megatrain.save_checkpoint(str(tmp_path / "after"), model, opt)
+        opt.zero_grad()
+    ours = [str(w.message) for w in seen if "save_checkpoint: called between backward()" in str(w.message)]
+    assert len(ours) == 1 and "are not saved" in ours[0], [str(w.message) for w in seen]

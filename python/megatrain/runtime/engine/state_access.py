@@ -78,6 +78,10 @@ class StateAccess:
         """Whether some unit's update was already queued during backward (no clipping, before ``step()``)."""
         return any(u.eager_queued for u in self.engine.units)
 
+    def grads_pending(self) -> bool:
+        """Whether a backward since the last ``step()`` / ``zero_grad()`` left gradients not yet applied."""
+        return any(any(u.has_grad) or any(u.batches) for u in self.engine.units)
+
     # ------------------------------------------------------------------ reading and writing
     def view(self, unit, i: int, section: str) -> torch.Tensor:
         """Zero-copy view (CPU, the entry's shape) of entry ``i`` of ``unit`` in ``section`` (``"compute"``,

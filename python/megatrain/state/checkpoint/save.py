@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -54,6 +55,10 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         ValueError: the optimizer is not this model's, ``lr_scheduler`` has no ``state_dict()``, the call falls
             between backward() and step() while updates run, or ``extra`` is not a JSON-serialisable dict.
         TypeError: ``directory`` is not a path.
+
+    Warns:
+        UserWarning: called between backward() and step() (with clipping, or within accumulation): the
+            gradients since the last step are not saved, so a resume runs those micro-batches again.
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"megatrain.save_checkpoint: directory must be a path (str or os.PathLike), got "
@@ -78,6 +83,11 @@ def save_checkpoint(directory: str, model, optimizer, lr_scheduler=None, extra: 
         # some units after this step's update and the others before it.
         raise ValueError("megatrain.save_checkpoint: called between backward() and optimizer.step() while updates "
                          "are already running (no max_grad_norm); save after optimizer.step()")
+    if optimizer is not None and access.grads_pending():
+        warnings.warn("megatrain.save_checkpoint: called between backward() and optimizer.step(): the gradients of the "
+                      "micro-batches since the last step() are not saved (torch's state_dicts hold no gradients "
+                      "either), so a resume from it runs that step's micro-batches again; save after step()",
+                      UserWarning, stacklevel=2)
     try:
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
