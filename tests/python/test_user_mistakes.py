@@ -28,6 +28,32 @@ def test_model_zero_grad_drops_the_gradients_as_on_the_plain_model(set_to_none):
     assert_params_close(weights(w), weights(ref))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_containers_zero_grad_drops_the_wrapped_models_gradients_as_torch_does(set_to_none):
+    """``outer.zero_grad()`` on a module holding the wrapped model between two backward passes drops the first
+    one's gradients, as on the plain container; torch's zero_grad only cleared ``.grad`` of the parameters it
+    found (the layers' placeholders have none), and the next step() summed both micro-batches (silently)."""
+    class Outer(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x):
+            return self.lm(input_ids=x, labels=x).loss
+
+    ref_lm, ropt = make(False)
+    w_lm, opt = make(True, copy.deepcopy(ref_lm), max_grad_norm=1e9)
+    x0, x1 = batches(2)
+    for model, o in ((Outer(w_lm), opt), (Outer(ref_lm), ropt)):
+        for _ in range(2):
+            model(x0).backward()
+            model.zero_grad(set_to_none=set_to_none)
+            model(x1).backward()
+            o.step()
+            o.zero_grad()
+    assert_params_close(weights(w_lm), weights(ref_lm))
+
+
 @pytest.mark.parametrize("clip", [1e9, None])
 @pytest.mark.parametrize("key,bad", [("lr", "3e-4"), ("lr", float("nan")), ("weight_decay", None), ("betas", (0.9,))])
 def test_a_param_group_edited_to_a_bad_value_is_refused_before_anything_changes(clip, key, bad):

@@ -8,6 +8,8 @@ idempotent: later calls find them installed and change nothing) routes through m
   exact (their gradients live in the host store), the value clip is refused for them.
 * ``torch.autograd.grad`` and ``torch.autograd.backward`` (so ``Tensor.backward`` too):
   :mod:`.autograd_guard`; refuse a wrapped model's layer placeholders as ``inputs``.
+* ``torch.nn.Module.zero_grad``: :mod:`.container_zero_grad`; a module holding a wrapped model also
+  drops that model's host-store gradients.
 * ``torch.nn.utils._named_member_accessor.swap_tensor`` / ``set_tensor`` (what
   ``torch.func.functional_call`` calls) and ``torch.nn.utils.parametrize.register_parametrization``:
   :mod:`.functional_call_guard`; refuse to replace or parametrize a streamed layer's tensors.
@@ -18,6 +20,7 @@ first ``wrap`` (``from torch.autograd import grad``) keeps torch's function.
 
 from .autograd_guard import install_autograd_guard
 from .clip_grad import install_clip_grad_norm
+from .container_zero_grad import install_container_zero_grad
 from .functional_call_guard import install_functional_call_guard, install_parametrize_guard
 
 _INSTALLED = False
@@ -29,6 +32,7 @@ def install_torch_patches() -> None:
     if _INSTALLED:
         return
     install_clip_grad_norm()
+    install_container_zero_grad()
     install_autograd_guard()
     install_functional_call_guard()
     install_parametrize_guard()
