@@ -110,3 +110,15 @@ def test_hf_trainer_checkpoint_follows_the_umask(tmp_path, umask):
     ckpt = tmp_path / "checkpoint-2" / "megatrain"
     assert (ckpt / "manifest.json").is_file()
     _assert_modes(ckpt, umask)
+
+
+def test_peft_adapter_and_merged_exports_follow_the_umask(tmp_path, umask):
+    """safetensors' ``save_file`` creates its file 0600 whatever the umask: the adapter and the merged model
+    that export_pretrained writes for a PEFT model were 0600 under umask 022."""
+    peft = pytest.importorskip("peft")
+    base = peft.get_peft_model(_tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model = megatrain.wrap(base, device="cpu", compute_dtype=torch.float32)
+    megatrain.export_pretrained(model, str(tmp_path / "adapter"))
+    _assert_modes(tmp_path / "adapter", umask)
+    megatrain.export_pretrained(model, str(tmp_path / "merged"), merge_adapter=True)
+    _assert_modes(tmp_path / "merged", umask)

@@ -75,6 +75,14 @@ def check_replaceable(path: str, what: str, looks_right: Optional[Callable[[str]
     return path
 
 
+def umask_file_mode(path: str) -> None:
+    """Give ``path`` the mode ``open`` gives a new file under the process's umask (0644 under umask 022):
+    for files written by libraries that create them 0600 (safetensors' ``save_file``)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def make_temp_dir(parent: str, prefix: str) -> str:
     """Create a new directory ``parent/prefix<random>`` and return its path.
 

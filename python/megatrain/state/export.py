@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..runtime.engine.state_access import StateAccess
 from ..runtime.model.model_config import write_cache_flags
+from .atomic import umask_file_mode
 from .safetensors_file import DeferredTensor, read_header, write_fp32_safetensors
 
 
@@ -136,6 +137,7 @@ def _export_peft(model, tmp: str, dtype: torch.dtype, merge_adapter: bool) -> No
         adapter = get_peft_model_state_dict(model, state_dict=sd)
         save_file({k: v.to(dtype).contiguous() for k, v in adapter.items()},
                   os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        umask_file_mode(os.path.join(tmp, "adapter_model.safetensors"))  # save_file makes it 0600
         model.peft_config[model.active_adapter].save_pretrained(tmp)
         return
     from peft.tuners.lora import LoraLayer
@@ -174,6 +176,7 @@ def _export_peft(model, tmp: str, dtype: torch.dtype, merge_adapter: bool) -> No
     for k, v in out.items():
         tensors[k] = v.to(dtype).contiguous()
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    umask_file_mode(os.path.join(tmp, "model.safetensors"))
     base.config.save_pretrained(tmp)
 
 
