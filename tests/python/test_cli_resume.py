@@ -194,6 +194,19 @@ def test_resume_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     usage_error(["--resume", str(out), "--preset", "gpu", "--steps", "4"], "--preset and --resume")
     usage_error(["--out", str(out), *TINY, "--steps", "2"], "it holds checkpoints: continue that run with --resume")
 
+    # Another architecture given with --model: the reason leads the line (the CLI shows its first 200 characters)
+    from transformers import AutoModelForCausalLM as _Auto, Qwen2Config
+
+    qwen = tmp_path / "qwen2"
+    _Auto.from_config(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  intermediate_size=192, vocab_size=320, max_position_embeddings=128)).save_pretrained(qwen)
+    capsys.readouterr()
+    code, cap = _run(["train", "--resume", str(out), "--steps", "4", "--model", str(qwen)], capsys)
+    last = cap.err.strip().splitlines()[-1]  # after the warnings that the model dir has no tokenizer and no --data
+    assert code == 2 and "was saved from another model (a different architecture" in last, cap.err
+    assert "shapes or tie_word_embeddings?): unit 0 (model.layers.0.*) holds ['model.layers.0.self_attn.q_proj" in last
+    assert {p: os.path.getmtime(out / p) for p in before} == before
+
     # A checkpoint of the loop API (no training position) is not a CLI run's.
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -106,5 +106,5 @@ def load_resume_point(resume: ResumePoint, model, optimizer, scheduler) -> dict:
 
     try:
         return megatrain.load_checkpoint(resume.path, model, optimizer, scheduler)
-    except (CheckpointError, ValueError) as exc:
-        raise UsageError(f"cannot resume from {resume.path!r}: {first_line(exc)}") from None
+    except (CheckpointError, ValueError) as exc:  # megatrain's own one-line messages: whole (they end with the cause)
+        raise UsageError(f"cannot resume from {resume.path!r}: {first_line(exc, limit=800)}") from None

@@ -105,12 +105,14 @@ def _check_layout(directory: str, m: dict, access: StateAccess) -> None:
         want = [[e.name, list(e.shape)] for e in u.entries]
         if mu["entries"] != want:
             names = lambda es: [e[0] for e in es]  # noqa: E731
+            # the reason first: the CLI shows the first 200 characters of the message
             raise CheckpointError(
-                f"megatrain.load_checkpoint: {_unit_name(u)} of {directory} holds {names(mu['entries'])}, the model's "
-                f"holds {names(want)} (a different architecture, shapes or tie_word_embeddings?)"
+                f"megatrain.load_checkpoint: {directory} was saved from another model (a different architecture, "
+                f"shapes or tie_word_embeddings?): {_unit_name(u)} holds {names(mu['entries'])}, the model's "
+                f"{names(want)}"
                 if names(mu["entries"]) != names(want) else
-                f"megatrain.load_checkpoint: {_unit_name(u)} of {directory} has shapes "
-                f"{[e[1] for e in mu['entries']]}, the model's {[e[1] for e in want]} (a different model size?)")
+                f"megatrain.load_checkpoint: {directory} was saved from a model of another size: {_unit_name(u)} has "
+                f"shapes {[e[1] for e in mu['entries']]}, the model's {[e[1] for e in want]}")
 
 
 def _unit_name(u) -> str:
