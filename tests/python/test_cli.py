@@ -113,6 +113,8 @@ def _empty_file(tmp_path):
          "runtime.device_state_layers must be auto, boundary or a number of decoder layers >= 0, got -1"),
         (lambda p, m: ["--model", str(m), "--seq-len", "32", "--set", "runtime.device_state_layers=99"],
          "runtime.device_state_layers=99, but the model has 2 decoder layers; use at most 2 (or 'auto')"),
+        (lambda p, m: ["--model", str(m), "--seq-len", "32", "--set", "model.hidden_size=999"],
+         "--set model.hidden_size=... has no effect on a model loaded from a directory"),
     ],
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
@@ -120,7 +122,7 @@ def _empty_file(tmp_path):
         "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
         "activation_policy_block_0", "encoder_architecture_is_not_causal", "config_not_utf8",
-        "device_state_layers_negative", "device_state_layers_above_the_layer_count",
+        "device_state_layers_negative", "device_state_layers_above_the_layer_count", "model_shape_key_with_a_model_dir",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_model_dir, capsys, make_args, fragment):

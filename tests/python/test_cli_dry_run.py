@@ -26,6 +26,20 @@ TINY = ["--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set",
         "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=192", "--set", "data.max_documents=200",
         "--set", "eval.batches=2", "--set", "train.warmup_steps=2", "--seq-len", "64", "--no-progress",
         "--device", "cpu", "--compute-dtype", "fp32"]  # fmt: skip
+
+
+def _without_model_keys(argv: list) -> list:
+    """``argv`` without its ``--set model.*`` pairs (a model directory's config.json decides those)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--set" and argv[i + 1].startswith("model."):
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 HUGE = ["--set", "model.hidden_size=32768", "--set", "model.num_layers=64", "--set", "model.num_heads=256",
         "--set", "model.num_kv_heads=256", "--set", "model.intermediate_size=65536"]  # fmt: skip
 
@@ -135,8 +149,9 @@ def _in_memory_then_wrap(plan):
 @pytest.mark.parametrize("source", ["arch", "model_dir"])
 def test_streamed_building_trains_bit_identically_to_building_in_memory(tmp_path, corpus, model_dir, monkeypatch,
                                                                         capsys, source):
+    tiny = TINY if source == "arch" else _without_model_keys(TINY)  # a model dir's config.json gives its shape
     argv = ["--steps", "4", "--log-every", "1", "--eval-every", "2", "--micro-batch-size", "2",
-            "--gradient-accumulation-steps", "2", "--data", str(corpus), *TINY, "--seq-len", "32"]  # fmt: skip
+            "--gradient-accumulation-steps", "2", "--data", str(corpus), *tiny, "--seq-len", "32"]  # fmt: skip
     if source == "model_dir":
         argv += ["--model", str(model_dir)]
     streamed = tmp_path / "streamed"
@@ -218,7 +233,8 @@ def test_dry_run_estimates_a_model_directory_holding_only_config_json(tmp_path, 
     model = _config_only_dir(tmp_path / "cfg", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                              num_key_value_heads=1, intermediate_size=64, vocab_size=320, max_position_embeddings=64)
     out = tmp_path / "out"
-    argv = ["train", "--model", str(model), "--out", str(out), "--data", str(corpus), *TINY, "--seq-len", "32"]
+    argv = ["train", "--model", str(model), "--out", str(out), "--data", str(corpus),
+            *_without_model_keys(TINY), "--seq-len", "32"]
     code, stdout, err = _run_main([*argv, "--dry-run"], capsys)
     assert code == 0, err
     assert "LlamaForCausalLM" in stdout and "fits this machine" in stdout and "on this CPU" in stdout

@@ -141,6 +141,11 @@ def preset_dict(name: str) -> dict:
     return raw
 
 
+# model.* keys that shape a model built from model.arch; a model directory's config.json decides them instead
+MODEL_SHAPE_KEYS = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+                    "pad_vocab_to_multiple_of", "max_position_embeddings", "tie_word_embeddings", "extra")
+
+
 def build_config(
     config_path: Optional[str] = None,
     preset: str = "default",
@@ -164,6 +169,11 @@ def build_config(
         raw = merge(raw, load_yaml(config_path), where=repr(config_path))
     for section, name, value in overrides or []:
         raw[section][name] = value
+    shape = [name for section, name, _ in overrides or [] if section == "model" and name in MODEL_SHAPE_KEYS]
+    if shape and raw["model"].get("path") is not None:  # it would be ignored: the directory's config.json decides
+        raise UsageError(f"--set model.{shape[0]}=... has no effect on a model loaded from a directory "
+                         f"({raw['model']['path']!r}: its config.json decides the shape); drop it, or build a new model "
+                         "from an architecture name (--model llama) instead of a directory")
     return from_dict(raw)
 
 
