@@ -106,5 +106,5 @@ def load_resume_point(resume: ResumePoint, model, optimizer, scheduler) -> dict:
 
     try:
         return megatrain.load_checkpoint(resume.path, model, optimizer, scheduler)
-    except (CheckpointError, ValueError) as exc:  # megatrain's own one-line messages: whole (they end with the cause)
+    except (CheckpointError, ValueError) as exc:  # megatrain's own one-line messages: whole (200 cut their name lists)
         raise UsageError(f"cannot resume from {resume.path!r}: {first_line(exc, limit=800)}") from None

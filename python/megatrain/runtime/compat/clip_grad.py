@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..engine.core import locate
+from ..engine.state_access import grads_pending
 
 # engines already warned that clip_grad_norm_(inf) cannot give a norm (once per wrapped model)
 _WARNED_NORM_UNKNOWN: "weakref.WeakSet" = weakref.WeakSet()
@@ -71,7 +72,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         raise ValueError(f"megatrain: clip_grad_norm_ on a wrapped model supports norm_type=2 only, got {norm_type!r}")
     if opt is None:
         return torch.tensor(0.0)
-    if any(u.eager_queued for u in eng.units) or (opt.max_grad_norm is None and _any_grad(eng)):
+    if any(u.eager_queued for u in eng.units) or (opt.max_grad_norm is None and grads_pending(eng)):
         if math.isinf(float(max_norm)) and float(max_norm) > 0:
             # Nothing to clip (the Trainer asks this way for a norm to log): the updates stand as they
             # are; the norm itself was never computed.
@@ -134,10 +135,6 @@ def clip_grad_value_(parameters, clip_value: float, foreach: Optional[bool] = No
             "host store, p.grad is never set); clip by the global norm instead: CPUAdamW(max_grad_norm=...) or "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
     return _torch_clip_grad_value_(params, clip_value, foreach=foreach)
-
-
-def _any_grad(eng) -> bool:
-    return any(any(u.has_grad) or any(u.batches) for u in eng.units)
 
 
 def install_clip_grad_norm() -> None:

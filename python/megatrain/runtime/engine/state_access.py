@@ -15,6 +15,12 @@ import torch
 from .core import locate
 
 
+def grads_pending(engine) -> bool:
+    """Whether a backward since the last ``step()`` / ``zero_grad()`` left gradients in ``engine``'s units
+    that no update has applied yet."""
+    return any(any(u.has_grad) or any(u.batches) for u in engine.units)
+
+
 class StateAccess:
     """The state-reading and state-writing view of one engine (see the module docstring).
 
@@ -80,7 +86,7 @@ class StateAccess:
 
     def grads_pending(self) -> bool:
         """Whether a backward since the last ``step()`` / ``zero_grad()`` left gradients not yet applied."""
-        return any(any(u.has_grad) or any(u.batches) for u in self.engine.units)
+        return grads_pending(self.engine)
 
     # ------------------------------------------------------------------ reading and writing
     def view(self, unit, i: int, section: str) -> torch.Tensor:

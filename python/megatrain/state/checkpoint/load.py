@@ -105,7 +105,7 @@ def _check_layout(directory: str, m: dict, access: StateAccess) -> None:
         want = [[e.name, list(e.shape)] for e in u.entries]
         if mu["entries"] != want:
             names = lambda es: [e[0] for e in es]  # noqa: E731
-            # the reason first: the CLI shows the first 200 characters of the message
+            # the cause first, before the name / shape lists (long for a big layer)
             raise CheckpointError(
                 f"megatrain.load_checkpoint: {directory} was saved from another model (a different architecture, "
                 f"shapes or tie_word_embeddings?): {_unit_name(u)} holds {names(mu['entries'])}, the model's "
@@ -116,7 +116,7 @@ def _check_layout(directory: str, m: dict, access: StateAccess) -> None:
 
 
 def _unit_name(u) -> str:
-    """``unit 2 (model.layers.1.*)`` / ``unit 0 (the embedding, final norm and head)``: a unit as the user knows it."""
+    """``unit 1 (model.layers.1.*)`` / ``unit 0 (the embedding, final norm and head)``: a unit as the user knows it."""
     if u.kind != "layer":
         return f"unit {u.index} (the embedding, final norm and head)"
     first = u.entries[0].name if u.entries else ""
