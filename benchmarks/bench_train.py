@@ -542,10 +542,19 @@ def _init_single_rank_pg(backend: str):
         dist.init_process_group(backend=backend, rank=0, world_size=1)
 
 
+FSDP2_HOST_BYTES_PER_PARAM = 16  # fp32 parameter, gradient, exp_avg, exp_avg_sq: all on the host with CPU offload
+
+
 def run_fsdp2(spec):
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from megatrain.runtime.placement.host_memory import host_memory_limits
+    need = FSDP2_HOST_BYTES_PER_PARAM * llama_params(spec["model"])
+    avail = host_memory_limits().get("mem_available_bytes")
+    if avail is not None and need > avail:  # it would page-lock past the host's memory (3.37B measured 63.6 GiB peak)
+        return dict(status=f"skipped: FSDP2 CPU offload keeps {FSDP2_HOST_BYTES_PER_PARAM} B/param of fp32 state on the "
+                    f"host, {need / GiB:.1f} GiB; {avail / GiB:.1f} GiB available", n_params=llama_params(spec["model"]))
     torch.cuda.set_device(0)
     _init_single_rank_pg("cpu:gloo,cuda:nccl")
     model = build_model(spec["model"], spec["seq"], spec["device"])

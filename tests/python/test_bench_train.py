@@ -146,6 +146,25 @@ def test_a_peer_size_beyond_the_hosts_memory_is_a_skipped_row_not_a_run(monkeypa
     assert bench_train.peer_skip_reason(dict(spec, model=bench_train.PRESETS["3b"])) is None
 
 
+
+def test_fsdp2_offload_beyond_the_hosts_memory_is_skipped_before_it_builds_anything(monkeypatch):
+    """FSDP2 CPU offload keeps 16 B/param of fp32 state on the host: on a 120 GiB host 8.47B (126 GiB) is a
+    skipped row with both numbers, returned before the process group or the model exist; 6.74B is not refused."""
+    from megatrain.runtime.placement import host_memory
+
+    avail = 120 * 2**30
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: {"mem_available_bytes": avail})
+    built = []
+    monkeypatch.setattr(bench_train, "_init_single_rank_pg", lambda *a: built.append("pg") or 1 / 0)
+    monkeypatch.setattr(bench_train, "build_model", lambda *a: built.append("model") or 1 / 0)
+    monkeypatch.setattr("torch.cuda.set_device", lambda *a: None)
+    row = bench_train.run_fsdp2(dict(system="fsdp2_offload", model=bench_train.PRESETS["8b"], seq=4096, device="cuda"))
+    assert row["status"] == ("skipped: FSDP2 CPU offload keeps 16 B/param of fp32 state on the host, 126.2 GiB; "
+                             "120.0 GiB available") and built == []
+    with pytest.raises(ZeroDivisionError):  # 6.74B (100.4 GiB) goes on to build
+        bench_train.run_fsdp2(dict(system="fsdp2_offload", model=bench_train.PRESETS["7b"], seq=4096, device="cuda"))
+    assert built == ["pg"]
+
 _STUB_INFINITY = '''
 import torch
 class CPUMasterConfig:
