@@ -572,3 +572,31 @@ def test_trainer_checkpoint_fsyncs_each_file_once(tmp_path, monkeypatch):
         assert any(os.path.basename(p).startswith(".megatrain.tmp-") and os.path.dirname(p) == str(ckpt.parent)
                    for p in synced)  # the temporary directory itself
     assert sum(p == str(ckpt.parent) for p in synced) == 1  # the parent, after the swap
+
+
+def test_plain_trainer_without_clipping_logs_no_nan_norm_warning(tmp_path):
+    """A plain Trainer with max_grad_norm=0 still asks clip_grad_norm_(inf) for a norm to log; MegatrainCallback
+    drops that figure, so the nan it gets is no news to warn about. The same call from a user's loop still warns."""
+    import warnings
+
+    from megatrain.integrations import MegatrainCallback
+    from transformers import Trainer
+
+    model = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    args = _args(str(tmp_path / "plain"), max_grad_norm=0.0, gradient_accumulation_steps=1, max_steps=3)
+    tr = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[MegatrainCallback()],
+                 optimizers=(megatrain.optim.CPUAdamW(model.parameters(), lr=1e-3), None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.train()
+    assert tr.state.global_step == 3
+    assert not [w for w in caught if "returns nan" in str(w.message)], [str(w.message) for w in caught]
+    assert all("grad_norm" not in h for h in tr.state.log_history)  # the nan figure is not logged
+
+    other = megatrain.wrap(_model(), device="cpu", compute_dtype=torch.float32)
+    opt = megatrain.optim.CPUAdamW(other.parameters(), lr=1e-3)
+    x = _dataset(2)[0]["input_ids"][None]
+    other(input_ids=x, labels=x).loss.backward()
+    with pytest.warns(UserWarning, match="returns nan"):
+        assert torch.isnan(torch.nn.utils.clip_grad_norm_(other.parameters(), float("inf")))
+    opt.step()

@@ -45,15 +45,15 @@ from transformers import Trainer, TrainerCallback
 from ..state.checkpoint import load_checkpoint, save_checkpoint
 from ..state.export import save_pretrained_streamed
 from ..optim import CPUAdamW
+from ..runtime.compat.clip_grad import nan_norm_expected
 
 MEGATRAIN_CKPT_DIR = "megatrain"
 
 
 def _engine(model):
-    eng = getattr(model, "megatrain", None)
-    if eng is None:
+    if getattr(model, "megatrain", None) is None:
         raise ValueError("megatrain: the Trainer's model is not wrapped; call model = megatrain.wrap(model) first")
-    return eng
+    return model.megatrain
 
 
 def _unwrap_optimizer(opt):
@@ -184,12 +184,10 @@ class MegatrainCallback(TrainerCallback):
         # A Trainer's own grad_norm (recent transformers compute one even with max_grad_norm=0) only
         # saw the meta placeholders of streamed layers: replace it with CPUAdamW's pre-clip global
         # norm, or drop it where CPUAdamW computes none (no clipping: eager per-layer updates).
-        if getattr(self, "_trainer_clips", False):
-            pass  # the Trainer's own clip_grad_norm_ figure is exact on a wrapped model
-        elif opt is not None and opt.last_grad_norm is not None:
-            logs["grad_norm"] = float(opt.last_grad_norm)
-        else:
+        if not getattr(self, "_trainer_clips", False):  # else the Trainer's own clip_grad_norm_ figure is exact
             logs.pop("grad_norm", None)
+            if opt is not None and opt.last_grad_norm is not None:
+                logs["grad_norm"] = float(opt.last_grad_norm)
 
     # -- TrainerCallback
     def on_init_end(self, args, state, control, **kwargs):
@@ -215,6 +213,8 @@ class MegatrainCallback(TrainerCallback):
         # A plain Trainer clips with torch.nn.utils.clip_grad_norm_, which is exact on a wrapped model
         # once CPUAdamW defers its updates to step() (max_grad_norm set); its grad_norm is then the true one.
         self._trainer_clips = bool(plain and args.max_grad_norm and args.max_grad_norm > 0)
+        if not self._trainer_clips:  # the Trainer's clip_grad_norm_(inf) log figure: dropped by add_metrics, no warning
+            nan_norm_expected(self._engine)
         if self._trainer_clips and self._optimizer.max_grad_norm is None:
             raise ValueError("megatrain: the Trainer clips (max_grad_norm > 0 in TrainingArguments) but CPUAdamW has no "
                              "max_grad_norm, so its updates start during backward, before the Trainer's clip: create it "

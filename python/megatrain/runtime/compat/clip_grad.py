@@ -18,6 +18,12 @@ _WARNED_NORM_UNKNOWN: "weakref.WeakSet" = weakref.WeakSet()
 _WARNED_TWO_LIMITS: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def nan_norm_expected(engine) -> None:
+    """No warning when ``clip_grad_norm_(max_norm=inf)`` returns nan for ``engine``'s model: its caller knows the
+    norm is not computed (a Trainer that does not clip asks for one only to log it; MegatrainCallback drops it)."""
+    _WARNED_NORM_UNKNOWN.add(engine)
+
+
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 _torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
 
