@@ -164,3 +164,18 @@ def test_model_without_data_says_it_trains_on_the_built_in_corpus(tmp_path, dir_
     lines = [ln for ln in _warnings(err) if "no --data given" in ln]
     assert len(lines) == 1 and "pass --data PATH" in lines[0] and str(dir_with_tokenizer) in lines[0], err
     assert plan.cfg.data.path == "stdlib"
+
+
+def test_a_tokenizer_dir_without_tokenizer_files_names_the_files_it_looked_for(tmp_path, corpus, capsys):
+    """``--tokenizer DIR`` where DIR holds no tokenizer file: one line naming the files looked for (transformers'
+    own reason lists an empty set of them), and nothing written."""
+    empty = tmp_path / "not_a_tokenizer"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    code, _, err = run_cli(["train", "--tokenizer", str(empty), "--data", str(corpus), "--out", str(out), *FAST],
+                           capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert f"cannot load tokenizer from {str(empty)!r} (it holds none of tokenizer.json, tokenizer_config.json" in lines[0]
+    assert "from one of" not in lines[0] and not out.exists()

@@ -112,6 +112,8 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure is a user-side problem here
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             msg = msg if len(msg) <= 160 else msg[:157] + "..."
+            if not has_tokenizer(path):  # transformers' own reason then lists no file names
+                msg = f"it holds none of {', '.join(TOKENIZER_FILES)}"
             raise UsageError(f"cannot load tokenizer from {path!r} ({msg}); {fix}") from None
         if self.tok.eos_token_id is None:
             raise UsageError(f"tokenizer in {path!r} has no eos_token; set one in its tokenizer_config.json"
