@@ -230,7 +230,7 @@ def cmd_train(args) -> int:
                 base = {**base, "log": {**base.get("log", {}), "out": resume.run_dir}}
         cfg = build_config(args.config, preset=args.preset, overrides=_overrides(args), base=base)
         if args.print_config:
-            sys.stdout.write(to_yaml(cfg))
+            sys.stdout.write(to_yaml(cfg, printed=True))
             return 0
         from megatrain.train import trainer
         from megatrain.train.run_plan import prepare, resolve_device

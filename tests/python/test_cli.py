@@ -188,6 +188,16 @@ def test_print_config_shows_resolved_values(tmp_path, capsys):
     assert "lr: 0.002" in out and "arch: qwen2" in out and "path: stdlib" in out
 
 
+
+def test_print_config_with_a_model_dir_leaves_out_the_shape_keys_its_config_json_decides(tiny_model_dir, capsys):
+    import yaml
+
+    code, out, _ = _run_main(["train", "--print-config", "--model", str(tiny_model_dir)], capsys)
+    assert code == 0
+    first, model = out.splitlines()[0], yaml.safe_load(out)["model"]
+    assert first.startswith("# model.{arch,hidden_size,num_layers,") and first.endswith(f"{tiny_model_dir}/config.json")
+    assert model["path"] == str(tiny_model_dir) and not {"hidden_size", "num_layers", "arch"} & set(model)
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """40 steps of the tiny default recipe (2048 tokens/step as 2 micro batches of 8 x 128)."""

@@ -177,7 +177,14 @@ def build_config(
     return from_dict(raw)
 
 
-def to_yaml(cfg: Config) -> str:
+def to_yaml(cfg: Config, printed: bool = False) -> str:
+    """``cfg`` as YAML (a run's ``config.yaml``). ``printed``: for ``--print-config``, where with a model
+    directory the model.* shape keys (:data:`MODEL_SHAPE_KEYS`, unused: its config.json decides them) are left
+    out and a first comment line says so."""
     import yaml
 
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    d, head = cfg.to_dict(), ""
+    if printed and d["model"].get("path") is not None:
+        d["model"] = {k: v for k, v in d["model"].items() if k not in MODEL_SHAPE_KEYS}
+        head = f"# model.{{{','.join(MODEL_SHAPE_KEYS)}}}: from {d['model']['path']}/config.json\n"
+    return head + yaml.safe_dump(d, sort_keys=False)
