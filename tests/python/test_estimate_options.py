@@ -162,3 +162,11 @@ def test_estimate_refuses_a_max_grad_norm_that_cpuadamw_refuses(value):
     with pytest.raises(ValueError, match=r"^megatrain.estimate: max_grad_norm must be a number > 0 or None, got "):
         megatrain.estimate(_config(), device="cpu", max_grad_norm=value)
     assert megatrain.estimate(_config(), device="cpu", max_grad_norm=float("inf")).fits
+
+
+def test_a_seq_len_above_max_position_embeddings_is_estimated_with_a_note():
+    cfg = _config()
+    mpe = cfg.max_position_embeddings
+    notes = megatrain.estimate(cfg, device="cpu", seq_len=mpe + 1).notes
+    assert [n for n in notes if n.startswith(f"seq_len {mpe + 1} is above the model's max_position_embeddings ({mpe})")]
+    assert not [n for n in megatrain.estimate(cfg, device="cpu", seq_len=mpe).notes if "max_position" in n]

@@ -243,6 +243,10 @@ def estimate_with(model, options: WrapOptions, run: EstimateRun) -> MemoryEstima
     if host_short_cpu and tokens:
         est.notes.append(f"this CPU's layer slots and activations (~{_fmt(gpu)}) need host memory too, beside the "
                          "host store: not checked while the store alone does not fit")
+    mpe = getattr(config, "max_position_embeddings", None)
+    if run.seq_len and isinstance(mpe, int) and run.seq_len > mpe:  # the CLI refuses it for a model it builds
+        est.notes.append(f"seq_len {run.seq_len} is above the model's max_position_embeddings ({mpe}): estimated as "
+                         "given, but the model's position embeddings were not made for it")
     if cuda and not torch.cuda.is_available() and run.machine.gpu_bytes is None:
         est.notes.append("CUDA is not available here: GPU memory not checked")
     _host_reasons(est, units, opts, run, hp, gpu if host_short_cpu else 0, dev.elem)
