@@ -144,13 +144,31 @@ def test_auto_is_off_without_liger(no_liger):
 
 
 def test_required_without_liger_raises_one_line(no_liger):
-    model = _model()
     with pytest.raises(ValueError) as info:
-        megatrain.wrap(model, device="cpu", liger_kernel=True)
+        kernels.resolve_liger_kernel(True, torch.device("cuda", 0))
     msg = str(info.value)
     assert "\n" not in msg and msg == ("megatrain.wrap: liger_kernel=True, but liger-kernel is not installed: pip install "
-                                       "'megatrain[kernels]' (or liger-kernel), or pass liger_kernel=None (used when installed)")
+                                       "liger-kernel (the 'kernels' extra), or pass liger_kernel=None (used when installed)")
+    model = _model()  # off CUDA the device is the first reason, installed or not
+    with pytest.raises(ValueError, match=r"^megatrain.wrap: liger_kernel=True needs a CUDA device"):
+        megatrain.wrap(model, device="cpu", liger_kernel=True)
     assert getattr(model, "megatrain", None) is None
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_cli_liger_kernel_true_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                                 installed):
+    from parity import run_cli
+
+    monkeypatch.setattr(kernels, "liger_installed", lambda: installed)
+    out = tmp_path / "out"
+    for extra in ([], ["--dry-run"]):
+        code, _, err = run_cli(["train", "--liger-kernel", "true", "--device", "cpu", "--steps", "1", "--out", str(out),
+                                *extra], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and not out.exists(), lines
+        assert lines[0] == ("megatrain: error: runtime.liger_kernel=true needs a CUDA device (Liger's kernels are "
+                            "Triton kernels), the run's is 'cpu'; use --liger-kernel auto (on when installed and on CUDA)")
 
 
 def test_required_on_cpu_raises_one_line(liger):

@@ -411,6 +411,18 @@ def test_wrap_of_something_that_is_not_a_module_names_from_pretrained(model):
         megatrain.wrap(model)
 
 
+
+def test_wrapping_a_wrapped_model_again_says_what_to_do_and_changes_nothing():
+    model = megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    try:
+        engine = model.megatrain
+        with pytest.raises(ValueError, match=r"^megatrain.wrap: this model is already wrapped; use it as it is \(its "
+                                             r"options: model.megatrain.placement\(\)\), or build the model again"):
+            megatrain.wrap(model, device="cpu", activation_policy="store")
+        assert model.megatrain is engine and isinstance(engine.placement(), dict)
+    finally:
+        model.megatrain.close()
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():
     model = tiny("llama")

@@ -162,7 +162,7 @@ class RuntimeConfig:
     device_state_layers: Optional[PlacementCount] = None
     # GPU memory the planner may use: bytes (40GiB) or a fraction of the GPU's memory (0.5); none: all of it
     gpu_memory_limit: Optional[DeviceMemoryLimit] = None
-    # Liger-Kernel's fused kernels (pip install megatrain[kernels]): auto (when installed, on CUDA) | true | false
+    # Liger-Kernel's fused kernels (pip install liger-kernel): auto (when installed, on CUDA) | true | false
     liger_kernel: AutoSwitch = "auto"
     # A bf16 compute copy per decoder layer in host memory: auto (unless the host store does not fit: then the
     # deepest layers stream from their fp32 master, 12 B/param) | true | false (every eligible layer streams)

@@ -53,6 +53,18 @@ def resolve_device(spec: str):
     return device
 
 
+def _check_liger_kernel(value: str, device) -> None:
+    """``runtime.liger_kernel=true`` needs CUDA and liger-kernel installed (else one line, before anything runs)."""
+    from megatrain.runtime.model.fused_kernels import liger_installed
+
+    if value == "true" and device.type != "cuda":
+        raise UsageError(f"runtime.liger_kernel=true needs a CUDA device (Liger's kernels are Triton kernels), "
+                         f"the run's is {str(device)!r}; use --liger-kernel auto (on when installed and on CUDA)")
+    if value == "true" and not liger_installed():
+        raise UsageError("runtime.liger_kernel=true, but liger-kernel is not installed: pip install liger-kernel, "
+                         "or use --liger-kernel auto")
+
+
 def resolve_dtype(spec: str, device):
     import torch
 
@@ -164,6 +176,7 @@ def prepare(cfg: Config, resume: Optional[ResumePoint] = None, dry_run: bool = F
                                      tokenizer=f"the tokenizer {tokenizer.source!r}")
     device = (ranks or Ranks()).device_for(resolve_device(cfg.runtime.device))
     compute_dtype = resolve_dtype(cfg.runtime.compute_dtype, device)
+    _check_liger_kernel(cfg.runtime.liger_kernel, device)
     if cfg.model.path is not None and has_safetensors(cfg.model.path):
         check_checkpoint(cfg.model.path, model_config)
     text = load_text_data(cfg.data, cfg.train.seed, tokenizer)

@@ -1,6 +1,6 @@
 """Liger-Kernel's fused Triton kernels on a wrapped model: ``megatrain.wrap(..., liger_kernel=None | True | False)``.
 
-`Liger-Kernel <https://github.com/linkedin/Liger-Kernel>`_ (``pip install megatrain[kernels]``)
+`Liger-Kernel <https://github.com/linkedin/Liger-Kernel>`_ (``pip install liger-kernel``)
 replaces a Hugging Face model's RMSNorm, rotary embedding, SwiGLU / GeGLU MLP and LM head + loss with
 fused Triton kernels, for the architectures it knows (``model.config.model_type``: llama, mistral,
 qwen2, qwen3, gemma, ... : ``liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN``).
@@ -81,12 +81,12 @@ def resolve_liger_kernel(value, device: torch.device, what: str = "megatrain.wra
     installed = liger_installed()
     cuda = torch.device(device).type == "cuda"
     if value is True:
-        if not installed:
-            raise ValueError(f"{what}=True, but liger-kernel is not installed: pip install 'megatrain[kernels]' (or "
-                             "liger-kernel), or pass liger_kernel=None (used when installed)")
         if not cuda:
             raise ValueError(f"{what}=True needs a CUDA device (Liger's kernels are Triton kernels), got "
                              f"{str(device)!r}; pass liger_kernel=None or False")
+        if not installed:
+            raise ValueError(f"{what}=True, but liger-kernel is not installed: pip install liger-kernel (the "
+                             "'kernels' extra), or pass liger_kernel=None (used when installed)")
     return installed and cuda
 
 

@@ -140,7 +140,7 @@ def wrap(model: nn.Module, device: Optional[torch.device | str] = None, compute_
             "layer slots" + "resident unit + grads") raises ``ValueError`` in one line before anything
             is allocated. None (default): the whole device. Ignored on the CPU backend.
         liger_kernel: Liger-Kernel's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear
-            cross-entropy; ``pip install megatrain[kernels]``) on the architectures it supports:
+            cross-entropy; ``pip install liger-kernel``) on the architectures it supports:
             ``None`` (default): when liger-kernel is installed and the device is CUDA; ``True``:
             required; ``False``: off. Applied to the model before the engine is built; see
             ``megatrain.runtime.model.fused_kernels`` (where its loss and ``chunked_loss`` meet).
@@ -220,7 +220,8 @@ def _wrap(model: nn.Module, options: WrapOptions, source=None):
         raise TypeError(f"megatrain.wrap: model must be a torch.nn.Module (e.g. a transformers causal LM), got "
                         f"{type(model).__name__}; to load a checkpoint by name use megatrain.from_pretrained(path)")
     if getattr(model, "megatrain", None) is not None:
-        raise ValueError("megatrain.wrap: this model is already wrapped")
+        raise ValueError("megatrain.wrap: this model is already wrapped; use it as it is (its options: "
+                         "model.megatrain.placement()), or build the model again to wrap it with other options")
     opts = options.resolve()  # every option checked (one line each), the machine's defaults filled in
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("megatrain.wrap: the model has gradient checkpointing on; call "
