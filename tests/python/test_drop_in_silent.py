@@ -50,6 +50,32 @@ def test_past_key_values_in_training_is_refused():
         w(input_ids=x[:, 6:], past_key_values=past, labels=x[:, 6:])
 
 
+
+def _greedy_with_cache(model, ids, n=8):
+    """A hand-written decode loop: the cache a forward returns is fed to the next one-token forward."""
+    out, toks = model(input_ids=ids), []
+    for _ in range(n):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(int(nxt))
+        out = model(input_ids=nxt, past_key_values=out.past_key_values)
+    return toks
+
+
+def test_a_no_grad_forward_keeps_the_kv_cache_as_the_unwrapped_model_does():
+    """wrap turns config.use_cache off for training; under no_grad a forward without the argument returned no
+    cache, so a decode loop fed one token without its context (tokens differed from the second on)."""
+    ref, _ = make(False)
+    w, _ = make(True, copy.deepcopy(ref))
+    x = batches(1)[0][:1, :6]
+    with torch.no_grad():
+        assert w(input_ids=x).past_key_values is not None
+        assert w(input_ids=x, use_cache=False).past_key_values is None  # the argument still decides
+        assert _greedy_with_cache(w.eval(), x) == _greedy_with_cache(ref.eval(), x)
+        w.config.use_cache = True  # set back by the user after wrap
+        assert w(input_ids=x).past_key_values is not None
+    w.config.use_cache = False
+    assert w(input_ids=x, labels=x).past_key_values is None  # training forwards: never a cache
+
 def test_load_state_dict_between_backward_and_step_without_clipping_is_refused():
     """Without max_grad_norm the updates ran during backward: the load would silently replace them."""
     ref, _ = make(False)

@@ -282,7 +282,7 @@ def evaluate(model, batches, device, ranks: Optional[Ranks] = None) -> float:
             if not len(x):
                 continue
             x = x.to(device)
-            loss = model(input_ids=x, labels=x).loss
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
             n = x.shape[0] * (x.shape[1] - 1)
             total += float(loss.float().item()) * n
             count += n

@@ -218,6 +218,20 @@ class WrappedEngine(Engine):
                               "(recomputed in backward); setting use_cache=False", stacklevel=3)
             kwargs["use_cache"] = False
 
+    def _cache_as_the_user_set(self, kwargs: dict, cfg) -> None:
+        """Under no_grad a forward without a ``use_cache`` argument keeps a KV cache when the unwrapped model
+        would: ``wrap`` turned the config's flags off for training, so the user's (recorded at wrap) is passed
+        as ``use_cache=True`` (a flag set True again since: the config decides; no cache: pass
+        ``use_cache=False``); not when the model's forward takes no ``use_cache``."""
+        user = getattr(self, "user_cache_flags", None)
+        if cfg is None or not user or not any(bool(v) for v in user.values()) or cache_asked(cfg):
+            return
+        if getattr(self, "_forward_takes_use_cache", None) is None:
+            import inspect
+            self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+        if self._forward_takes_use_cache:
+            kwargs["use_cache"] = True
+
     def note_resident_params(self) -> None:
         """Record the version counters (bumped only by in-place writes through them) of the resident
         parameters and of the decoder layers' placeholder parameters, and the resident ones' storage."""
@@ -337,6 +351,8 @@ class WrappedEngine(Engine):
             install_accelerate_clip()  # accelerate imported after wrap (a dict lookup once installed)
             if kwargs is not None:
                 self._no_cache_in_training(kwargs, cfg)
+        elif kwargs is not None and kwargs.get("use_cache") is None:
+            self._cache_as_the_user_set(kwargs, cfg)
         self.check_frozen()
         self.check_resident_params("the forward")
         masters = getattr(self, "masters", None)
