@@ -4,6 +4,7 @@ The rule: per-step loss and every parameter within 1e-5 relative after 10 steps.
 """
 
 import copy
+import gc
 import importlib
 
 import pytest
@@ -422,6 +423,31 @@ def test_wrapping_a_wrapped_model_again_says_what_to_do_and_changes_nothing():
         assert model.megatrain is engine and isinstance(engine.placement(), dict)
     finally:
         model.megatrain.close()
+
+
+def test_a_host_memory_refusal_names_the_other_wrapped_models_still_held(monkeypatch):
+    """A notebook cell ``model = megatrain.wrap(...)`` run again wraps the new model while the old one is still
+    bound: when the new store does not fit, the one-line refusal says what the old one holds and what to do."""
+    from megatrain.runtime.placement import host_memory
+
+    old = megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    held = old.megatrain.store.total_bytes / 2**30
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(
+        mem_available_bytes=1 << 16, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
+        cgroup_path=None))
+    monkeypatch.setenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", "0")
+    with pytest.raises(megatrain._C.HostMemoryError) as info:
+        megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.endswith(
+        f"; 1 other wrapped model(s) of this process still hold {held:.2f} GiB of host store (a notebook cell run "
+        "again keeps the old model while the new one is wrapped): del model, opt and gc.collect() first"), msg
+    assert info.value.needed_bytes > 0 and info.value.available_bytes is not None
+    del old
+    gc.collect()
+    with pytest.raises(megatrain._C.HostMemoryError) as info:
+        megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    assert "other wrapped model" not in str(info.value)
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():

@@ -28,6 +28,7 @@ from .model_config import cache_asked, router_logits_asked
 from .module_api import refuse_pickle
 from .store_fill import fill_store
 from .param_checks import check_params, record_params, refuse_unfrozen
+from ..placement.host_memory import LIVE_ENGINES
 from ..placement.replan import PlacementReplan
 from ..activations.activation_policy import ActivationPolicy
 from ..activations.policies import LayerActivations
@@ -89,6 +90,7 @@ class WrappedEngine(Engine):
                          keep_host_layers=device_state_layers, host_compute_copy=host_compute_copy)
         fill_store(self, units, source)
         self.finish_fill()
+        LIVE_ENGINES.add(self)  # a later wrap's host-memory refusal names what this one holds
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it
             self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
         self.init_device_state(device_state_layers)

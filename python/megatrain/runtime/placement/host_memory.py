@@ -10,10 +10,27 @@ own weights, freed layer by layer during the fill), and constructs them with ``c
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from ..._loader import load_extension
 from ..options import options
+
+
+# wrapped models' engines with a host store (weak): a refusal names what the others still hold
+LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _others_hint() -> str:
+    """What other wrapped models of this process still hold ('' when none): ``wrap`` has run the cyclic
+    collector by then, so each is still referenced (a notebook cell run again: the old ``model`` is bound
+    while the new one is wrapped)."""
+    held = [int(e.store.total_bytes) for e in list(LIVE_ENGINES) if getattr(e, "store", None) is not None]
+    if not held:
+        return ""
+    return (f"; {len(held)} other wrapped model(s) of this process still hold {sum(held) / 2**30:.2f} GiB of host "
+            "store (a notebook cell run again keeps the old model while the new one is wrapped): del model, opt and "
+            "gc.collect() first")
 
 
 def host_memory_limits() -> dict:
@@ -71,6 +88,15 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimab
     """
     if options().skip_host_memory_check:
         return
-    load_extension().check_host_budget(int(needed_bytes), int(pinned_bytes), what, int(reclaimable_bytes),
-                                       host_memory_limits())
+    ext = load_extension()
+    try:
+        ext.check_host_budget(int(needed_bytes), int(pinned_bytes), what, int(reclaimable_bytes), host_memory_limits())
+    except ext.HostMemoryError as exc:
+        hint = _others_hint()
+        if not hint:
+            raise
+        new = ext.HostMemoryError(str(exc) + hint)
+        for name in ("needed_bytes", "available_bytes", "limit"):
+            setattr(new, name, getattr(exc, name, None))
+        raise new from None
 
