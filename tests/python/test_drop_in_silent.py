@@ -76,6 +76,61 @@ def test_a_no_grad_forward_keeps_the_kv_cache_as_the_unwrapped_model_does():
     w.config.use_cache = False
     assert w(input_ids=x, labels=x).past_key_values is None  # training forwards: never a cache
 
+
+@pytest.mark.parametrize("clip", [False, True], ids=["eager", "max_grad_norm"])
+def test_a_backward_through_a_forward_made_before_step_is_refused_and_changes_nothing(clip):
+    """A graph kept across ``step()`` (a notebook cell that looked at a loss): megatrain recomputed its layers
+    with the new weights and the next step applied that gradient (0.017 off torch). Refused in one line
+    before any gradient; training then goes on exactly as torch's without that backward."""
+    ref, ropt = make(False)
+    w, opt = make(True, copy.deepcopy(ref))
+    if clip:
+        opt.max_grad_norm = float("inf")
+    xs = batches(4)
+    keep = w(input_ids=xs[0], labels=xs[0])
+    w(input_ids=xs[1], labels=xs[1]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    for root in (keep.loss, keep.logits.sum()):
+        with pytest.raises(RuntimeError, match=r"^megatrain: this backward runs through a forward made before the "
+                                               r"last optimizer step\(\).*run the forward again after step\(\)$"):
+            root.backward(retain_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing pending: no "zero_grad between backward and step" warning
+        opt.zero_grad()
+    ref(input_ids=xs[1], labels=xs[1]).loss.backward()
+    ropt.step()
+    ropt.zero_grad()
+    _train(w, opt, xs[2:])
+    _train(ref, ropt, xs[2:])
+    assert_params_close(weights(w), weights(ref))
+
+
+def test_a_forward_before_the_optimizer_or_across_accumulation_is_not_stale():
+    """A forward before the CPUAdamW exists, and micro-batches of one step: their backward runs."""
+    import megatrain
+    from test_drop_in import BETAS, LR, PARITY_EPS, WD
+
+    ref, ropt = make(False)
+    w = megatrain.wrap(copy.deepcopy(ref), device="cpu", compute_dtype=torch.float32)
+    xs = batches(3)
+    loss = w(input_ids=xs[0], labels=xs[0]).loss  # no optimizer yet
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS,
+                                   max_grad_norm=float("inf"))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    first, second = (w(input_ids=x, labels=x).loss for x in xs[1:])  # both forwards, then both backwards
+    first.backward()
+    second.backward()
+    opt.step()
+    for group in ([xs[0]], xs[1:]):
+        for x in group:
+            ref(input_ids=x, labels=x).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert_params_close(weights(w), weights(ref))
+
 def test_load_state_dict_between_backward_and_step_without_clipping_is_refused():
     """Without max_grad_norm the updates ran during backward: the load would silently replace them."""
     ref, _ = make(False)

@@ -162,6 +162,38 @@ class _WeightRef:
         self.unit, self.offset, self.shape, self.stride = unit, offset, shape, stride
 
 
+def _optimizer_step(eng):
+    """``(id, steps_called)`` of the model's CPUAdamW (None without one): a forward's graph is stale once it
+    changes (a newer optimizer that took over is not a step)."""
+    opt = getattr(eng, "optimizer", None)
+    return None if opt is None else (id(opt), getattr(opt, "steps_called", 0))
+
+
+def check_not_stale(eng, made) -> None:
+    """Raise when the optimizer stepped since the forward that recorded ``made`` (:func:`_optimizer_step`).
+
+    Raises:
+        RuntimeError: one line; the streamed layers would be recomputed with the updated weights.
+    """
+    now = _optimizer_step(eng)
+    if made is not None and now is not None and now[0] == made[0] and now[1] != made[1]:
+        raise RuntimeError("megatrain: this backward runs through a forward made before the last optimizer step(): "
+                           "its layers would be recomputed with the updated weights, a wrong gradient (torch raises "
+                           "'modified by an inplace operation' here); run the forward again after step()")
+
+
+def guard_stale_backward(eng, out) -> None:
+    """After a forward with autograd on: hooks on the output's tensors (loss, logits) that run
+    :func:`check_not_stale` as a backward from them starts, before any parameter gets a gradient."""
+    made = _optimizer_step(eng)
+    if made is None or not torch.is_grad_enabled():
+        return
+    values = out.values() if isinstance(out, dict) else (out if isinstance(out, (tuple, list)) else (out,))
+    for t in values:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: check_not_stale(eng, made))
+
+
 class _LayerFunction(torch.autograd.Function):
     """One decoder layer: forward on streamed weights without a graph, backward by recomputation."""
 
@@ -172,6 +204,7 @@ class _LayerFunction(torch.autograd.Function):
         ctx.call = call
         ctx.token = token  # thread_guard: this forward is pending until its backward ends or this graph is freed
         ctx.parked = None  # offload policy: the input's host copy
+        ctx.opt_step = _optimizer_step(eng)
         call.rng = _rng_state(eng.device)
         if eng.store_this(call, diff_inputs):
             out = eng.forward_stored(call, diff_inputs)
@@ -208,6 +241,7 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_outs):
         eng, call = ctx.eng, ctx.call
+        check_not_stale(eng, ctx.opt_step)  # (the model output's hook has checked first, before any gradient)
         if ctx.saves_inputs:
             inputs = ctx.saved_tensors
         elif ctx.parked is not None:

@@ -21,7 +21,7 @@ from ..compat.clip_grad import install_accelerate_clip
 from ..engine.context import forward_to, part_attribute
 from ..engine.core import Engine
 from ..compat.functional_call_guard import note_streamed_layer
-from .layer_call import _streamed_class
+from .layer_call import _streamed_class, guard_stale_backward
 from .layer_exec import LayerExecution
 from .decoder_layers import UnsupportedModelError, _move_buffers, model_units
 from .model_config import cache_asked, router_logits_asked
@@ -155,6 +155,7 @@ class WrappedEngine(Engine):
                                         on_backward=lambda: self._timeline_backward())
         model.register_forward_pre_hook(lambda mod, args, kwargs: self.begin_forward(kwargs), with_kwargs=True)
         model.register_forward_hook(lambda mod, args, out: self.activity.end_forward(), always_call=True)
+        model.register_forward_hook(lambda mod, args, out: guard_stale_backward(self, out))
 
     # ------------------------------------------------------------------ the parts' calls from other modules
     def __reduce_ex__(self, protocol):

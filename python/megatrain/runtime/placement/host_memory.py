@@ -28,9 +28,9 @@ def _others_hint() -> str:
     held = [int(e.store.total_bytes) for e in list(LIVE_ENGINES) if getattr(e, "store", None) is not None]
     if not held:
         return ""
-    return (f"; {len(held)} other wrapped model(s) of this process still hold {sum(held) / 2**30:.2f} GiB of host "
+    return (f" {len(held)} other wrapped model(s) of this process still hold {sum(held) / 2**30:.2f} GiB of host "
             "store (a notebook cell run again keeps the old model while the new one is wrapped): del model, opt and "
-            "gc.collect() first")
+            "gc.collect() first.")
 
 
 def host_memory_limits() -> dict:
