@@ -87,11 +87,12 @@ def test_a_backward_through_a_forward_made_before_step_is_refused_and_changes_no
     if clip:
         opt.max_grad_norm = float("inf")
     xs = batches(4)
-    keep = w(input_ids=xs[0], labels=xs[0])
+    keep = w(input_ids=xs[0], labels=xs[0], output_hidden_states=True)
     w(input_ids=xs[1], labels=xs[1]).loss.backward()
     opt.step()
     opt.zero_grad()
-    for root in (keep.loss, keep.logits.sum()):
+    # hidden_states[-1] is the final norm's input: without clipping its resident update starts in backward
+    for root in (keep.loss, keep.logits.sum(), keep.hidden_states[-1].pow(2).sum(), keep.hidden_states[1].sum()):
         with pytest.raises(RuntimeError, match=r"^megatrain: this backward runs through a forward made before the "
                                                r"last optimizer step\(\).*run the forward again after step\(\)$"):
             root.backward(retain_graph=True)
@@ -105,6 +106,22 @@ def test_a_backward_through_a_forward_made_before_step_is_refused_and_changes_no
     _train(ref, ropt, xs[2:])
     assert_params_close(weights(w), weights(ref))
 
+
+
+def test_a_forward_made_before_the_optimizer_existed_is_stale_after_its_first_step():
+    import megatrain
+    from test_drop_in import BETAS, LR, PARITY_EPS, WD
+
+    w = megatrain.wrap(make(False)[0], device="cpu", compute_dtype=torch.float32)
+    xs = batches(2)
+    keep = w(input_ids=xs[0], labels=xs[0]).loss
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=LR, betas=BETAS, weight_decay=WD, eps=PARITY_EPS)
+    w(input_ids=xs[1], labels=xs[1]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    opt = megatrain.optim.CPUAdamW(w.parameters(), lr=LR)  # a newer optimizer does not make it fresh
+    with pytest.raises(RuntimeError, match="forward made before the last optimizer step"):
+        keep.backward()
 
 def test_a_forward_before_the_optimizer_or_across_accumulation_is_not_stale():
     """A forward before the CPUAdamW exists, and micro-batches of one step: their backward runs."""
@@ -130,6 +147,22 @@ def test_a_forward_before_the_optimizer_or_across_accumulation_is_not_stale():
         ropt.step()
         ropt.zero_grad()
     assert_params_close(weights(w), weights(ref))
+
+
+def test_a_wrapped_peft_model_keeps_its_kv_cache_under_no_grad():
+    """PeftModelForCausalLM.forward takes use_cache through **kwargs: the cache rule reaches it too."""
+    peft = pytest.importorskip("peft")
+    import megatrain
+
+    base = make(False)[0]
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    w = megatrain.wrap(peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])),
+                       device="cpu", compute_dtype=torch.float32)
+    w.load_state_dict(ref.state_dict())
+    x = batches(1)[0][:1, :6]
+    with torch.no_grad():
+        assert w(input_ids=x).past_key_values is not None
+        assert _greedy_with_cache(w.eval(), x) == _greedy_with_cache(ref.eval(), x)
 
 def test_load_state_dict_between_backward_and_step_without_clipping_is_refused():
     """Without max_grad_norm the updates ran during backward: the load would silently replace them."""

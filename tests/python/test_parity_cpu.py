@@ -453,6 +453,22 @@ def test_a_host_memory_refusal_names_the_other_wrapped_models_still_held(monkeyp
     assert (f"{len(others)} other wrapped model(s)" in str(info.value)) if others else \
         str(info.value).endswith("Nothing was allocated.")
 
+
+def test_the_other_models_hint_is_only_for_a_new_store_not_a_models_own_accumulator(monkeypatch):
+    from megatrain.runtime.placement import host_memory
+
+    model = megatrain.wrap(tiny("llama"), device="cpu", compute_dtype=torch.float32)
+    monkeypatch.setattr(host_memory, "host_memory_limits", lambda: dict(
+        mem_available_bytes=1 << 16, cgroup_limit_bytes=None, cgroup_usage_bytes=None, memlock_bytes=None,
+        cgroup_path=None))
+    monkeypatch.setenv("MEGATRAIN_SKIP_HOST_MEMORY_CHECK", "0")
+    with pytest.raises(megatrain._C.HostMemoryError) as info:
+        host_memory.check_host_budget(1 << 20, 0, "gradient accumulator")
+    assert "other wrapped model" not in str(info.value)
+    with pytest.raises(megatrain._C.HostMemoryError, match="other wrapped model"):
+        host_memory.check_host_budget(1 << 20, 0, "host store")
+    model.megatrain.close()
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_wrap_of_a_model_with_gradient_checkpointing_on_names_the_way_out():
     model = tiny("llama")

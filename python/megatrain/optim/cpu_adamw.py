@@ -368,6 +368,7 @@ class CPUAdamW(ParamGroups, UpdatePlanning, torch.optim.Optimizer):
         """After the updates are queued: the device-state units' early updates' non-finite outcome, the
         gradients dropped, held ``model.state_dict()`` tensors current, the step's bookkeeping."""
         port = self._port
+        port.count_step()  # a graph made before this step is stale
         for unit, items, z in early.values():  # the host's norms are known now: undo a skipped one's step counts
             port.undo_if_nonfinite(unit, items, z)
         port.zero_grad()

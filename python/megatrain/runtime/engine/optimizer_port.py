@@ -110,6 +110,11 @@ class OptimizerPort:
         """Route every gradient of the model to ``optimizer`` (replacing the one attached before)."""
         self._engine.attach_optimizer(optimizer)
 
+    def count_step(self) -> None:
+        """A step's updates are queued: the model's ``optimizer_steps`` (any optimizer) goes up by one, so that a
+        backward through a graph made before it is refused (:mod:`megatrain.runtime.model.layer_call`)."""
+        self._engine.optimizer_steps = getattr(self._engine, "optimizer_steps", 0) + 1
+
     def check_frozen(self) -> None:
         """Raise ``RuntimeError`` if a parameter frozen at wrap time was unfrozen since (it has no fp32 state)."""
         self._engine.check_frozen()

@@ -162,11 +162,10 @@ class _WeightRef:
         self.unit, self.offset, self.shape, self.stride = unit, offset, shape, stride
 
 
-def _optimizer_step(eng):
-    """``(id, steps_called)`` of the model's CPUAdamW (None without one): a forward's graph is stale once it
-    changes (a newer optimizer that took over is not a step)."""
-    opt = getattr(eng, "optimizer", None)
-    return None if opt is None else (id(opt), getattr(opt, "steps_called", 0))
+def _optimizer_step(eng) -> int:
+    """The optimizer steps applied to ``eng``'s model so far (any CPUAdamW of it: ``optimizer_steps``, counted by
+    ``CPUAdamW.step``): a forward's graph is stale once it changes."""
+    return getattr(eng, "optimizer_steps", 0)
 
 
 def check_not_stale(eng, made) -> None:
@@ -175,23 +174,23 @@ def check_not_stale(eng, made) -> None:
     Raises:
         RuntimeError: one line; the streamed layers would be recomputed with the updated weights.
     """
-    now = _optimizer_step(eng)
-    if made is not None and now is not None and now[0] == made[0] and now[1] != made[1]:
+    if _optimizer_step(eng) != made:
         raise RuntimeError("megatrain: this backward runs through a forward made before the last optimizer step(): "
                            "its layers would be recomputed with the updated weights, a wrong gradient (torch raises "
                            "'modified by an inplace operation' here); run the forward again after step()")
 
 
 def guard_stale_backward(eng, out) -> None:
-    """After a forward with autograd on: hooks on the output's tensors (loss, logits) that run
+    """After a forward with autograd on: hooks on the output's tensors (loss, logits, hidden_states) that run
     :func:`check_not_stale` as a backward from them starts, before any parameter gets a gradient."""
-    made = _optimizer_step(eng)
-    if made is None or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return
+    made = _optimizer_step(eng)
     values = out.values() if isinstance(out, dict) else (out if isinstance(out, (tuple, list)) else (out,))
-    for t in values:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(lambda grad: check_not_stale(eng, made))
+    for v in values:  # the loss, the logits, and the tensors of a tuple such as hidden_states
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: check_not_stale(eng, made))
 
 
 class _LayerFunction(torch.autograd.Function):

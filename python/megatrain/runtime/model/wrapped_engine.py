@@ -91,6 +91,7 @@ class WrappedEngine(Engine):
         fill_store(self, units, source)
         self.finish_fill()
         LIVE_ENGINES.add(self)  # a later wrap's host-memory refusal names what this one holds
+        self.optimizer_steps = 0  # steps applied (OptimizerPort.count_step): a graph made before one is stale
         if self.resident is not None:  # before the device state, which may keep this unit's state beside it
             self.resident_buf = torch.empty(self.resident.numel, dtype=compute_dtype, device=device)
         self.init_device_state(device_state_layers)
@@ -231,7 +232,9 @@ class WrappedEngine(Engine):
             return
         if getattr(self, "_forward_takes_use_cache", None) is None:
             import inspect
-            self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+            params = inspect.signature(self.model.forward).parameters  # a PEFT model passes **kwargs on
+            self._forward_takes_use_cache = "use_cache" in params or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         if self._forward_takes_use_cache:
             kwargs["use_cache"] = True
 

@@ -92,7 +92,7 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimab
     try:
         ext.check_host_budget(int(needed_bytes), int(pinned_bytes), what, int(reclaimable_bytes), host_memory_limits())
     except ext.HostMemoryError as exc:
-        hint = _others_hint()
+        hint = _others_hint() if what == "host store" else ""  # at wrap (not a model's own accumulator)
         if not hint:
             raise
         new = ext.HostMemoryError(str(exc) + hint)
