@@ -466,7 +466,7 @@ def test_the_other_models_hint_is_only_for_a_new_store_not_a_models_own_accumula
         host_memory.check_host_budget(1 << 20, 0, "gradient accumulator")
     assert "other wrapped model" not in str(info.value)
     with pytest.raises(megatrain._C.HostMemoryError, match="other wrapped model"):
-        host_memory.check_host_budget(1 << 20, 0, "host store")
+        host_memory.check_host_budget(1 << 20, 0, "host store", new_store=True)
     model.megatrain.close()
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")

@@ -142,7 +142,7 @@ class Engine:
         self.host_plan = self.offload_plan.host_plan
         store_bytes, staging_bytes = self.host_plan["store_bytes"], self.host_plan["staging_bytes"]
         check_host_budget(self.offload_plan.host_bytes, store_bytes + staging_bytes if self.cuda else 0,
-                          "host store", reclaimable_bytes=credit)
+                          "host store", reclaimable_bytes=credit, new_store=True)
         # Data parallel (an initialised torch.distributed group): one store per node, shared by its ranks.
         self.dp = data_parallel.detect(device)
         self.sharding = SingleProcess() if self.dp is None else data_parallel.DataParallelStrategy(self.dp)

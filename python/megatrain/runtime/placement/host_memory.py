@@ -72,12 +72,15 @@ def host_budget_shortfall(needed_bytes: int, pinned_bytes: int, reclaimable_byte
     return load_extension().host_budget_shortfall(int(needed_bytes), int(pinned_bytes), int(reclaimable_bytes), lim)
 
 
-def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:
+def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimable_bytes: int = 0,
+                      new_store: bool = False) -> None:
     """Raise ``HostMemoryError`` if ``needed_bytes`` (of which ``pinned_bytes`` page-locked) cannot fit.
 
     ``reclaimable_bytes``: memory the caller frees while the new allocation is filled (a model's
     own parameters, released layer by layer as they are copied into the store); it counts as
     available for the MemAvailable and cgroup limits, not for the locked-memory limit.
+    ``new_store``: the check of a new model's store (at wrap): a refusal also names what the other
+    wrapped models of the process still hold.
 
     Skipped when ``MEGATRAIN_SKIP_HOST_MEMORY_CHECK=1`` (VMs that grow their RAM lazily report
     too little MemAvailable). The rules are :func:`host_budget_shortfall`'s.
@@ -92,7 +95,7 @@ def check_host_budget(needed_bytes: int, pinned_bytes: int, what: str, reclaimab
     try:
         ext.check_host_budget(int(needed_bytes), int(pinned_bytes), what, int(reclaimable_bytes), host_memory_limits())
     except ext.HostMemoryError as exc:
-        hint = _others_hint() if what == "host store" else ""  # at wrap (not a model's own accumulator)
+        hint = _others_hint() if new_store else ""
         if not hint:
             raise
         new = ext.HostMemoryError(str(exc) + hint)
