@@ -8,6 +8,7 @@ parameters with cosine similarity > 0.9999 per tensor. Skipped without a GPU or 
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -26,8 +27,14 @@ def test_default_placement_with_liger_matches_pytorch_with_liger_1b():
     batches = make_batches(model.config.vocab_size, STEPS, 1, 4, 512, seed=5)
     kw = dict(lr=3e-4, wd=0.1, betas=(0.9, 0.95), max_grad_norm=1.0, groups="two")
     ref_model = copy.deepcopy(model)
-    liger._apply_liger_kernel_to_instance(model=ref_model)
-    ref = train_reference(ref_model, batches, device="cuda", autocast=torch.bfloat16, **kw)
+    before = _modeling_modules()
+    try:
+        liger._apply_liger_kernel_to_instance(model=ref_model)  # patches transformers' modeling modules too
+        ref = train_reference(ref_model, batches, device="cuda", autocast=torch.bfloat16, **kw)
+    finally:
+        # the reference's global patches go: wrap applies Liger as a user gets it, and later tests build
+        # Llamas with transformers' own classes
+        _restore_modules(before)
     del ref_model
     torch.cuda.empty_cache()
     # activation_policy=None: wrap's own default (the parity helper would otherwise name recompute)
@@ -39,3 +46,16 @@ def test_default_placement_with_liger_matches_pytorch_with_liger_1b():
           f"{placement.get('device_state_layers')}, replan {placement.get('replan')}")
     assert placement.get("liger_kernel"), placement  # applied by default, as it is installed
     assert_trained_alike(ref, got)
+
+
+def _modeling_modules() -> dict:
+    return {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
+            if mod is not None and name.startswith("transformers.models.")}
+
+
+def _restore_modules(before: dict) -> None:
+    for name, old in before.items():
+        mod = sys.modules.get(name)
+        for attr, was in old.items():
+            if mod is not None and vars(mod).get(attr, was) is not was:
+                setattr(mod, attr, was)
