@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import signal
 import sys
 from typing import List, Optional
@@ -325,6 +326,22 @@ def cmd_info(argv: List[str]) -> int:
     return int(info.main(argv) or 0)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _join_negative_numbers(argv: List[str]) -> List[str]:
+    """``--lr -1e-3`` as ``--lr=-1e-3``: argparse reads ``-1e-3`` as an option (it knows only ``-1`` and
+    ``-1.5`` as negative numbers), which gave "expected one argument" instead of the value's own check."""
+    out: List[str] = []
+    for tok in argv:
+        prev = out[-1] if out else ""
+        if _NEGATIVE_NUMBER.match(tok) and prev.startswith("--") and "=" not in prev and prev != "--":
+            out[-1] = f"{prev}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``megatrain`` console script; returns the exit status."""
     parser = _build_parser()
@@ -334,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_USAGE
     if argv[0] == "info":
         return cmd_info(argv[1:])
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_numbers(argv))
     if args.command == "train":
         return cmd_train(args)
     parser.print_help()

@@ -79,6 +79,13 @@ def _unknown_key_file(tmp_path):
     return ["--config", str(tmp_path / "c.yaml")]
 
 
+def _out_is_data(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text " * 400)
+    return ["--data", str(texts), "--out", str(texts), "--set", "log.overwrite=true"]
+
+
 def _empty_file(tmp_path):
     (tmp_path / "e.txt").write_text("")
     return ["--data", str(tmp_path / "e.txt")]
@@ -97,6 +104,8 @@ def _empty_file(tmp_path):
         (lambda p, m: _no_weights_dir(p), "has no weights"),
         (lambda p, m: ["--model", str(p / "nodir")], "is not a directory"),
         (lambda p, m: ["--lr", "abc"], "train.lr must be a number, got 'abc'"),
+        (lambda p, m: ["--lr", "-1e-3"], "train.lr must be > 0, got -0.001"),
+        (lambda p, m: _out_is_data(p), "is the data directory"),
         (lambda p, m: ["--steps", "ten"], "train.steps must be an integer"),
         (lambda p, m: ["--model", "nosucharch"], "model_type"),
         (lambda p, m: ["--config", str(p / "nope.yaml")], "does not exist"),
@@ -119,7 +128,7 @@ def _empty_file(tmp_path):
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
-        "model_dir_missing", "non_numeric_lr", "non_integer_steps", "unknown_arch", "missing_config",
+        "model_dir_missing", "non_numeric_lr", "negative_lr_in_e_notation", "out_is_the_data_dir", "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
         "activation_policy_block_0", "encoder_architecture_is_not_causal", "config_not_utf8",
         "device_state_layers_negative", "device_state_layers_above_the_layer_count", "model_shape_key_with_a_model_dir",

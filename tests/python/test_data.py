@@ -153,3 +153,25 @@ def test_local_hf_tokenizer_directory_gives_the_same_rows_as_byte_tokenizer(tmp_
     np.testing.assert_array_equal(via_bytes.eval, via_hf.eval)
     with pytest.raises(UsageError, match="not a directory"):
         text_tokenizer.load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_run_output_directories_under_the_data_are_skipped_and_a_run_directory_is_refused(tmp_path, capsys):
+    # `--data .` with the default --out runs/<time>: a second run must not read the first one's metrics.jsonl
+    root = _corpus(tmp_path, n_docs=6)
+    before = data.find_files(str(root), ["*.txt", "*.jsonl", "*.md"])
+    run = root / "runs" / "20261206-055757"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (root / "notes.jsonl").write_text('{"text": "a document of the user"}\n')  # the user's own JSONL stays data
+    capsys.readouterr()
+    got = data.find_files(str(root), ["*.txt", "*.jsonl", "*.md"])
+    assert got == sorted(before + [str(root / "notes.jsonl")])
+    err = capsys.readouterr().err
+    assert "skipping 1 megatrain run output directory" in err and "20261206-055757" in err
+    # a directory that only holds metrics.jsonl (no config.yaml) is the user's data, read as before
+    (run / "config.yaml").unlink()
+    assert str(run / "metrics.jsonl") in data.find_files(str(root), ["*.jsonl"])
+    (run / "config.yaml").write_text("train: {}\n")
+    with pytest.raises(UsageError, match="is the output directory of a megatrain run"):
+        data.find_files(str(run), ["*.jsonl"])

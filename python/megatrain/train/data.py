@@ -45,15 +45,25 @@ def _names(paths: Sequence[str], limit: int = 3) -> str:
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
+# what every megatrain train run writes first to its output directory (megatrain.train.run_files)
+RUN_FILES = ("config.yaml", "metrics.jsonl")
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether directory ``path`` is a ``megatrain train`` output directory (it holds :data:`RUN_FILES`)."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in RUN_FILES)
+
+
 def find_files(path: str, include: Sequence[str]) -> List[str]:
     """Regular files of ``path`` (a file, a directory searched recursively, or ``stdlib``), sorted.
 
     FIFOs, sockets, devices and broken symlinks in a directory are skipped with a warning naming
-    them (reading a FIFO would block the run).
+    them (reading a FIFO would block the run), and so are the output directories of megatrain runs
+    under it (:func:`is_run_dir`: ``--data .`` with the default ``--out runs/...``).
 
     Raises:
-        UsageError: the path does not exist, is not a regular file or directory, or holds no
-            matching file.
+        UsageError: the path does not exist, is not a regular file or directory, is a run's output
+            directory, or holds no matching file.
     """
     if path == STDLIB:
         root, patterns, skip = stdlib_dir(), ["*.py"], {"site-packages", "dist-packages", "__pycache__"}
@@ -68,14 +78,23 @@ def find_files(path: str, include: Sequence[str]) -> List[str]:
         if not os.path.isdir(path):
             raise UsageError(f"data path {path!r} is not a regular file or a directory (a FIFO, socket or device); "
                              "pass a text/JSONL file or a directory with --data")
-    files, special = [], []
+        if is_run_dir(path):
+            raise UsageError(f"data path {path!r} is the output directory of a megatrain run ({', '.join(RUN_FILES)}); "
+                             "pass the directory of your texts with --data")
+    files, special, runs = [], [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        if path != STDLIB:  # a run's output under the data directory (e.g. runs/ of --data .) is not data
+            runs += [os.path.join(dirpath, d) for d in dirnames if is_run_dir(os.path.join(dirpath, d))]
+            dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in runs]
         for name in filenames:
             if any(fnmatch.fnmatch(name, p) for p in patterns):
                 full = os.path.join(dirpath, name)
                 (files if os.path.isfile(full) else special).append(full)
     files.sort()
+    if runs:
+        warn(f"skipping {len(runs)} megatrain run output director{'y' if len(runs) == 1 else 'ies'} under the data path "
+             f"(holding {', '.join(RUN_FILES)}): {_names(runs)}")
     if special:
         warn(f"skipping {len(special)} data path(s) that are not regular files (FIFO, socket, device or broken "
              f"symlink): {_names(sorted(special))}")

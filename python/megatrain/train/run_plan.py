@@ -16,7 +16,7 @@ from megatrain.state.checkpoint import existing_ancestor
 from megatrain.train.checkpoints import ResumePoint, list_checkpoints
 from megatrain.train.config import Config, UsageError
 from megatrain.train.wrap_args import estimate_kwargs, wrap_options
-from megatrain.train.data import TextData, load_text_data
+from megatrain.train.data import STDLIB, TextData, load_text_data
 from megatrain.train.distributed import Ranks
 from megatrain.train.final_model import check_model_dest
 from megatrain.train.messages import first_line, warn
@@ -203,8 +203,8 @@ def prepare(cfg: Config, resume: Optional[ResumePoint] = None, dry_run: bool = F
 
 
 def _check_out_dir(cfg: Config, out_dir: str, resume: Optional[ResumePoint]) -> None:
-    """Refuses an output directory the run may not write (not empty, not a directory, not writable, a
-    model there the final save may not replace) and a checkpoint with nothing left to train."""
+    """Refuses an output directory the run may not write (not empty, not a directory, not writable, the
+    data directory, a model there the final save may not replace) and a checkpoint with nothing left to train."""
     same_run = (
         resume is not None and resume.run_dir is not None and os.path.isdir(out_dir)
         and os.path.samefile(out_dir, resume.run_dir)
@@ -212,6 +212,10 @@ def _check_out_dir(cfg: Config, out_dir: str, resume: Optional[ResumePoint]) -> 
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise UsageError(f"output path {out_dir!r} exists and is not a directory; choose another --out")
+        data = cfg.data.path
+        if data and data != STDLIB and os.path.isdir(data) and os.path.samefile(out_dir, data):
+            raise UsageError(f"output directory {out_dir!r} is the data directory: later runs would read this run's "
+                             "files as data; choose another --out")
         if os.listdir(out_dir) and not cfg.log.overwrite and not same_run:
             held = " (it holds checkpoints: continue that run with --resume " + out_dir + ")" if list_checkpoints(
                 out_dir) else ""
