@@ -128,7 +128,8 @@ def _empty_file(tmp_path):
     ids=[
         "missing_data", "empty_data_dir", "empty_data_file", "unknown_key_yaml", "unknown_key_set",
         "seq_len_above_arch_limit", "seq_len_above_model_dir_limit", "model_dir_without_weights",
-        "model_dir_missing", "non_numeric_lr", "negative_lr_in_e_notation", "out_is_the_data_dir", "non_integer_steps", "unknown_arch", "missing_config",
+        "model_dir_missing", "non_numeric_lr", "negative_lr_in_e_notation", "out_is_the_data_dir",
+        "non_integer_steps", "unknown_arch", "missing_config",
         "unknown_flag", "unknown_model_name_is_short", "misspelt_arch_suggests", "config_is_a_directory",
         "activation_policy_block_0", "encoder_architecture_is_not_causal", "config_not_utf8",
         "device_state_layers_negative", "device_state_layers_above_the_layer_count", "model_shape_key_with_a_model_dir",

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from megatrain.runtime.model.fused_kernels import _modeling_modules
 from parity import make_batches, train_megatrain, train_reference
 from test_parity_cuda import STEPS, assert_trained_alike, llama_1b
 
@@ -46,11 +47,6 @@ def test_default_placement_with_liger_matches_pytorch_with_liger_1b():
           f"{placement.get('device_state_layers')}, replan {placement.get('replan')}")
     assert placement.get("liger_kernel"), placement  # applied by default, as it is installed
     assert_trained_alike(ref, got)
-
-
-def _modeling_modules() -> dict:
-    return {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
-            if mod is not None and name.startswith("transformers.models.")}
 
 
 def _restore_modules(before: dict) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from megatrain.train.config import DataConfig, UsageError
 from megatrain.train.messages import warn
+from megatrain.train.run_files import RUN_MARKERS
 from megatrain.train.text_tokenizer import load_tokenizer
 
 STDLIB = "stdlib"
@@ -45,13 +46,9 @@ def _names(paths: Sequence[str], limit: int = 3) -> str:
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
-# what every megatrain train run writes first to its output directory (megatrain.train.run_files)
-RUN_FILES = ("config.yaml", "metrics.jsonl")
-
-
 def is_run_dir(path: str) -> bool:
-    """Whether directory ``path`` is a ``megatrain train`` output directory (it holds :data:`RUN_FILES`)."""
-    return all(os.path.isfile(os.path.join(path, name)) for name in RUN_FILES)
+    """Whether directory ``path`` is a ``megatrain train`` output directory (it holds ``run_files.RUN_MARKERS``)."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in RUN_MARKERS)
 
 
 def find_files(path: str, include: Sequence[str]) -> List[str]:
@@ -79,14 +76,15 @@ def find_files(path: str, include: Sequence[str]) -> List[str]:
             raise UsageError(f"data path {path!r} is not a regular file or a directory (a FIFO, socket or device); "
                              "pass a text/JSONL file or a directory with --data")
         if is_run_dir(path):
-            raise UsageError(f"data path {path!r} is the output directory of a megatrain run ({', '.join(RUN_FILES)}); "
+            raise UsageError(f"data path {path!r} is the output directory of a megatrain run ({', '.join(RUN_MARKERS)}); "
                              "pass the directory of your texts with --data")
     files, special, runs = [], [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
         if path != STDLIB:  # a run's output under the data directory (e.g. runs/ of --data .) is not data
-            runs += [os.path.join(dirpath, d) for d in dirnames if is_run_dir(os.path.join(dirpath, d))]
-            dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in runs]
+            here = [d for d in dirnames if is_run_dir(os.path.join(dirpath, d))]
+            runs += [os.path.join(dirpath, d) for d in here]
+            dirnames[:] = [d for d in dirnames if d not in here]
         for name in filenames:
             if any(fnmatch.fnmatch(name, p) for p in patterns):
                 full = os.path.join(dirpath, name)
@@ -94,7 +92,7 @@ def find_files(path: str, include: Sequence[str]) -> List[str]:
     files.sort()
     if runs:
         warn(f"skipping {len(runs)} megatrain run output director{'y' if len(runs) == 1 else 'ies'} under the data path "
-             f"(holding {', '.join(RUN_FILES)}): {_names(runs)}")
+             f"(holding {', '.join(RUN_MARKERS)}): {_names(runs)}")
     if special:
         warn(f"skipping {len(special)} data path(s) that are not regular files (FIFO, socket, device or broken "
              f"symlink): {_names(sorted(special))}")

@@ -39,6 +39,11 @@ def write_text_atomic(path: str, text: str) -> None:
         raise
 
 
+# what every run writes first to its output directory: a directory holding both is a run's output
+# (megatrain.train.data does not read one as data)
+RUN_MARKERS = ("config.yaml", metrics_mod.METRICS_FILE)
+
+
 class RunFiles:
     """What a new run adds to its output directory, so that a run that fails before its first step
     leaves ``--out`` as it found it (a rerun is then not refused as "not empty").
@@ -47,7 +52,7 @@ class RunFiles:
     removed, and the directories the run created, if they are empty again.
     """
 
-    NAMES = ("config.yaml", "metrics.jsonl", "tensorboard", "summary.json")
+    NAMES = (*RUN_MARKERS, "tensorboard", "summary.json")
 
     def __init__(self, out_dir: str):
         self.out_dir = os.path.abspath(out_dir)
